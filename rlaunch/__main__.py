@@ -1,0 +1,3 @@
+from rlaunch.cli import main
+
+main()

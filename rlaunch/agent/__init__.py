@@ -1,0 +1,1 @@
+"""The node agent: configuration, worker processes, their environment and logs."""

@@ -1,0 +1,435 @@
+"""The node agent: joins the job through etcd, runs its node's workers, relays generations.
+
+One agent runs per machine (``rlaunch train.py``). It
+1. checks or writes the job spec and registers its node record under a lease it keeps alive;
+2. campaigns for the controller role (see :mod:`rlaunch.controller.controller`);
+3. watches the job's keys; for each new generation it stops its workers, acknowledges, waits
+   until every assigned node has acknowledged (so no worker meets a previous generation's
+   rendezvous), then starts its workers with torchrun's environment;
+4. reports its workers' success or failure on its node record, for the controller to act on;
+5. stops its workers when it loses its lease (fencing) or receives SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlaunch.agent.config import LaunchConfig, Std
+from rlaunch.agent.control import ControlServer
+from rlaunch.agent.env import worker_env
+from rlaunch.agent.logs import LogPolicy
+from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
+from rlaunch.controller.controller import Controller
+from rlaunch.controller.planner import PlannerConfig
+from rlaunch.controller.view import read_snapshot
+from rlaunch.errors import JoinError, RecordError, StoreError
+from rlaunch.events import EventLog
+from rlaunch.store.client import Endpoint, Store
+from rlaunch.store.embedded import free_port
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import (
+    Ack,
+    Generation,
+    GenerationStatus,
+    JobSpec,
+    NodeRecord,
+    NodeState,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+#: Exit code of an agent whose job failed, that was signalled or fenced (as torchrun: 1).
+EXIT_FAILED = 1
+#: How long workers get between SIGTERM and SIGKILL (torchrun's default shutdown timeout).
+SHUTDOWN_GRACE_S = 30.0
+
+
+def route_addr(ep: Endpoint) -> str:
+    """The local address this machine uses to reach ``ep`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ep.host, ep.port))
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        endpoints: list[Endpoint],
+        *,
+        keep_pids: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.time,
+        python: str = sys.executable,
+    ) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self.keys = JobKeys(cfg.job_id)
+        self.store = Store(endpoints, timeout=min(5.0, max(1.0, cfg.lease_ttl / 2)))
+        self._keep_pids = keep_pids
+        self._clock = clock
+        self._python = python
+        self._spec = cfg.spec()
+        self._lease = 0
+        self._generation: Generation | None = None
+        self._record: NodeRecord | None = None
+        self._workers: WorkerGroup | None = None
+        self._worker_gen = 0
+        self._acked_gen = 0
+        self._starts = 0
+        self._signal: int | None = None
+        self._fenced: str | None = None
+        self._reported: set[str] = set()
+        self._log_root: Path | None = cfg.log_dir
+        if self._log_root is None and any(
+            v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())
+        ):
+            self._log_root = Path(tempfile.mkdtemp(prefix="rlaunch_logs_"))
+            log.info("[%s] worker logs go to %s", self.node_id, self._log_root)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run until the job ends; return the exit code (0 success, 1 failure or signal)."""
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._ctl_wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        become_subreaper()
+        await self.store.connect(self.cfg.rdzv_timeout)
+        self.addr = self.cfg.local_addr or route_addr(self.store.endpoint)
+        jsonl = self._log_root / self.cfg.job_id / "events.jsonl" if self._log_root else None
+        self.events = EventLog(self.store, self.keys, self.node_id, jsonl, self._clock)
+        self.events.start()
+        self.control = ControlServer()
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            self._lease = await self.store.grant_lease(self.cfg.lease_ttl)
+            await self._join()
+            self.control.register("info", self._info)
+            await self.control.start()
+            controller = Controller(
+                self.store, self.keys, self._spec,
+                PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port),
+                self._lease, self.events, self._clock,
+            )  # fmt: skip
+            tasks = [
+                loop.create_task(self._keepalive()),
+                loop.create_task(self._watch()),
+                loop.create_task(controller.run(self._stop, self._ctl_wake)),
+            ]
+            return await self._loop()
+        finally:
+            self._stop.set()
+            await self._stop_workers()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.events.close()
+            if self._lease:
+                try:
+                    await self.store.revoke_lease(self._lease)
+                except StoreError as exc:
+                    log.warning("[%s] could not revoke its lease (it will expire): %s", self.node_id, exc)
+            await self.control.close()
+            await self.store.close()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signal = sig
+        self._wake.set()
+
+    async def _join(self) -> None:
+        """Agree on the job spec (writing it if first) and register this node atomically."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.cfg.rdzv_timeout
+        node_key = self.keys.node(self.node_id)
+        record = self._make_record(NodeState.WAITING, 0)
+        while True:
+            snap = await read_snapshot(self.store, self.keys)
+            spec_kv = await self.store.get(self.keys.spec)
+            finished = snap.generation is not None and snap.generation.status.terminal
+            if spec_kv is not None and finished and snap.nodes:
+                if loop.time() > end:
+                    raise JoinError(
+                        f"Job {self.cfg.job_id!r} has ended but its agents are still exiting after "
+                        f"{self.cfg.rdzv_timeout:.0f} s; stop them or use another --rdzv-id."
+                    )
+                await self._sleep(0.5)
+                continue
+            if spec_kv is not None and not snap.nodes:
+                # Nobody runs this job any more: what is left belongs to a previous run.
+                if await self.store.delete_prefix_guarded(self.keys.prefix, self.keys.spec, spec_kv.mod_revision):
+                    log.info("[%s] cleared the leftovers of a previous run of job %s", self.node_id, self.cfg.job_id)
+                continue
+            if spec_kv is None:
+                items = [(self.keys.spec, encode(self._spec), None), (node_key, encode(record), self._lease)]
+                if await self.store.create_all(items):
+                    break
+                continue
+            try:
+                theirs = decode(JobSpec, spec_kv.value, self.keys.spec)
+            except RecordError as exc:
+                raise JoinError(f"{exc} This agent cannot check that it runs the same job, so it will not join.") from exc
+            diffs = self._spec.differences(theirs)
+            if diffs:
+                raise JoinError(
+                    f"This agent's job differs from job {self.cfg.job_id!r} in etcd: {'; '.join(diffs)}. "
+                    "Launch every node with the same script, arguments, --nnodes, --nproc-per-node and "
+                    "--max-restarts, or pick another --rdzv-id."
+                )
+            if await self.store.create_all([(node_key, encode(record), self._lease)],
+                                           guard=(self.keys.spec, spec_kv.mod_revision)):
+                break
+            existing = await self.store.get(node_key)
+            if existing is not None:
+                raise JoinError(self._duplicate_message(existing.value))
+        self._record = record
+        self.events.emit("node_joined", 0, host=record.host, addr=record.addr, standby=self.cfg.standby)
+
+    def _duplicate_message(self, raw: bytes) -> str:
+        try:
+            other = decode(NodeRecord, raw, self.keys.node(self.node_id))
+            where = f" (host {other.host}, pid {other.pid})"
+        except RecordError:
+            where = ""
+        return (
+            f"Node id {self.node_id!r} is already registered in job {self.cfg.job_id!r} by a live "
+            f"agent{where}; give this agent another --node-id or stop the other one."
+        )
+
+    # -- the main loop ------------------------------------------------------------------------
+
+    async def _loop(self) -> int:
+        while True:
+            if self._signal is not None:
+                name = signal.Signals(self._signal).name
+                log.warning("[%s] received %s; stopping its workers", self.node_id, name)
+                self.events.emit("agent_signalled", self._worker_gen, signal=name)
+                await self._try_publish(NodeState.STOPPING)
+                await self._stop_workers()
+                return EXIT_FAILED
+            if self._fenced is not None:
+                log.error("[%s] %s", self.node_id, self._fenced)
+                self.events.emit("fenced", self._worker_gen, reason=self._fenced)
+                await self._stop_workers()
+                return EXIT_FAILED
+            try:
+                code = await self._act(self._generation)
+                if code is not None:
+                    return code
+                await self._check_workers()
+            except StoreError as exc:
+                log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
+            reap_orphans(self._keep_pids)
+            timeout = self.cfg.monitor_interval if self._workers else 1.0
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _act(self, gen: Generation | None) -> int | None:
+        """Bring this node in line with generation ``gen``; an int means: exit with it."""
+        if gen is None:
+            return None
+        if gen.status.terminal:
+            await self._stop_workers()
+            if gen.status is GenerationStatus.SUCCEEDED:
+                log.info("[%s] the job succeeded", self.node_id)
+                return 0
+            log.error("[%s] the job failed: %s", self.node_id, gen.reason)
+            return EXIT_FAILED
+        node_rank = gen.node_rank(self.node_id)
+        if gen.status is GenerationStatus.WAITING or node_rank is None:
+            await self._stop_workers()
+            target = NodeState.RESTARTING if node_rank is not None else NodeState.STANDBY
+            if self._record is None or self._record.state is not target or self._record.generation != gen.number:
+                await self._publish(target, gen.number)
+            return None
+        if self._worker_gen == gen.number:
+            return None  # our workers for this generation run or have ended; the controller decides
+        if self._acked_gen != gen.number:
+            await self._stop_workers()
+            await self._publish(NodeState.RESTARTING, gen.number)
+            await self.store.put(
+                self.keys.ack(gen.number, self.node_id),
+                encode(Ack(node_id=self.node_id, generation=gen.number)),
+                lease=self._lease,
+            )
+            if self._acked_gen:
+                await self.store.delete(self.keys.ack(self._acked_gen, self.node_id))
+            self._acked_gen = gen.number
+        acks, _ = await self.store.get_prefix(self.keys.acks_prefix(gen.number))
+        acked = {kv.key.rsplit("/", 1)[-1] for kv in acks}
+        if set(gen.assignment) <= acked:
+            self._start_workers(gen)
+            await self._publish(NodeState.RUNNING, gen.number)
+        return None
+
+    def _start_workers(self, gen: Generation) -> None:
+        nproc = gen.nproc_per_node
+        envs = [
+            worker_env(
+                os.environ, gen, node_id=self.node_id, local_rank=i, job_id=self.cfg.job_id,
+                max_restarts=self.cfg.max_restarts, agent_addr=self.control.path,
+            )  # fmt: skip
+            for i in range(nproc)
+        ]
+        ranks = gen.ranks_of(self.node_id)
+        attempt_dir = (
+            self._log_root / self.cfg.job_id / self.node_id / f"attempt_{gen.number}" if self._log_root else None
+        )
+        policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
+        group = WorkerGroup(self.cfg.command(self._python), envs, ranks, policy)
+        group.start()
+        self._workers = group
+        self._worker_gen = gen.number
+        self._starts += 1
+        self.events.emit(
+            "workers_started", gen.number, ranks=ranks, pids=group.pids,
+            node_rank=gen.assignment[self.node_id], restart_count=gen.restart_count,
+        )  # fmt: skip
+
+    async def _check_workers(self) -> None:
+        group = self._workers
+        if group is None:
+            return
+        codes = group.poll()
+        if any(c is not None and c != 0 for c in codes):
+            self._workers = None
+            final = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
+            exit_codes = {str(i): c for i, c in enumerate(codes) if c is not None and c != 0}
+            log.error("[%s] worker(s) failed in generation %d: exit codes %s (by local rank)",
+                      self.node_id, self._worker_gen, exit_codes)
+            self.events.emit("workers_failed", self._worker_gen, exit_codes=exit_codes,
+                             final_codes={str(i): c for i, c in enumerate(final)})
+            await self._publish(NodeState.FAILED, self._worker_gen, exit_codes=exit_codes)
+        elif all(c == 0 for c in codes):
+            self._workers = None
+            self.events.emit("workers_succeeded", self._worker_gen)
+            await self._publish(NodeState.SUCCEEDED, self._worker_gen)
+
+    async def _stop_workers(self) -> None:
+        group, self._workers = self._workers, None
+        if group is not None:
+            codes = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
+            self.events.emit("workers_stopped", self._worker_gen, codes={str(i): c for i, c in enumerate(codes)})
+
+    # -- etcd tasks ---------------------------------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        """Renew the lease every TTL/3; past the TTL without renewal, fence this node."""
+        ttl = self.cfg.lease_ttl
+        last_ok = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                remaining = await self.store.refresh_lease(self._lease)
+                if remaining <= 0:
+                    self._fence(f"its lease expired (TTL {ttl} s), so etcd has dropped this node from the job")
+                    return
+                last_ok = time.monotonic()
+            except StoreError as exc:
+                if time.monotonic() - last_ok > ttl:
+                    self._fence(f"it could not renew its lease within its TTL of {ttl} s ({exc})")
+                    return
+                log.warning("[%s] lease renewal failed, retrying: %s", self.node_id, exc)
+            await self._sleep(ttl / 3)
+
+    def _fence(self, why: str) -> None:
+        self._fenced = f"This agent stops its workers and exits because {why}."
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        """Follow the job's keys: keep the latest generation, wake the loop and the controller."""
+        while not self._stop.is_set():
+            try:
+                kv, revision = await self.store.get_at(self.keys.generation)
+                if kv is not None:
+                    self._take_generation(kv.value)
+                self._wake.set()
+                async for ev in self.store.watch_prefix(self.keys.prefix, start_revision=revision + 1):
+                    if ev.key.startswith(self.keys.events_prefix):
+                        continue
+                    if ev.key == self.keys.generation and not ev.deleted:
+                        self._take_generation(ev.value)
+                    self._wake.set()
+                    self._ctl_wake.set()
+            except StoreError as exc:
+                log.warning("[%s] watching etcd failed, retrying: %s", self.node_id, exc)
+                await self._sleep(1.0)
+
+    def _take_generation(self, raw: bytes) -> None:
+        try:
+            gen = decode(Generation, raw, self.keys.generation)
+        except RecordError as exc:
+            if str(exc) not in self._reported:
+                self._reported.add(str(exc))
+                log.error("[%s] %s", self.node_id, exc)
+            return
+        if self._generation is None or gen.number >= self._generation.number:
+            self._generation = gen
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- the node record ----------------------------------------------------------------------
+
+    def _make_record(self, state: NodeState, generation: int, exit_codes: dict[str, int] | None = None) -> NodeRecord:
+        return NodeRecord(
+            node_id=self.node_id,
+            host=socket.gethostname(),
+            addr=self.addr,
+            pid=os.getpid(),
+            nproc=self.cfg.nproc_per_node,
+            standby_only=self.cfg.standby,
+            state=state,
+            generation=generation,
+            restarts=max(0, self._starts - 1),
+            master_port=free_port("0.0.0.0"),
+            updated_at=self._clock(),
+            exit_codes=exit_codes or {},
+        )
+
+    async def _publish(self, state: NodeState, generation: int | None = None, exit_codes: dict[str, int] | None = None) -> None:
+        gen = self._worker_gen if generation is None else generation
+        previous = self._record.state if self._record else None
+        record = self._make_record(state, gen, exit_codes)
+        await self.store.put(self.keys.node(self.node_id), encode(record), lease=self._lease)
+        self._record = record
+        if previous is not state:
+            self.events.emit("node_state", gen, state=state.value, previous=previous.value if previous else None)
+
+    async def _try_publish(self, state: NodeState) -> None:
+        try:
+            await self._publish(state)
+        except StoreError as exc:
+            log.warning("[%s] could not publish state %s: %s", self.node_id, state.value, exc)
+
+    async def _info(self, request: dict[str, Any]) -> dict[str, Any]:
+        gen = self._generation
+        return {
+            "node_id": self.node_id,
+            "job_id": self.cfg.job_id,
+            "generation": gen.number if gen else 0,
+            "ranks": gen.ranks_of(self.node_id) if gen else [],
+            "state": self._record.state.value if self._record else None,
+        }

@@ -1,0 +1,138 @@
+"""A node's local worker processes: spawn, watch, and stop whole process trees.
+
+Each worker starts in its own session (so its whole process group can be signalled) with
+``PR_SET_PDEATHSIG=SIGKILL`` (so it dies with its agent, leaving no orphan even when the agent
+is SIGKILLed). The agent is a child subreaper, so descendants that outlive their worker are
+reparented to it and reaped here: stopping a group leaves neither orphans nor zombies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+import psutil
+
+from rlaunch.agent.config import Std
+from rlaunch.agent.logs import LogPolicy, StreamPump, console_streams
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def become_subreaper() -> None:
+    """Make orphaned descendants of this process its children, so it can reap them."""
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class WorkerGroup:
+    """The ``nproc`` workers of one node for one generation.
+
+    Must be started from a thread that lives as long as the workers (the event loop's):
+    PDEATHSIG fires when the spawning *thread* exits.
+    """
+
+    def __init__(self, cmd: Sequence[str], envs: Sequence[dict[str, str]], ranks: Sequence[int], policy: LogPolicy) -> None:
+        self._cmd = list(cmd)
+        self._envs = list(envs)
+        self._ranks = list(ranks)
+        self._policy = policy
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._pumps: list[StreamPump] = []
+
+    def start(self) -> None:
+        out, err = console_streams()
+        for local_rank, (env, rank) in enumerate(zip(self._envs, self._ranks, strict=True)):
+            proc = subprocess.Popen(
+                self._cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_child_setup,  # noqa: PLW1509 - only calls prctl
+            )
+            self.procs.append(proc)
+            prefix = f"[{self._policy.node_id}/{rank}] "
+            for stream, pipe, console in ((Std.OUT, proc.stdout, out), (Std.ERR, proc.stderr, err)):
+                to_console, path = self._policy.targets(local_rank, stream)
+                assert pipe is not None
+                self._pumps.append(StreamPump(pipe, prefix, console if to_console else None, path))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def poll(self) -> list[int | None]:
+        """Exit code of each local worker (``None`` while running; ``-N`` for signal N)."""
+        return [p.poll() for p in self.procs]
+
+    def stop(self, grace: float = 30.0) -> list[int | None]:
+        """SIGTERM every process of the group's trees, SIGKILL after ``grace``, reap all."""
+        family: dict[int, psutil.Process] = {}
+        for p in self.procs:
+            try:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    family[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in self.procs:
+                if p.poll() is None:
+                    _killpg(p.pid, sig)
+            for child in family.values():
+                try:
+                    child.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            end = time.monotonic() + (grace if sig == signal.SIGTERM else 10.0)
+            for p in self.procs:
+                try:
+                    p.wait(max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            _, alive = psutil.wait_procs(list(family.values()), timeout=max(0.0, end - time.monotonic()))
+            if all(p.poll() is not None for p in self.procs) and not alive:
+                break
+            log.warning("[%s] workers did not stop within %.0f s of %s", self._policy.node_id, grace, sig.name)
+        for pump in self._pumps:
+            pump.join(2.0)
+        return self.poll()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def reap_orphans(keep: Sequence[int] = ()) -> None:
+    """Reap zombie children that no ``Popen`` owns (descendants reparented to us).
+
+    ``keep``: pids owned by a ``Popen`` elsewhere (the embedded etcd), whose status is theirs.
+    """
+    try:
+        children = psutil.Process().children()
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        if child.pid in keep:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass

@@ -1,0 +1,128 @@
+"""``rlaunch status``: the job as etcd sees it, as a table or one JSON object."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rlaunch.cli.options import ENDPOINT, JOB_ID, TIMEOUT, fail
+from rlaunch.controller.view import JobSnapshot, read_snapshot
+from rlaunch.errors import RlaunchError, StoreError
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.keys import JobKeys
+
+
+def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """The status object from a snapshot and each node's ``(granted, remaining)`` lease TTL."""
+    gen = snap.generation
+    order = sorted(snap.nodes.values(), key=lambda v: v.join_revision)
+    nodes = []
+    for view in order:
+        rec = view.record
+        node_rank = gen.node_rank(rec.node_id) if gen else None
+        granted, remaining = ttls.get(rec.node_id, (0, 0))
+        nodes.append({
+            "node_id": rec.node_id,
+            "host": rec.host,
+            "role": "active" if node_rank is not None else "standby",
+            "state": rec.state.value,
+            "node_rank": node_rank,
+            "ranks": gen.ranks_of(rec.node_id) if gen else [],
+            "restarts": rec.restarts,
+            "last_seen_s": max(0, granted - remaining) if remaining >= 0 else None,
+        })  # fmt: skip
+    return {
+        "job": job_id,
+        "generation": gen.number if gen else 0,
+        "status": gen.status.value if gen else "rendezvous",
+        "restart_count": gen.restart_count if gen else 0,
+        "reason": gen.reason if gen else "",
+        "controller": snap.leader,
+        "nodes": nodes,
+        "problems": snap.problems,
+    }
+
+
+async def fetch_status(endpoint: str, job_id: str, timeout: float) -> dict[str, Any] | None:
+    """The status object, or None when etcd holds no such job."""
+    store = Store(parse_endpoints(endpoint), timeout=min(timeout, 5.0))
+    keys = JobKeys(job_id)
+    try:
+        await store.connect(timeout)
+        snap = await read_snapshot(store, keys)
+        if snap.spec is None and snap.generation is None and not snap.nodes:
+            return None
+        ttls = {}
+        for node_id, lease in snap.node_leases.items():
+            if lease:
+                try:
+                    ttls[node_id] = await store.lease_ttl(lease)
+                except StoreError:
+                    ttls[node_id] = (0, -1)
+        return build_status(snap, job_id, ttls)
+    finally:
+        await store.close()
+
+
+def render_table(status: dict[str, Any]) -> Table:
+    table = Table(
+        title=(
+            f"job {status['job']} · generation {status['generation']} ({status['status']}) · "
+            f"controller {status['controller'] or '-'} · restarts {status['restart_count']}"
+        ),
+        caption=status["reason"] or None,
+    )
+    for col in ("node", "host", "role", "state", "node rank", "ranks", "restarts", "last seen"):
+        table.add_column(col)
+    for n in status["nodes"]:
+        ranks = n["ranks"]
+        table.add_row(
+            n["node_id"], n["host"], n["role"], n["state"],
+            "-" if n["node_rank"] is None else str(n["node_rank"]),
+            f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else ",".join(map(str, ranks)) or "-",
+            str(n["restarts"]),
+            "-" if n["last_seen_s"] is None else f"{n['last_seen_s']} s ago",
+        )  # fmt: skip
+    return table
+
+
+def status(
+    rdzv_endpoint: str = ENDPOINT,
+    rdzv_id: str = JOB_ID,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh every second until interrupted."),
+    timeout: float = TIMEOUT,
+) -> None:
+    """Show a job's generation, controller and nodes."""
+    console = Console()
+    try:
+        while True:
+            result = asyncio.run(fetch_status(rdzv_endpoint, rdzv_id, timeout))
+            if result is None:
+                print(
+                    f"rlaunch: no job {rdzv_id!r} exists in etcd at {rdzv_endpoint}; check --rdzv-id.",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
+            if as_json:
+                print(json.dumps(result), flush=True)
+            else:
+                if watch:
+                    console.clear()
+                console.print(render_table(result))
+                for problem in result["problems"]:
+                    console.print(f"[yellow]warning:[/] {problem}")
+            if not watch:
+                return
+            time.sleep(1.0)
+    except RlaunchError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,1 @@
+"""The job's controller: a pure planner and the elected tick that applies it."""

@@ -1,0 +1,108 @@
+"""The controller tick: elected through etcd, reads the view, calls the planner, writes.
+
+Exactly one agent of a job leads at a time: leadership is the ``leader`` key, created only
+if absent and attached to the leader's node lease, so it vanishes with a dead leader. Every
+generation write is a transaction guarded by the generation key's revision (the view it was
+planned from) and by the leader key still naming this node (fencing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
+from rlaunch.controller.view import read_snapshot
+from rlaunch.errors import StoreError
+from rlaunch.events import EventLog
+from rlaunch.store.client import Store
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import JobSpec, encode
+
+log = logging.getLogger(__name__)
+
+#: The controller re-plans at least this often, for deadlines, even without etcd changes.
+TICK_S = 1.0
+
+
+class Controller:
+    def __init__(
+        self,
+        store: Store,
+        keys: JobKeys,
+        spec: JobSpec,
+        cfg: PlannerConfig,
+        lease_id: int,
+        events: EventLog,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._spec = spec
+        self._cfg = cfg
+        self._lease_id = lease_id
+        self._events = events
+        self._clock = clock
+        self._last_reason = ""
+        self._reported: set[str] = set()
+        self.leading = False
+
+    @property
+    def node_id(self) -> str:
+        return self._cfg.controller
+
+    async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        """Campaign for leadership and tick while leading, until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                if not self.leading:
+                    self.leading = await self._store.create(
+                        self._keys.leader, self.node_id.encode(), lease=self._lease_id
+                    )
+                    if self.leading:
+                        self._events.emit("controller_elected", 0, controller=self.node_id)
+                if self.leading:
+                    await self.tick()
+            except StoreError as exc:
+                log.warning("[%s] controller tick failed: %s", self.node_id, exc)
+            try:
+                await asyncio.wait_for(wake.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            wake.clear()
+
+    async def tick(self) -> None:
+        snap = await read_snapshot(self._store, self._keys)
+        for problem in snap.problems:
+            if problem not in self._reported:
+                self._reported.add(problem)
+                log.error("[%s] %s", self.node_id, problem)
+                self._events.emit("malformed_record", 0, message=problem)
+        if snap.leader != self.node_id:
+            self.leading = False
+            log.warning("[%s] lost controller leadership to %s", self.node_id, snap.leader)
+            return
+        if snap.generation_malformed:
+            return  # reported above; planning over it could undo a running generation
+        view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation)
+        new, reason = plan(self._clock(), view, self._cfg)
+        if reason != self._last_reason:
+            log.info("[%s] controller: %s", self.node_id, reason)
+            self._last_reason = reason
+        if new is None:
+            return
+        written = await self._store.put_guarded(
+            self._keys.generation,
+            encode(new),
+            snap.generation_revision,
+            also=(self._keys.leader, self.node_id.encode()),
+        )
+        if written:
+            self._events.emit(
+                "generation", new.number, status=new.status.value, reason=reason,
+                assignment=new.assignment, restart_count=new.restart_count,
+            )  # fmt: skip
+        else:
+            log.info("[%s] generation changed under the controller; re-planning", self.node_id)

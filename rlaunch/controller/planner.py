@@ -1,0 +1,197 @@
+"""The controller's decisions, as a pure function of the cluster view.
+
+``plan(now, view, cfg)`` returns the next :class:`Generation` to write (or ``None``) and a
+sentence saying why. It performs no I/O and reads no clock: the controller tick reads the view,
+calls it, and writes the result with compare-and-swap. Tests build views by hand.
+
+Rules (torchrun's semantics, plus standbys):
+- The first ``nnodes`` non-standby nodes to join (in etcd create order) form generation 1,
+  with node ranks in join order; later nodes are standbys.
+- A worker failure restarts every node in a new generation with the same ranks, counted
+  against ``max_restarts``; past it the job fails.
+- A lost node (lease gone, or stopping) does not count as a restart: its node rank goes to the
+  earliest-joined spare node. With no spare, the job waits up to ``replace_timeout`` for one.
+- When every assigned node reports success for the current generation, the job succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlaunch.store.records import (
+    Generation,
+    GenerationStatus,
+    JobSpec,
+    NodeRecord,
+    NodeState,
+)
+
+#: States in which a node not holding ranks may be given some.
+_SPARE_STATES = (NodeState.WAITING, NodeState.STANDBY)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeView:
+    """A live node: its record and the etcd revision at which it joined."""
+
+    record: NodeRecord
+    join_revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterView:
+    spec: JobSpec
+    nodes: dict[str, NodeView]
+    generation: Generation | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+    controller: str
+    replace_timeout: float
+    master_port: int = 0  # 0: use the port advertised by the node holding node rank 0
+
+
+def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation | None, str]:
+    gen = view.generation
+    if gen is None:
+        return _first(now, view, cfg)
+    if gen.status.terminal:
+        return None, f"the job has {gen.status.value}; nothing to do"
+    live = {n for n, v in view.nodes.items() if v.record.state is not NodeState.STOPPING}
+    lost = sorted(n for n in gen.assignment if n not in live)
+    if lost or gen.status is GenerationStatus.WAITING:
+        survivors = [n for n in gen.assignment if n in live]
+        return _fill(now, view, cfg, gen, survivors, lost)
+
+    records = {n: view.nodes[n].record for n in gen.assignment}
+    failed = sorted(
+        n for n, r in records.items() if r.state is NodeState.FAILED and r.generation == gen.number
+    )
+    if failed:
+        what = ", ".join(f"{n} (exit codes {records[n].exit_codes})" for n in failed)
+        if gen.restart_count >= view.spec.max_restarts:
+            reason = (
+                f"workers failed on {what} and all {view.spec.max_restarts} restarts are used; "
+                "the job failed"
+            )
+            return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
+        reason = (
+            f"workers failed on {what}; restarting every node "
+            f"(restart {gen.restart_count + 1} of {view.spec.max_restarts})"
+        )
+        return (
+            _generation(now, view, cfg, gen.number + 1, dict(gen.assignment), gen.restart_count + 1, reason),
+            reason,
+        )
+    if all(r.state is NodeState.SUCCEEDED and r.generation == gen.number for r in records.values()):
+        reason = f"every node finished generation {gen.number}; the job succeeded"
+        return dataclasses.replace(gen, status=GenerationStatus.SUCCEEDED, reason=reason), reason
+    return None, f"generation {gen.number} is running"
+
+
+def _by_join(view: ClusterView, names: list[str]) -> list[str]:
+    return sorted(names, key=lambda n: view.nodes[n].join_revision)
+
+
+def _first(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation | None, str]:
+    nnodes = view.spec.nnodes
+    eligible = _by_join(
+        view,
+        [
+            n
+            for n, v in view.nodes.items()
+            if not v.record.standby_only and v.record.state is NodeState.WAITING
+        ],
+    )
+    if len(eligible) < nnodes:
+        return None, f"waiting for nodes to join: {len(eligible)} of {nnodes} present"
+    assignment = {n: i for i, n in enumerate(eligible[:nnodes])}
+    reason = f"{nnodes} node(s) joined; node ranks in join order: {assignment}"
+    return _generation(now, view, cfg, 1, assignment, 0, reason), reason
+
+
+def _fill(
+    now: float,
+    view: ClusterView,
+    cfg: PlannerConfig,
+    gen: Generation,
+    survivors: list[str],
+    lost: list[str],
+) -> tuple[Generation | None, str]:
+    """Give the node ranks not held by ``survivors`` to spare nodes, or wait for some."""
+    held = {gen.assignment[n] for n in survivors}
+    missing = [r for r in range(view.spec.nnodes) if r not in held]
+    spares = _by_join(
+        view,
+        [
+            n
+            for n, v in view.nodes.items()
+            if n not in survivors and v.record.state in _SPARE_STATES
+        ],
+    )
+    lost_txt = f"node(s) {', '.join(lost)} lost; " if lost else ""
+    if len(spares) >= len(missing):
+        assignment = {n: gen.assignment[n] for n in survivors}
+        moves = []
+        for rank, node in zip(missing, spares, strict=False):
+            assignment[node] = rank
+            moves.append(f"{node} takes node rank {rank}")
+        reason = lost_txt + "; ".join(moves)
+        return (
+            _generation(now, view, cfg, gen.number + 1, assignment, gen.restart_count, reason),
+            reason,
+        )
+    if gen.status is GenerationStatus.WAITING:
+        if now >= gen.deadline:
+            reason = (
+                f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s; "
+                "the job failed"
+            )
+            return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
+        return None, f"waiting for a node to take node rank(s) {missing}"
+    reason = (
+        f"{lost_txt}no standby is ready; waiting up to {cfg.replace_timeout:.0f} s "
+        f"for a node to take node rank(s) {missing}"
+    )
+    waiting = Generation(
+        number=gen.number + 1,
+        status=GenerationStatus.WAITING,
+        assignment={n: gen.assignment[n] for n in survivors},
+        nnodes=gen.nnodes,
+        nproc_per_node=gen.nproc_per_node,
+        master_addr="",
+        master_port=0,
+        restart_count=gen.restart_count,
+        reason=reason,
+        controller=cfg.controller,
+        created_at=now,
+        deadline=now + cfg.replace_timeout,
+    )
+    return waiting, reason
+
+
+def _generation(
+    now: float,
+    view: ClusterView,
+    cfg: PlannerConfig,
+    number: int,
+    assignment: dict[str, int],
+    restart_count: int,
+    reason: str,
+) -> Generation:
+    rank0 = next(n for n, r in assignment.items() if r == 0)
+    rec = view.nodes[rank0].record
+    return Generation(
+        number=number,
+        status=GenerationStatus.RUNNING,
+        assignment=dict(sorted(assignment.items(), key=lambda kv: kv[1])),
+        nnodes=view.spec.nnodes,
+        nproc_per_node=view.spec.nproc_per_node,
+        master_addr=rec.addr,
+        master_port=cfg.master_port or rec.master_port,
+        restart_count=restart_count,
+        reason=reason,
+        controller=cfg.controller,
+        created_at=now,
+    )

@@ -1,0 +1,66 @@
+"""Reading one job's state out of etcd into typed records (shared by controller, agent, CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlaunch.controller.planner import NodeView
+from rlaunch.errors import RecordError
+from rlaunch.store.client import Store
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Generation, JobSpec, NodeRecord, decode
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSnapshot:
+    spec: JobSpec | None
+    generation: Generation | None
+    #: mod revision of the generation key (0 when absent): the fencing token for the next write
+    generation_revision: int
+    leader: str | None
+    nodes: dict[str, NodeView]
+    node_leases: dict[str, int]
+    #: one sentence per malformed record found (they are skipped, never fatal)
+    problems: list[str]
+    #: the generation key exists but does not parse: nobody may plan over it blindly
+    generation_malformed: bool = False
+
+
+async def read_snapshot(store: Store, keys: JobKeys) -> JobSnapshot:
+    problems: list[str] = []
+    spec = None
+    kv = await store.get(keys.spec)
+    if kv is not None:
+        try:
+            spec = decode(JobSpec, kv.value, keys.spec)
+        except RecordError as exc:
+            problems.append(str(exc))
+    generation, gen_rev, gen_bad = None, 0, False
+    kv = await store.get(keys.generation)
+    if kv is not None:
+        gen_rev = kv.mod_revision
+        try:
+            generation = decode(Generation, kv.value, keys.generation)
+        except RecordError as exc:
+            problems.append(str(exc))
+            gen_bad = True
+    kv = await store.get(keys.leader)
+    leader = kv.value.decode(errors="replace") if kv is not None else None
+    nodes: dict[str, NodeView] = {}
+    leases: dict[str, int] = {}
+    kvs, _ = await store.get_prefix(keys.nodes_prefix)
+    for kv in kvs:
+        try:
+            record = decode(NodeRecord, kv.value, kv.key)
+        except RecordError as exc:
+            problems.append(str(exc))
+            continue
+        if record.node_id != keys.node_id_of(kv.key):
+            problems.append(
+                f"The record at {kv.key} names node {record.node_id!r}, not the node of its key; "
+                "delete or rewrite that key."
+            )
+            continue
+        nodes[record.node_id] = NodeView(record=record, join_revision=kv.create_revision)
+        leases[record.node_id] = kv.lease
+    return JobSnapshot(spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad)

@@ -1,0 +1,1 @@
+"""etcd: key paths, typed records, the client boundary and the embedded server."""

@@ -1,0 +1,244 @@
+"""Typed records stored in etcd: frozen dataclasses with a validating JSON codec.
+
+Every value rlaunch writes is one of these records. :func:`decode` checks the JSON against the
+dataclass's field types and raises :class:`~rlaunch.errors.RecordError` with the key and the
+offending field, so a malformed record is reported, never crashes the reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from typing import Any, TypeVar
+
+from rlaunch.errors import RecordError
+
+R = TypeVar("R")
+
+
+class NodeState(str, enum.Enum):
+    """What a node's agent is doing, as written on its node record.
+
+    Transitions (by the node's own agent):
+    - ``waiting`` → ``running`` (assigned ranks in a generation) | ``standby`` (not assigned)
+    - ``standby`` → ``running`` (given ranks)
+    - ``running`` → ``succeeded`` | ``failed`` (its workers ended) | ``restarting``
+    - ``restarting`` → ``running`` (all nodes of the new generation are ready) | ``standby``
+    - ``succeeded`` | ``failed`` → ``restarting`` (a new generation) | removed (job ended)
+    - any → ``stopping`` (the agent received SIGTERM/SIGINT) → removed
+    """
+
+    WAITING = "waiting"
+    STANDBY = "standby"
+    RESTARTING = "restarting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class GenerationStatus(str, enum.Enum):
+    """The job-wide state of a generation, written only by the controller.
+
+    - ``running``: the assigned nodes run workers; → a newer generation, ``succeeded`` or ``failed``.
+    - ``waiting``: a node was lost and no replacement is available yet; every agent stops its
+      workers; → a newer ``running`` generation once nodes are there, or ``failed`` at ``deadline``.
+    - ``succeeded`` / ``failed``: terminal; every agent stops and exits.
+    """
+
+    RUNNING = "running"
+    WAITING = "waiting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (GenerationStatus.SUCCEEDED, GenerationStatus.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What every agent of a job must agree on; written once by the first agent."""
+
+    job_id: str
+    nnodes: int
+    nproc_per_node: int
+    max_restarts: int
+    entrypoint: str
+    args: list[str]
+    fingerprint: str
+    rlaunch_version: str
+
+    def differences(self, other: JobSpec) -> list[str]:
+        """Human-readable ``field: ours vs theirs`` lines for fields that differ."""
+        out = []
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine != theirs:
+                out.append(f"{field.name}: {theirs!r} (job) vs {mine!r} (this agent)")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    """A node as its agent describes it; attached to the node's lease."""
+
+    node_id: str
+    host: str
+    addr: str
+    pid: int
+    nproc: int
+    standby_only: bool
+    state: NodeState
+    generation: int
+    restarts: int
+    master_port: int
+    updated_at: float
+    exit_codes: dict[str, int] = dataclasses.field(default_factory=dict)
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One configuration of the job: which node holds which node rank, and its status."""
+
+    number: int
+    status: GenerationStatus
+    assignment: dict[str, int]
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    reason: str
+    controller: str
+    created_at: float
+    deadline: float = 0.0
+
+    def node_rank(self, node_id: str) -> int | None:
+        return self.assignment.get(node_id)
+
+    def ranks_of(self, node_id: str) -> list[int]:
+        node_rank = self.assignment.get(node_id)
+        if node_rank is None:
+            return []
+        base = node_rank * self.nproc_per_node
+        return list(range(base, base + self.nproc_per_node))
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """A node's statement that it stopped the previous generation's workers and is ready."""
+
+    node_id: str
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One entry of the job's structured event stream."""
+
+    time: float
+    node_id: str
+    kind: str
+    generation: int
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def encode(record: Any) -> bytes:
+    """JSON bytes of a record (enums as their values)."""
+    return json.dumps(dataclasses.asdict(record), sort_keys=True, default=_default).encode()
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def decode(cls: type[R], raw: bytes, where: str) -> R:
+    """Parse and validate ``raw`` as a ``cls`` record; ``where`` names the key for errors."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(
+            f"The record at {where} is not valid JSON ({exc}); delete or rewrite that key."
+        ) from exc
+    if not isinstance(obj, dict):
+        raise RecordError(f"The record at {where} is not a JSON object; delete or rewrite that key.")
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name not in obj:
+            has_default = (
+                field.default is not dataclasses.MISSING
+                or field.default_factory is not dataclasses.MISSING
+            )
+            if has_default:
+                continue
+            raise RecordError(
+                f"The record at {where} lacks the field {field.name!r}; delete or rewrite that key."
+            )
+        kwargs[field.name] = _check(hints[field.name], obj[field.name], where, field.name)
+    return cls(**kwargs)
+
+
+def _check(tp: Any, value: Any, where: str, name: str) -> Any:
+    """Validate ``value`` against type ``tp``; return it converted (enums)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _check(option, value, where, name)
+            except RecordError:
+                continue
+        raise _bad(where, name, value, tp)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _bad(where, name, value, tp)
+    if tp is Any:
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise _bad(where, name, value, tp) from None
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise _bad(where, name, value, tp)
+        return [_check(item, v, where, name) for v in value]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise _bad(where, name, value, tp)
+        return {
+            _check(key_tp, k, where, name): _check(val_tp, v, where, name) for k, v in value.items()
+        }
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _bad(where, name, value, tp)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _bad(where, name, value, tp)
+    if isinstance(value, tp):
+        return value
+    raise _bad(where, name, value, tp)
+
+
+def _bad(where: str, name: str, value: Any, tp: Any) -> RecordError:
+    shown = getattr(tp, "__name__", str(tp))
+    return RecordError(
+        f"The record at {where} has {name}={value!r}, which is not a valid {shown}; "
+        "delete or rewrite that key."
+    )
