@@ -47,6 +47,7 @@ from rlaunch.store.records import (
     decode,
     encode,
 )
+from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,7 @@ class Agent:
         self._fenced: str | None = None
         self._reported: set[str] = set()
         self._log_root: Path | None = cfg.log_dir
-        if self._log_root is None and any(
-            v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())
-        ):
+        if self._log_root is None and any(v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())):
             self._log_root = Path(tempfile.mkdtemp(prefix="rlaunch_logs_"))
             log.info("[%s] worker logs go to %s", self.node_id, self._log_root)
 
@@ -185,7 +184,9 @@ class Agent:
             try:
                 theirs = decode(JobSpec, spec_kv.value, self.keys.spec)
             except RecordError as exc:
-                raise JoinError(f"{exc} This agent cannot check that it runs the same job, so it will not join.") from exc
+                raise JoinError(
+                    f"{exc} This agent cannot check that it runs the same job, so it will not join."
+                ) from exc
             diffs = self._spec.differences(theirs)
             if diffs:
                 raise JoinError(
@@ -193,8 +194,9 @@ class Agent:
                     "Launch every node with the same script, arguments, --nnodes, --nproc-per-node and "
                     "--max-restarts, or pick another --rdzv-id."
                 )
-            if await self.store.create_all([(node_key, encode(record), self._lease)],
-                                           guard=(self.keys.spec, spec_kv.mod_revision)):
+            if await self.store.create_all(
+                [(node_key, encode(record), self._lease)], guard=(self.keys.spec, spec_kv.mod_revision)
+            ):
                 break
             existing = await self.store.get(node_key)
             if existing is not None:
@@ -238,10 +240,7 @@ class Agent:
                 log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
             reap_orphans(self._keep_pids)
             timeout = self.cfg.monitor_interval if self._workers else 1.0
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, timeout)
             self._wake.clear()
 
     async def _act(self, gen: Generation | None) -> int | None:
@@ -286,8 +285,13 @@ class Agent:
         nproc = gen.nproc_per_node
         envs = [
             worker_env(
-                os.environ, gen, node_id=self.node_id, local_rank=i, job_id=self.cfg.job_id,
-                max_restarts=self.cfg.max_restarts, agent_addr=self.control.path,
+                os.environ,
+                gen,
+                node_id=self.node_id,
+                local_rank=i,
+                job_id=self.cfg.job_id,
+                max_restarts=self.cfg.max_restarts,
+                agent_addr=self.control.path,
             )  # fmt: skip
             for i in range(nproc)
         ]
@@ -315,10 +319,18 @@ class Agent:
             self._workers = None
             final = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
             exit_codes = {str(i): c for i, c in enumerate(codes) if c is not None and c != 0}
-            log.error("[%s] worker(s) failed in generation %d: exit codes %s (by local rank)",
-                      self.node_id, self._worker_gen, exit_codes)
-            self.events.emit("workers_failed", self._worker_gen, exit_codes=exit_codes,
-                             final_codes={str(i): c for i, c in enumerate(final)})
+            log.error(
+                "[%s] worker(s) failed in generation %d: exit codes %s (by local rank)",
+                self.node_id,
+                self._worker_gen,
+                exit_codes,
+            )
+            self.events.emit(
+                "workers_failed",
+                self._worker_gen,
+                exit_codes=exit_codes,
+                final_codes={str(i): c for i, c in enumerate(final)},
+            )
             await self._publish(NodeState.FAILED, self._worker_gen, exit_codes=exit_codes)
         elif all(c == 0 for c in codes):
             self._workers = None
@@ -386,10 +398,7 @@ class Agent:
             self._generation = gen
 
     async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._stop, seconds)
 
     # -- the node record ----------------------------------------------------------------------
 
@@ -409,7 +418,9 @@ class Agent:
             exit_codes=exit_codes or {},
         )
 
-    async def _publish(self, state: NodeState, generation: int | None = None, exit_codes: dict[str, int] | None = None) -> None:
+    async def _publish(
+        self, state: NodeState, generation: int | None = None, exit_codes: dict[str, int] | None = None
+    ) -> None:
         gen = self._worker_gen if generation is None else generation
         previous = self._record.state if self._record else None
         record = self._make_record(state, gen, exit_codes)

@@ -116,26 +116,30 @@ def parse_nproc(text: str) -> int:
         if text == "gpu":
             raise UsageError("--nproc-per-node gpu was given, but this machine has no CUDA device.")
         return os.cpu_count() or 1
-    raise UsageError(
-        f"--nproc-per-node {text!r} is not valid: give a positive number, or cpu, gpu or auto."
-    )
+    raise UsageError(f"--nproc-per-node {text!r} is not valid: give a positive number, or cpu, gpu or auto.")
 
 
 def parse_std(flag: str, text: str, nproc: int) -> dict[int, Std]:
     """Parse torchrun's ``0..3`` or per-rank ``0:1,1:2`` into a value for each local rank."""
-    try:
-        if ":" not in text:
-            return dict.fromkeys(range(nproc), Std(int(text)))
-        out = dict.fromkeys(range(nproc), Std.NONE)
-        for part in text.split(","):
-            rank, _, value = part.partition(":")
-            out[int(rank)] = Std(int(value))
-        return out
-    except ValueError:
-        raise UsageError(
-            f"{flag} {text!r} is not valid: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
-            "or per local rank as 0:1,1:2."
-        ) from None
+    bad = UsageError(
+        f"{flag} {text!r} is not valid: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+        f"or per local rank (0 to {nproc - 1}) as 0:1,1:2."
+    )
+
+    def value(v: str) -> Std:
+        if not v.strip().isdigit() or int(v) > 3:
+            raise bad
+        return Std(int(v))
+
+    if ":" not in text:
+        return dict.fromkeys(range(nproc), value(text))
+    out = dict.fromkeys(range(nproc), Std.NONE)
+    for part in text.split(","):
+        rank, _, v = part.partition(":")
+        if not rank.strip().isdigit() or int(rank) >= nproc:
+            raise bad
+        out[int(rank)] = value(v)
+    return out
 
 
 def parse_ranks_filter(text: str) -> frozenset[int] | None:
@@ -154,9 +158,7 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep or not key:
-            raise UsageError(
-                f"--rdzv-conf {text!r} is not valid: write key=value pairs separated by commas."
-            )
+            raise UsageError(f"--rdzv-conf {text!r} is not valid: write key=value pairs separated by commas.")
         out[key] = value
     return out
 
@@ -196,8 +198,6 @@ def build_config(
         raise UsageError(f"--monitor-interval {monitor_interval} is not valid: give a positive number of seconds.")
     if lease_ttl < 2:
         raise UsageError(f"--lease-ttl {lease_ttl} is not valid: give at least 2 seconds.")
-    if rdzv_timeout <= 0:
-        raise UsageError(f"--rdzv-timeout {rdzv_timeout} is not valid: give a positive number of seconds.")
     if master_port is not None and not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is not valid: give a port between 1 and 65535.")
     n = parse_nnodes(nnodes)
@@ -208,6 +208,12 @@ def build_config(
             rdzv_timeout = float(conf["join_timeout"])
         except ValueError:
             raise UsageError(f"--rdzv-conf join_timeout={conf['join_timeout']!r} is not a number of seconds.") from None
+        if not rdzv_timeout > 0:  # also rejects nan
+            raise UsageError(
+                f"--rdzv-conf join_timeout={conf['join_timeout']!r} is not valid: give a positive number of seconds."
+            )
+    if not rdzv_timeout > 0:
+        raise UsageError(f"--rdzv-timeout {rdzv_timeout} is not valid: give a positive number of seconds.")
     endpoints = None if standalone or not rdzv_endpoint else parse_endpoints(rdzv_endpoint)
     return LaunchConfig(
         entrypoint=script,

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import threading
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO
 
 from rlaunch.agent.config import Std
 
@@ -43,11 +43,11 @@ _console_lock = threading.Lock()
 class StreamPump:
     """A thread copying one worker pipe, line by line, to the console and/or a file."""
 
-    def __init__(self, pipe: BinaryIO, prefix: str, console: IO[bytes] | None, path: Path | None) -> None:
+    def __init__(self, pipe: IO[bytes], prefix: str, console: IO[bytes] | None, path: Path | None) -> None:
         self._pipe = pipe
         self._prefix = prefix.encode()
         self._console = console
-        self._file: BinaryIO | None = None
+        self._file: IO[bytes] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("ab")

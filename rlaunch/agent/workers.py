@@ -44,7 +44,9 @@ class WorkerGroup:
     PDEATHSIG fires when the spawning *thread* exits.
     """
 
-    def __init__(self, cmd: Sequence[str], envs: Sequence[dict[str, str]], ranks: Sequence[int], policy: LogPolicy) -> None:
+    def __init__(
+        self, cmd: Sequence[str], envs: Sequence[dict[str, str]], ranks: Sequence[int], policy: LogPolicy
+    ) -> None:
         self._cmd = list(cmd)
         self._envs = list(envs)
         self._ranks = list(ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Any
 
 import typer
 
@@ -18,14 +19,14 @@ from rlaunch.store.embedded import EmbeddedEtcd
 log = logging.getLogger(__name__)
 
 
-def _opt(default: object, *names: str, help: str, env: bool = True) -> typer.models.OptionInfo:  # noqa: A002
+def _opt(default: object, *names: str, help: str, env: bool = True) -> Any:  # noqa: A002
     """An option under torchrun's names (dash and underscore spellings) and PET_* variable."""
     flags = list(names)
     long = next(n for n in names if n.startswith("--"))
     if "-" in long[2:]:
         flags.append("--" + long[2:].replace("-", "_"))
     envvar = "PET_" + long[2:].replace("-", "_").upper() if env else None
-    return typer.Option(default, *flags, envvar=envvar, help=help)  # type: ignore[no-any-return]
+    return typer.Option(default, *flags, envvar=envvar, help=help)
 
 
 def run(
@@ -36,22 +37,36 @@ def run(
     rdzv_endpoint: str = _opt("", "--rdzv-endpoint", help="etcd endpoint(s) host:port[,...]; none: an embedded etcd."),
     rdzv_id: str = _opt("none", "--rdzv-id", help="The job id; every key of the job lives under it."),
     rdzv_conf: str = _opt("", "--rdzv-conf", help="key=value,...; join_timeout overrides --rdzv-timeout."),
-    rdzv_backend: str = _opt("etcd-v3", "--rdzv-backend", help="Accepted for torchrun compatibility; rlaunch always uses etcd v3."),
+    rdzv_backend: str = _opt(
+        "etcd-v3", "--rdzv-backend", help="Accepted for torchrun compatibility; rlaunch always uses etcd v3."
+    ),
     standalone: bool = _opt(False, "--standalone", help="Single node: start an embedded etcd on a free port."),
     max_restarts: int = _opt(0, "--max-restarts", help="Restarts of all workers allowed after worker failures."),
     monitor_interval: float = _opt(0.1, "--monitor-interval", help="Seconds between checks of the local workers."),
     log_dir: str = _opt(None, "--log-dir", help="Directory for per-rank log files and events.jsonl."),
-    redirects: str = _opt("0", "-r", "--redirects", help="Worker streams to files only: 0 none, 1 out, 2 err, 3 both; or 0:1,1:2."),
+    redirects: str = _opt(
+        "0", "-r", "--redirects", help="Worker streams to files only: 0 none, 1 out, 2 err, 3 both; or 0:1,1:2."
+    ),
     tee: str = _opt("0", "-t", "--tee", help="Worker streams to files and console, as --redirects."),
-    local_ranks_filter: str = _opt("", "--local-ranks-filter", help="Local ranks whose output reaches the console, e.g. 0,1."),
+    local_ranks_filter: str = _opt(
+        "", "--local-ranks-filter", help="Local ranks whose output reaches the console, e.g. 0,1."
+    ),
     module: bool = _opt(False, "-m", "--module", help="Run SCRIPT as a Python module (python -m)."),
     no_python: bool = _opt(False, "--no-python", help="Run SCRIPT as a program, without the Python interpreter."),
-    master_port: int = _opt(None, "--master-port", help="Fixed MASTER_PORT; default: a free port on the node holding rank 0."),
-    local_addr: str = _opt(None, "--local-addr", help="Address other nodes use to reach this one; default: the route to etcd."),
+    master_port: int = _opt(
+        None, "--master-port", help="Fixed MASTER_PORT; default: a free port on the node holding rank 0."
+    ),
+    local_addr: str = _opt(
+        None, "--local-addr", help="Address other nodes use to reach this one; default: the route to etcd."
+    ),
     node_id: str = _opt(None, "--node-id", help="This node's id in the job; default: the hostname.", env=False),
-    standby: bool = _opt(False, "--standby", help="Join only as a warm standby, never among the first --nnodes.", env=False),
+    standby: bool = _opt(
+        False, "--standby", help="Join only as a warm standby, never among the first --nnodes.", env=False
+    ),
     lease_ttl: int = _opt(5, "--lease-ttl", help="Seconds after which a silent node counts as lost.", env=False),
-    rdzv_timeout: float = _opt(600.0, "--rdzv-timeout", help="Longest wait, in seconds, for etcd and for the rendezvous.", env=False),
+    rdzv_timeout: float = _opt(
+        600.0, "--rdzv-timeout", help="Longest wait, in seconds, for etcd and for the rendezvous.", env=False
+    ),
 ) -> None:
     """Launch SCRIPT on this node as one agent of the job (torchrun's flags and semantics)."""
     setup_logging()
@@ -79,7 +94,9 @@ def launch(cfg: LaunchConfig) -> int:
     with EmbeddedEtcd() as etcd:
         log.info(
             "started an embedded etcd at %s; other nodes join with --rdzv-endpoint %s --rdzv-id %s",
-            etcd.endpoint, etcd.endpoint, cfg.job_id,
+            etcd.endpoint,
+            etcd.endpoint,
+            cfg.job_id,
         )
         assert etcd.proc is not None
         return asyncio.run(Agent(cfg, parse_endpoints(etcd.endpoint), keep_pids=(etcd.proc.pid,)).run())

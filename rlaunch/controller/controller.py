@@ -20,6 +20,7 @@ from rlaunch.events import EventLog
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import JobSpec, encode
+from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,7 @@ class Controller:
                     await self.tick()
             except StoreError as exc:
                 log.warning("[%s] controller tick failed: %s", self.node_id, exc)
-            try:
-                await asyncio.wait_for(wake.wait(), TICK_S)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(wake, TICK_S)
             wake.clear()
 
     async def tick(self) -> None:

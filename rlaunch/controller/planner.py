@@ -11,6 +11,8 @@ Rules (torchrun's semantics, plus standbys):
   against ``max_restarts``; past it the job fails.
 - A lost node (lease gone, or stopping) does not count as a restart: its node rank goes to the
   earliest-joined spare node. With no spare, the job waits up to ``replace_timeout`` for one.
+- A lost node is handled before worker failures seen in the same view: the new generation
+  restarts every worker anyway, and the failures are taken as caused by the loss.
 - When every assigned node reports success for the current generation, the job succeeded.
 """
 
@@ -65,16 +67,11 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
         return _fill(now, view, cfg, gen, survivors, lost)
 
     records = {n: view.nodes[n].record for n in gen.assignment}
-    failed = sorted(
-        n for n, r in records.items() if r.state is NodeState.FAILED and r.generation == gen.number
-    )
+    failed = sorted(n for n, r in records.items() if r.state is NodeState.FAILED and r.generation == gen.number)
     if failed:
         what = ", ".join(f"{n} (exit codes {records[n].exit_codes})" for n in failed)
         if gen.restart_count >= view.spec.max_restarts:
-            reason = (
-                f"workers failed on {what} and all {view.spec.max_restarts} restarts are used; "
-                "the job failed"
-            )
+            reason = f"workers failed on {what} and all {view.spec.max_restarts} restarts are used; the job failed"
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
         reason = (
             f"workers failed on {what}; restarting every node "
@@ -98,11 +95,7 @@ def _first(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generatio
     nnodes = view.spec.nnodes
     eligible = _by_join(
         view,
-        [
-            n
-            for n, v in view.nodes.items()
-            if not v.record.standby_only and v.record.state is NodeState.WAITING
-        ],
+        [n for n, v in view.nodes.items() if not v.record.standby_only and v.record.state is NodeState.WAITING],
     )
     if len(eligible) < nnodes:
         return None, f"waiting for nodes to join: {len(eligible)} of {nnodes} present"
@@ -124,11 +117,7 @@ def _fill(
     missing = [r for r in range(view.spec.nnodes) if r not in held]
     spares = _by_join(
         view,
-        [
-            n
-            for n, v in view.nodes.items()
-            if n not in survivors and v.record.state in _SPARE_STATES
-        ],
+        [n for n, v in view.nodes.items() if n not in survivors and v.record.state in _SPARE_STATES],
     )
     lost_txt = f"node(s) {', '.join(lost)} lost; " if lost else ""
     if len(spares) >= len(missing):
@@ -144,10 +133,7 @@ def _fill(
         )
     if gen.status is GenerationStatus.WAITING:
         if now >= gen.deadline:
-            reason = (
-                f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s; "
-                "the job failed"
-            )
+            reason = f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s; the job failed"
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
         return None, f"waiting for a node to take node rank(s) {missing}"
     reason = (

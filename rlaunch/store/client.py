@@ -150,15 +150,22 @@ class Store:
             ep = self.endpoint
             try:
                 return await asyncio.wait_for(fn(self._open()), self.timeout + 1.0)
-            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError,
-                    asyncio.TimeoutError) as exc:
+            except (
+                aetcd.exceptions.ConnectionFailedError,
+                aetcd.exceptions.ConnectionTimeoutError,
+                asyncio.TimeoutError,
+            ) as exc:
                 last = exc
                 await self.close()
                 self._index = (self._index + 1) % len(self.endpoints)
                 log.debug("etcd at %s failed (%r); trying the next endpoint", ep, exc)
             except aetcd.exceptions.ClientError as exc:
                 raise StoreError(f"etcd at {ep} refused the request: {exc}.") from exc
-        reason = "did not answer in time" if isinstance(last, (asyncio.TimeoutError, aetcd.exceptions.ConnectionTimeoutError)) else "is unreachable"
+        reason = (
+            "did not answer in time"
+            if isinstance(last, (asyncio.TimeoutError, aetcd.exceptions.ConnectionTimeoutError))
+            else "is unreachable"
+        )
         raise StoreUnavailableError(
             f"etcd at {self._describe()} {reason} (request timeout {self.timeout:.1f} s)."
         ) from last
@@ -191,6 +198,7 @@ class Store:
 
     async def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
         """Create ``key`` only if it does not exist; return whether it was created."""
+
         async def txn(c: aetcd.Client) -> bool:
             ok, _ = await c.transaction(
                 compare=[c.transactions.version(key.encode()) == 0],
@@ -208,6 +216,7 @@ class Store:
 
         ``guard=(key, mod_revision)`` adds the condition that ``key`` is unchanged since then.
         """
+
         async def txn(c: aetcd.Client) -> bool:
             t = c.transactions
             compare = [t.version(k.encode()) == 0 for k, _, _ in items]
@@ -233,20 +242,20 @@ class Store:
         ``also=(key2, value2)`` adds the fencing condition that ``key2`` still holds ``value2``
         (the controller's leadership). Returns whether the write happened.
         """
+
         async def txn(c: aetcd.Client) -> bool:
             t = c.transactions
             compare = [t.mod(key.encode()) == mod_revision]
             if also is not None:
                 compare.append(t.value(also[0].encode()) == also[1])
-            ok, _ = await c.transaction(
-                compare=compare, success=[t.put(key.encode(), value, lease=lease)], failure=[]
-            )
+            ok, _ = await c.transaction(compare=compare, success=[t.put(key.encode(), value, lease=lease)], failure=[])
             return bool(ok)
 
         return await self._call(txn)
 
     async def delete_prefix_guarded(self, prefix: str, key: str, mod_revision: int) -> bool:
         """Delete everything under ``prefix`` only if ``key`` is unchanged since ``mod_revision``."""
+
         async def txn(c: aetcd.Client) -> bool:
             t = c.transactions
             ok, _ = await c.transaction(

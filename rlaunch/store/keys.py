@@ -12,10 +12,7 @@ def _check_segment(kind: str, value: str) -> str:
     if not value or "/" in value or value.strip() != value:
         from rlaunch.errors import UsageError
 
-        raise UsageError(
-            f"The {kind} {value!r} is not valid: it must be non-empty, without '/' or "
-            "surrounding spaces."
-        )
+        raise UsageError(f"The {kind} {value!r} is not valid: it must be non-empty, without '/' or surrounding spaces.")
     return value
 
 

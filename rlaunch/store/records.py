@@ -168,24 +168,17 @@ def decode(cls: type[R], raw: bytes, where: str) -> R:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(
-            f"The record at {where} is not valid JSON ({exc}); delete or rewrite that key."
-        ) from exc
+        raise RecordError(f"The record at {where} is not valid JSON ({exc}); delete or rewrite that key.") from exc
     if not isinstance(obj, dict):
         raise RecordError(f"The record at {where} is not a JSON object; delete or rewrite that key.")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         if field.name not in obj:
-            has_default = (
-                field.default is not dataclasses.MISSING
-                or field.default_factory is not dataclasses.MISSING
-            )
+            has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
             if has_default:
                 continue
-            raise RecordError(
-                f"The record at {where} lacks the field {field.name!r}; delete or rewrite that key."
-            )
+            raise RecordError(f"The record at {where} lacks the field {field.name!r}; delete or rewrite that key.")
         kwargs[field.name] = _check(hints[field.name], obj[field.name], where, field.name)
     return cls(**kwargs)
 
@@ -220,9 +213,7 @@ def _check(tp: Any, value: Any, where: str, name: str) -> Any:
         key_tp, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise _bad(where, name, value, tp)
-        return {
-            _check(key_tp, k, where, name): _check(val_tp, v, where, name) for k, v in value.items()
-        }
+        return {_check(key_tp, k, where, name): _check(val_tp, v, where, name) for k, v in value.items()}
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -239,6 +230,5 @@ def _check(tp: Any, value: Any, where: str, name: str) -> Any:
 def _bad(where: str, name: str, value: Any, tp: Any) -> RecordError:
     shown = getattr(tp, "__name__", str(tp))
     return RecordError(
-        f"The record at {where} has {name}={value!r}, which is not a valid {shown}; "
-        "delete or rewrite that key."
+        f"The record at {where} has {name}={value!r}, which is not a valid {shown}; delete or rewrite that key."
     )

@@ -1,0 +1,196 @@
+"""Test harness: real rlaunch agents as subprocesses against a real etcd, and leftover checks.
+
+Every process a test starts carries ``RLAUNCH_TEST_TAG=<unique tag>`` in its environment
+(workers inherit it), so :func:`leftovers` finds anything a test left behind, orphans included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TAG_VAR = "RLAUNCH_TEST_TAG"
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``pred`` until truthy; fail the test naming ``what`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def leftovers(tag: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes carrying ``tag`` in their environment."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
+                continue
+            if proc.environ().get(TAG_VAR) == tag:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+class AgentProc:
+    """One ``rlaunch`` agent process; its combined output goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"agent {self.name} did not exit within {timeout:.0f} s; its output:\n{self.output()[-4000:]}"
+            ) from None
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def workers(self) -> list[psutil.Process]:
+        try:
+            return [c for c in psutil.Process(self.pid).children() if "etcd" not in c.name()]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill_with_workers(self) -> None:
+        """SIGKILL the agent and its workers at once, as a machine loss would."""
+        victims = [psutil.Process(self.pid), *self.workers()]
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self._log.close()
+
+
+class Cluster:
+    """Agents of one job (its own job id) against the shared test etcd."""
+
+    def __init__(self, endpoint: str, tmp: Path, tag: str) -> None:
+        self.endpoint = endpoint
+        self.job_id = "job-" + uuid.uuid4().hex[:8]
+        self.tmp = tmp
+        self.tag = tag
+        self.agents: dict[str, AgentProc] = {}
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env[TAG_VAR] = self.tag
+        env.pop("OMP_NUM_THREADS", None)
+        env.update(extra or {})
+        return env
+
+    def agent(
+        self,
+        node_id: str,
+        script: Path | str = TRAIN,
+        *script_args: str,
+        nnodes: int = 2,
+        flags: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> AgentProc:
+        argv = [
+            sys.executable, "-m", "rlaunch",
+            "--nnodes", str(nnodes), "--nproc-per-node", "1",
+            "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id,
+            "--node-id", node_id, "--lease-ttl", "3", "--rdzv-timeout", "60",
+            *flags, str(script), *script_args,
+        ]  # fmt: skip
+        agent = AgentProc(node_id, argv, self.env(env), self.tmp / f"agent-{node_id}.log")
+        self.agents[node_id] = agent
+        return agent
+
+    def agents_in_order(
+        self, node_ids: list[str], script: Path | str, *script_args: str, **kwargs: Any
+    ) -> list[AgentProc]:
+        """Start agents one after another, each once the previous one has registered.
+
+        Join order decides node ranks (the first ``--nnodes`` are active, the rest standbys).
+        """
+        started = []
+        for node_id in node_ids:
+            started.append(self.agent(node_id, script, *script_args, **kwargs))
+            wait_for(lambda n=node_id: self.node(n), 30, f"node {node_id} to register")
+        return started
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "rlaunch", *args], env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+
+    def status(self) -> dict[str, Any]:
+        """What ``rlaunch status --json`` prints (read in-process: faster than the CLI)."""
+        from rlaunch.cli.status import fetch_status
+
+        found = asyncio.run(fetch_status(self.endpoint, self.job_id, 5.0))
+        return found or {"generation": 0, "nodes": []}
+
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+
+
+def run_store(endpoint: str, coro_fn: Callable[[Any], Any]) -> Any:
+    """Run ``coro_fn(store)`` against the test etcd on a fresh event loop."""
+    from rlaunch.store.client import Store, parse_endpoints
+
+    async def go() -> Any:
+        store = Store(parse_endpoints(endpoint), timeout=5)
+        try:
+            return await coro_fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def checksums(text: str) -> set[str]:
+    """The ``checksum=...`` values the example script prints at the end."""
+    return {line.rsplit("checksum=", 1)[1].split()[0] for line in text.splitlines() if "checksum=" in line}

@@ -1,0 +1,69 @@
+"""Fixtures: one real etcd server per session, a cluster harness per test, leftover checks."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlaunch.store.embedded import EmbeddedEtcd
+from tests.cluster import TRAIN, Cluster, checksums, leftovers
+
+# Orphans of the processes tests start are reparented to pytest, which reaps them: a zombie
+# left after a test is then a defect of rlaunch, not of the container's init.
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _reap() -> None:
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    log = tmp_path_factory.mktemp("etcd") / "etcd.log"
+    server = EmbeddedEtcd(log_path=str(log)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def endpoint(etcd_server: EmbeddedEtcd) -> str:
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+def cluster(endpoint: str, tmp_path: Path) -> Iterator[Cluster]:
+    """A job of its own on the test etcd; asserts at the end that nothing it started survives."""
+    c = Cluster(endpoint, tmp_path, tag=uuid.uuid4().hex)
+    yield c
+    c.close()
+    _reap()
+    left = leftovers(c.tag)
+    for proc in left:
+        proc.kill()
+    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+@pytest.fixture(scope="session")
+def reference_checksum(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Final weights of an uninterrupted 2-rank run of the example (24 steps, seed 0)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(TRAIN), "--steps", "24"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    sums = checksums(out.stdout)
+    assert len(sums) == 1, out.stdout
+    return sums.pop()
