@@ -98,12 +98,14 @@ class AgentProc:
         self.proc.wait(10)
 
     def close(self) -> None:
+        """Stop the agent as a user would (SIGTERM), and SIGKILL it if it does not exit."""
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+                self.proc.wait(10)
         self._log.close()
 
 

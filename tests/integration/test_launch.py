@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.cluster import SCRIPTS, TRAIN, Cluster, checksums, run_store, wait_for
 
@@ -27,20 +28,32 @@ def test_two_active_and_a_standby_complete_the_example(cluster: Cluster, referen
     assert "checksum" not in c.output(), "the standby must not have run workers"
 
 
-def test_sigkill_of_an_active_node_hands_its_rank_to_the_standby(cluster: Cluster, reference_checksum: str) -> None:
+@pytest.mark.parametrize("victim", ["b", "controller"])
+def test_sigkill_of_an_active_node_hands_its_rank_to_the_standby(
+    cluster: Cluster, reference_checksum: str, victim: str
+) -> None:
     ckpt = cluster.tmp / "ckpt.pt"
     args = (*STEPS, "--step-time", "0.15", "--ckpt", str(ckpt), "--ckpt-every", "6")
-    a, b, c = cluster.agents_in_order(["a", "b", "c"], TRAIN, *args, flags=("--max-restarts", "2"))
+    agents = dict(
+        zip("abc", cluster.agents_in_order(["a", "b", "c"], TRAIN, *args, flags=("--max-restarts", "2")), strict=True)
+    )
     wait_for(ckpt.exists, 90, "the first checkpoint")
-    b.kill_with_workers()
+    before = cluster.status()
+    if victim == "controller":
+        victim = before["controller"]
+    lost_rank = next(n["node_rank"] for n in before["nodes"] if n["node_id"] == victim)
+    agents[victim].kill_with_workers()
     after = wait_for(
         lambda: (n := cluster.node("c")) and n["role"] == "active" and n["state"] == "running" and n,
         60, "the standby to take over",
     )  # fmt: skip
-    assert after["node_rank"] == 1 and after["ranks"] == [1]
-    assert a.wait(120) == 0 and c.wait(120) == 0
-    assert checksums(a.output() + c.output()) == {reference_checksum}
-    assert "resumed from step" in c.output()
+    assert after["node_rank"] == lost_rank and after["ranks"] == [lost_rank]
+    status = cluster.status()
+    assert status["controller"] in set(agents) - {victim}, "a live agent must lead"
+    survivors = [agents[n] for n in "abc" if n != victim]
+    assert [s.wait(120) for s in survivors] == [0, 0]
+    assert checksums("".join(s.output() for s in survivors)) == {reference_checksum}
+    assert "resumed from step" in agents["c"].output()
 
 
 def test_worker_failure_restarts_every_worker(cluster: Cluster) -> None:

@@ -1,0 +1,132 @@
+"""The etcd boundary against a real etcd server: guarded writes, leases, watches, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from rlaunch.errors import StoreUnavailableError
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.embedded import EmbeddedEtcd, free_port
+from tests.cluster import run_store
+
+
+def prefix() -> str:
+    return f"/rlaunch-test/{uuid.uuid4().hex[:8]}/"
+
+
+def test_create_is_exclusive_and_guarded_put_fences(endpoint: str) -> None:
+    p = prefix()
+
+    async def go(store: Store) -> None:
+        assert await store.create(p + "leader", b"a")
+        assert not await store.create(p + "leader", b"b"), "a second controller must not be elected"
+        assert not await store.put_guarded(p + "gen", b"1", mod_revision=5), "absent key: only revision 0 matches"
+        assert await store.put_guarded(p + "gen", b"1", mod_revision=0, also=(p + "leader", b"a"))
+        kv = await store.get(p + "gen")
+        assert kv is not None and kv.value == b"1"
+        # a stale writer (old revision) and a deposed leader are both refused
+        assert await store.put_guarded(p + "gen", b"2", kv.mod_revision, also=(p + "leader", b"a"))
+        assert not await store.put_guarded(p + "gen", b"3", kv.mod_revision, also=(p + "leader", b"a"))
+        kv2 = await store.get(p + "gen")
+        assert kv2 is not None
+        assert not await store.put_guarded(p + "gen", b"4", kv2.mod_revision, also=(p + "leader", b"b"))
+        assert (await store.get(p + "gen")).value == b"2"  # type: ignore[union-attr]
+
+    run_store(endpoint, go)
+
+
+def test_create_all_is_atomic(endpoint: str) -> None:
+    p = prefix()
+
+    async def go(store: Store) -> None:
+        await store.put(p + "b", b"taken")
+        assert not await store.create_all([(p + "a", b"1", None), (p + "b", b"2", None)])
+        assert await store.get(p + "a") is None, "nothing is written when one key exists"
+        assert await store.create_all([(p + "a", b"1", None), (p + "c", b"2", None)])
+
+    run_store(endpoint, go)
+
+
+def test_lease_expiry_deletes_attached_keys(endpoint: str) -> None:
+    p = prefix()
+
+    async def go(store: Store) -> None:
+        lease = await store.grant_lease(2)
+        await store.put(p + "node", b"x", lease=lease)
+        assert await store.refresh_lease(lease) > 0
+        granted, remaining = await store.lease_ttl(lease)
+        assert granted == 2 and 0 <= remaining <= 2
+        deadline = time.monotonic() + 10
+        while await store.get(p + "node") is not None:
+            assert time.monotonic() < deadline, "the key outlived its lease"
+            await asyncio.sleep(0.2)
+        assert await store.refresh_lease(lease) <= 0
+
+    run_store(endpoint, go)
+
+
+def test_watch_resumes_from_a_revision(endpoint: str) -> None:
+    p = prefix()
+
+    async def go(store: Store) -> None:
+        _, rev = await store.get_at(p + "k")
+        await store.put(p + "k", b"1")
+        await store.put(p + "k", b"2")
+        await store.delete(p + "k")
+        seen = []
+        async for ev in store.watch_prefix(p, start_revision=rev + 1):
+            seen.append((ev.value, ev.deleted))
+            if len(seen) == 3:
+                break
+        assert seen == [(b"1", False), (b"2", False), (b"", True)]
+
+    run_store(endpoint, go)
+
+
+def test_unreachable_endpoint_is_named() -> None:
+    port = free_port()
+
+    async def go() -> None:
+        store = Store(parse_endpoints(f"127.0.0.1:{port}"), timeout=1)
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=f"etcd at 127.0.0.1:{port} did not answer within 1.5 s"):
+            await store.connect(1.5)
+        assert time.monotonic() - start < 6
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_requests_fail_over_to_the_next_endpoint(endpoint: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    p = prefix()
+
+    async def go() -> None:
+        store = Store(parse_endpoints(f"{dead},{endpoint}"), timeout=1)
+        await store.connect(10)
+        await store.put(p + "x", b"1")
+        assert str(store.endpoint) == endpoint
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_losing_the_etcd_member_raises_a_store_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = EmbeddedEtcd().start()
+
+    async def go() -> None:
+        store = Store(parse_endpoints(server.endpoint), timeout=1)
+        await store.put("/x", b"1")
+        server.stop()
+        with pytest.raises(StoreUnavailableError, match=server.endpoint):
+            await store.get("/x")
+        await store.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
