@@ -10,9 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-pip() { python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+log=$(mktemp -t rlaunch-setup-XXXX.log)
+pip() {  # quiet unless it fails
+  python -m pip --disable-pip-version-check "$@" >"$log" 2>&1 || { cat "$log" >&2; echo "setup: pip $* failed" >&2; exit 1; }
+}
 if ! python -c "import torch" 2>/dev/null; then
   pip install torch==2.13.0
 fi
 pip install -e ".[test]"
 python -c "import torch, aetcd, rlaunch" || { echo "setup: the installation is incomplete" >&2; exit 1; }
+rm -f "$log"

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 EXIT_FAILED = 1
 #: How long workers get between SIGTERM and SIGKILL (torchrun's default shutdown timeout).
 SHUTDOWN_GRACE_S = 30.0
+#: How often stray zombie descendants are reaped (scanning /proc is not free).
+REAP_EVERY_S = 5.0
 
 
 def route_addr(ep: Endpoint) -> str:
@@ -95,6 +97,7 @@ class Agent:
         self._signal: int | None = None
         self._fenced: str | None = None
         self._reported: set[str] = set()
+        self._next_reap = 0.0
         self._log_root: Path | None = cfg.log_dir
         if self._log_root is None and any(v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())):
             self._log_root = Path(tempfile.mkdtemp(prefix="rlaunch_logs_"))
@@ -238,7 +241,9 @@ class Agent:
                 await self._check_workers()
             except StoreError as exc:
                 log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
-            reap_orphans(self._keep_pids)
+            if time.monotonic() >= self._next_reap:
+                reap_orphans(self._keep_pids)
+                self._next_reap = time.monotonic() + REAP_EVERY_S
             timeout = self.cfg.monitor_interval if self._workers else 1.0
             await wait_event(self._wake, timeout)
             self._wake.clear()

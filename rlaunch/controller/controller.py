@@ -19,13 +19,16 @@ from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import JobSpec, encode
+from rlaunch.store.records import GenerationStatus, JobSpec, encode
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
 
-#: The controller re-plans at least this often, for deadlines, even without etcd changes.
-TICK_S = 1.0
+#: While a deadline is pending (a generation waiting for a replacement node), re-plan this often.
+DEADLINE_TICK_S = 1.0
+#: Otherwise the controller plans on etcd changes only, plus this safety-net interval, so a quiet
+#: job costs etcd nothing but keepalives.
+IDLE_TICK_S = 30.0
 
 
 class Controller:
@@ -48,6 +51,7 @@ class Controller:
         self._clock = clock
         self._last_reason = ""
         self._reported: set[str] = set()
+        self._deadline_pending = False
         self.leading = False
 
     @property
@@ -55,7 +59,11 @@ class Controller:
         return self._cfg.controller
 
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
-        """Campaign for leadership and tick while leading, until ``stop`` is set."""
+        """Campaign for leadership and tick while leading, until ``stop`` is set.
+
+        Between changes of the job's keys nothing is sent to etcd, except a safety-net tick
+        every ``IDLE_TICK_S`` (and every ``DEADLINE_TICK_S`` while a deadline is pending).
+        """
         while not stop.is_set():
             try:
                 if not self.leading:
@@ -68,7 +76,9 @@ class Controller:
                     await self.tick()
             except StoreError as exc:
                 log.warning("[%s] controller tick failed: %s", self.node_id, exc)
-            await wait_event(wake, TICK_S)
+            # ``wake`` is set by the agent's watch on every change of the job's keys, including
+            # the leader key vanishing: non-leaders campaign then, not on a timer.
+            await wait_event(wake, DEADLINE_TICK_S if self.leading and self._deadline_pending else IDLE_TICK_S)
             wake.clear()
 
     async def tick(self) -> None:
@@ -86,6 +96,8 @@ class Controller:
             return  # reported above; planning over it could undo a running generation
         view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation)
         new, reason = plan(self._clock(), view, self._cfg)
+        after = new or snap.generation
+        self._deadline_pending = after is not None and after.status is GenerationStatus.WAITING
         if reason != self._last_reason:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason
