@@ -380,6 +380,7 @@ class Agent:
                 if kv is not None:
                     self._take_generation(kv.value)
                 self._wake.set()
+                self._ctl_wake.set()  # anything may have changed while the watch was down
                 async for ev in self.store.watch_prefix(self.keys.prefix, start_revision=revision + 1):
                     if ev.key.startswith(self.keys.events_prefix):
                         continue

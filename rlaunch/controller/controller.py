@@ -25,10 +25,9 @@ from rlaunch.waiting import wait_event
 log = logging.getLogger(__name__)
 
 #: While a deadline is pending (a generation waiting for a replacement node), re-plan this often.
+#: Otherwise the controller plans on etcd changes only, so a quiet job costs etcd nothing but
+#: lease keepalives.
 DEADLINE_TICK_S = 1.0
-#: Otherwise the controller plans on etcd changes only, plus this safety-net interval, so a quiet
-#: job costs etcd nothing but keepalives.
-IDLE_TICK_S = 30.0
 
 
 class Controller:
@@ -61,8 +60,9 @@ class Controller:
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         """Campaign for leadership and tick while leading, until ``stop`` is set.
 
-        Between changes of the job's keys nothing is sent to etcd, except a safety-net tick
-        every ``IDLE_TICK_S`` (and every ``DEADLINE_TICK_S`` while a deadline is pending).
+        ``wake`` is set by the agent's watch on every change of the job's keys and whenever the
+        watch (re)starts; between changes nothing is sent to etcd, except every
+        ``DEADLINE_TICK_S`` while a deadline is pending.
         """
         while not stop.is_set():
             try:
@@ -76,9 +76,8 @@ class Controller:
                     await self.tick()
             except StoreError as exc:
                 log.warning("[%s] controller tick failed: %s", self.node_id, exc)
-            # ``wake`` is set by the agent's watch on every change of the job's keys, including
-            # the leader key vanishing: non-leaders campaign then, not on a timer.
-            await wait_event(wake, DEADLINE_TICK_S if self.leading and self._deadline_pending else IDLE_TICK_S)
+            # Non-leaders campaign when the leader key changes (it vanishes with its lease).
+            await wait_event(wake, DEADLINE_TICK_S if self.leading and self._deadline_pending else None)
             wake.clear()
 
     async def tick(self) -> None:

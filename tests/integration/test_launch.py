@@ -148,3 +148,31 @@ def test_events_are_written_to_etcd(cluster: Cluster) -> None:
     for kind in ("node_joined", "controller_elected", "generation", "workers_started", "workers_failed"):
         assert kind in kinds, kinds
     assert [e["time"] for e in events] == sorted(e["time"] for e in events)
+
+
+def _etcd_requests(endpoint: str) -> dict[str, float]:
+    """Requests etcd has handled, by gRPC method, from its own Prometheus counters."""
+    import urllib.request
+
+    counts: dict[str, float] = {}
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(("grpc_server_handled_total{", "grpc_server_msg_received_total{")):
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            counts[method] = counts.get(method, 0.0) + float(value)
+    return counts
+
+
+def test_steady_state_etcd_traffic_is_only_lease_keepalives(cluster: Cluster) -> None:
+    """While training runs, agents and controller send etcd nothing but lease renewals."""
+    agents = cluster.agents_in_order(["a", "b", "c"], TRAIN, "--steps", "100000", "--step-time", "0.01")
+    wait_for(lambda: all(a.workers() for a in agents[:2]), 60, "the workers to start")
+    wait_for(lambda: "step 20/" in agents[0].output(), 60, "training to make progress")
+    time.sleep(1.0)  # let the start-up writes settle
+    before = _etcd_requests(cluster.endpoint)
+    time.sleep(6.0)
+    after = _etcd_requests(cluster.endpoint)
+    grew = {m: after[m] - before.get(m, 0.0) for m in after if after[m] != before.get(m, 0.0)}
+    assert grew.get("LeaseKeepAlive", 0) > 0, "keepalives must continue"
+    assert set(grew) <= {"LeaseKeepAlive"}, f"steady-state etcd requests beyond keepalives: {grew}"
