@@ -155,3 +155,25 @@ def test_script_named_like_a_subcommand_runs_with_run(tmp_path: Path) -> None:
     res = rlaunch("run", "--standalone", str(script), timeout=60)
     assert res.returncode == 0, res.stderr
     assert "launched the script called status" in res.stdout
+
+
+def test_standby_flag_keeps_an_early_node_out_of_the_active_set(cluster: Cluster) -> None:
+    c = cluster.agent("c", SCRIPTS / "sleeper.py", flags=("--standby",))
+    wait_for(lambda: cluster.node("c"), 30, "node c to register")
+    cluster.agents_in_order(["a", "b"], SCRIPTS / "sleeper.py")
+    status = wait_for(lambda: (s := cluster.status())["generation"] == 1 and s, 30, "the first generation")
+    roles = {n["node_id"]: (n["role"], n["node_rank"]) for n in status["nodes"]}
+    assert roles == {"a": ("active", 0), "b": ("active", 1), "c": ("standby", None)}
+    assert c.proc.poll() is None
+
+
+def test_pet_environment_variables_are_read_as_torchrun_does(endpoint: str) -> None:
+    import os
+
+    env = {**os.environ, "PET_MAX_RESTARTS": "x"}
+    res = rlaunch("--rdzv-endpoint", endpoint, str(TRAIN), env=env)
+    assert res.returncode == 2
+    assert "PET_MAX_RESTARTS" in res.stderr
+    env = {**os.environ, "PET_NNODES": "2:4"}
+    res = rlaunch("--rdzv-endpoint", endpoint, str(TRAIN), env=env)
+    assert res.returncode == 2 and "--nnodes '2:4'" in res.stderr
