@@ -26,8 +26,9 @@ from typing import Any
 
 from rlaunch.agent.config import LaunchConfig, Std
 from rlaunch.agent.control import ControlServer
-from rlaunch.agent.env import worker_env
+from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.logs import LogPolicy
+from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
 from rlaunch.controller.planner import PlannerConfig
@@ -39,6 +40,7 @@ from rlaunch.store.embedded import free_port
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import (
     Ack,
+    DrainedMark,
     Generation,
     GenerationStatus,
     JobSpec,
@@ -94,6 +96,11 @@ class Agent:
         self._worker_gen = 0
         self._acked_gen = 0
         self._starts = 0
+        self._sandbox = False  # the running workers are a standby's sandbox workers
+        self._sandbox_tried = False
+        self._nodes_changed = True
+        self._leaving = False
+        self._prepared_reported: set[int] = set()
         self._signal: int | None = None
         self._fenced: str | None = None
         self._reported: set[str] = set()
@@ -120,11 +127,15 @@ class Agent:
         self.events = EventLog(self.store, self.keys, self.node_id, jsonl, self._clock)
         self.events.start()
         self.control = ControlServer()
+        self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
+        self.link.node_id = self.node_id
+        self.link.sandbox_steps = self.cfg.sandbox_steps
         tasks: list[asyncio.Task[Any]] = []
         try:
             self._lease = await self.store.grant_lease(self.cfg.lease_ttl)
             await self._join()
             self.control.register("info", self._info)
+            self.link.register(self.control)
             await self.control.start()
             controller = Controller(
                 self.store, self.keys, self._spec,
@@ -184,6 +195,11 @@ class Agent:
                 if await self.store.create_all(items):
                     break
                 continue
+            if await self.store.get(self.keys.drained(self.node_id)) is not None:
+                raise JoinError(
+                    f"Node {self.node_id!r} was drained from job {self.cfg.job_id!r}; run `rlaunch undrain "
+                    f"{self.node_id} --rdzv-endpoint ... --rdzv-id {self.cfg.job_id}` before it rejoins."
+                )
             try:
                 theirs = decode(JobSpec, spec_kv.value, self.keys.spec)
             except RecordError as exc:
@@ -239,6 +255,7 @@ class Agent:
                 if code is not None:
                     return code
                 await self._check_workers()
+                await self._sync_link()
             except StoreError as exc:
                 log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
             if time.monotonic() >= self._next_reap:
@@ -259,15 +276,23 @@ class Agent:
                 return 0
             log.error("[%s] the job failed: %s", self.node_id, gen.reason)
             return EXIT_FAILED
+        if self.node_id in gen.leavers:
+            return await self._leave(gen)
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
-            await self._stop_workers()
-            target = NodeState.RESTARTING if node_rank is not None else NodeState.STANDBY
-            if self._record is None or self._record.state is not target or self._record.generation != gen.number:
-                await self._publish(target, gen.number)
+            await self._stand_by(gen, holds_ranks=node_rank is not None)
             return None
         if self._worker_gen == gen.number:
             return None  # our workers for this generation run or have ended; the controller decides
+        if gen.kind == "migrate" and self._workers is not None:
+            # Live: survivors keep their processes; a warm standby's workers become the joiner.
+            role = "joiner" if self._sandbox else "survivor"
+            self.link.offer(gen, role, self.cfg.nproc_per_node)
+            self._sandbox = False
+            self._worker_gen = gen.number
+            self.events.emit("migration_offered", gen.number, role=role, leavers=gen.leavers, joiners=gen.joiners)
+            await self._publish(NodeState.RUNNING, gen.number)
+            return None
         if self._acked_gen != gen.number:
             await self._stop_workers()
             await self._publish(NodeState.RESTARTING, gen.number)
@@ -285,6 +310,46 @@ class Agent:
             self._start_workers(gen)
             await self._publish(NodeState.RUNNING, gen.number)
         return None
+
+    async def _stand_by(self, gen: Generation, holds_ranks: bool) -> None:
+        """Hold no running ranks: keep (or start) warm sandbox workers when the job can use them."""
+        if self._workers is not None and not self._sandbox:
+            await self._stop_workers()
+        if holds_ranks:
+            target = NodeState.RESTARTING
+        else:
+            if self._workers is None and not self._sandbox_tried and self._nodes_changed:
+                self._nodes_changed = False  # re-read node records only when the watch saw them change
+                if await self._job_uses_runtime(gen):
+                    self._start_sandbox(gen)
+            warming = self._sandbox and len(self.link.state.warm) < self.cfg.nproc_per_node
+            target = NodeState.WARMING if warming else NodeState.STANDBY
+        if self._record is None or self._record.state is not target or self._record.generation != gen.number:
+            await self._publish(target, gen.number)
+
+    async def _job_uses_runtime(self, gen: Generation) -> bool:
+        snap = await read_snapshot(self.store, self.keys)
+        return any(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
+
+    async def _leave(self, gen: Generation) -> int | None:
+        """This node leaves in ``gen``: hand its state over (or stop), then exit 0 as drained."""
+        if not self._leaving:
+            self._leaving = True
+            await self._publish(NodeState.DRAINING, gen.number)
+            if gen.kind == "migrate" and self._workers is not None:
+                self.link.offer(gen, "leaver", self.cfg.nproc_per_node)
+                self.events.emit("migration_offered", gen.number, role="leaver", joiners=gen.joiners)
+            else:
+                await self._stop_workers()
+        if self._workers is not None:
+            return None  # the workers exit 0 once they have sent their state
+        joiner = gen.joiners[gen.leavers.index(self.node_id)]
+        mark = DrainedMark(node_id=self.node_id, generation=gen.number, replaced_by=joiner, at=self._clock())
+        await self.store.put(self.keys.drained(self.node_id), encode(mark))
+        await self._publish(NodeState.DRAINED, gen.number)
+        self.events.emit("drained", gen.number, replaced_by=joiner)
+        log.info("[%s] drained: node rank %d now belongs to %s", self.node_id, gen.assignment[joiner], joiner)
+        return 0
 
     def _start_workers(self, gen: Generation) -> None:
         nproc = gen.nproc_per_node
@@ -305,9 +370,11 @@ class Agent:
             self._log_root / self.cfg.job_id / self.node_id / f"attempt_{gen.number}" if self._log_root else None
         )
         policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
+        self.link.reset("active", gen)
         group = WorkerGroup(self.cfg.command(self._python), envs, ranks, policy)
         group.start()
         self._workers = group
+        self._sandbox = False
         self._worker_gen = gen.number
         self._starts += 1
         self.events.emit(
@@ -315,11 +382,44 @@ class Agent:
             node_rank=gen.assignment[self.node_id], restart_count=gen.restart_count,
         )  # fmt: skip
 
+    def _start_sandbox(self, gen: Generation) -> None:
+        """Start this standby's workers in sandbox mode: they warm up, then wait for ranks."""
+        self._sandbox_tried = True
+        envs = [
+            standby_env(
+                os.environ,
+                gen,
+                node_id=self.node_id,
+                local_rank=i,
+                job_id=self.cfg.job_id,
+                agent_addr=self.control.path,
+            )  # fmt: skip
+            for i in range(gen.nproc_per_node)
+        ]
+        attempt_dir = self._log_root / self.cfg.job_id / self.node_id / "standby" if self._log_root else None
+        policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
+        self.link.reset("standby", gen)
+        group = WorkerGroup(self.cfg.command(self._python), envs, [f"s{i}" for i in range(gen.nproc_per_node)], policy)
+        group.start()
+        self._workers = group
+        self._sandbox = True
+        self.events.emit("sandbox_started", gen.number, pids=group.pids)
+
     async def _check_workers(self) -> None:
         group = self._workers
         if group is None:
             return
         codes = group.poll()
+        if self._sandbox and any(c is not None for c in codes):
+            self._workers = None
+            self._sandbox = False
+            await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
+            log.error("[%s] sandbox workers exited (codes %s); this standby is not warm", self.node_id, codes)
+            self.events.emit("sandbox_failed", self._worker_gen, codes={str(i): c for i, c in enumerate(codes)})
+            return
+        if self._leaving and all(c == 0 for c in codes):
+            self._workers = None  # they handed their state over; _leave finishes the drain
+            return
         if any(c is not None and c != 0 for c in codes):
             self._workers = None
             final = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
@@ -341,6 +441,17 @@ class Agent:
             self._workers = None
             self.events.emit("workers_succeeded", self._worker_gen)
             await self._publish(NodeState.SUCCEEDED, self._worker_gen)
+
+    async def _sync_link(self) -> None:
+        """Publish what the workers reported: runtime use, and readiness for a migration."""
+        state = self.link.state
+        uses_runtime = len(state.hello) >= self.cfg.nproc_per_node
+        if self._record is not None and self._record.runtime != uses_runtime and self._workers is not None:
+            await self._publish(self._record.state, self._record.generation)
+        for gen, ranks in state.prepared.items():
+            if len(ranks) >= self.cfg.nproc_per_node and gen not in self._prepared_reported:
+                self._prepared_reported.add(gen)
+                self.events.emit("prepared", gen)
 
     async def _stop_workers(self) -> None:
         group, self._workers = self._workers, None
@@ -379,13 +490,16 @@ class Agent:
                 kv, revision = await self.store.get_at(self.keys.generation)
                 if kv is not None:
                     self._take_generation(kv.value)
+                self._nodes_changed = True  # anything may have changed while the watch was down
                 self._wake.set()
-                self._ctl_wake.set()  # anything may have changed while the watch was down
+                self._ctl_wake.set()
                 async for ev in self.store.watch_prefix(self.keys.prefix, start_revision=revision + 1):
                     if ev.key.startswith(self.keys.events_prefix):
                         continue
                     if ev.key == self.keys.generation and not ev.deleted:
                         self._take_generation(ev.value)
+                    elif ev.key.startswith(self.keys.nodes_prefix):
+                        self._nodes_changed = True
                     self._wake.set()
                     self._ctl_wake.set()
             except StoreError as exc:
@@ -422,6 +536,7 @@ class Agent:
             master_port=free_port("0.0.0.0"),
             updated_at=self._clock(),
             exit_codes=exit_codes or {},
+            runtime=len(self.link.state.hello) >= self.cfg.nproc_per_node,
         )
 
     async def _publish(

@@ -53,6 +53,8 @@ class LaunchConfig:
     lease_ttl: int
     rdzv_timeout: float
     local_addr: str | None
+    #: sandbox iterations a standby's workers run before they report ready (0: no warm-up)
+    sandbox_steps: int = 3
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -187,6 +189,7 @@ def build_config(
     lease_ttl: int,
     rdzv_timeout: float,
     local_addr: str | None,
+    sandbox_steps: int = 3,
 ) -> LaunchConfig:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
@@ -198,6 +201,8 @@ def build_config(
         raise UsageError(f"--monitor-interval {monitor_interval} is not valid: give a positive number of seconds.")
     if lease_ttl < 2:
         raise UsageError(f"--lease-ttl {lease_ttl} is not valid: give at least 2 seconds.")
+    if sandbox_steps < 0:
+        raise UsageError(f"--sandbox-steps {sandbox_steps} is not valid: give 0 or more.")
     if master_port is not None and not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is not valid: give a port between 1 and 65535.")
     n = parse_nnodes(nnodes)
@@ -237,4 +242,5 @@ def build_config(
         lease_ttl=lease_ttl,
         rdzv_timeout=rdzv_timeout,
         local_addr=local_addr,
+        sandbox_steps=sandbox_steps,
     )

@@ -49,8 +49,8 @@ class ControlServer:
                     reply = {"error": f"The request {line[:200]!r} failed: {exc}."}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the worker went away, or the agent is shutting down
         finally:
             writer.close()
 

@@ -47,3 +47,31 @@ def worker_env(
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def standby_env(
+    base: Mapping[str, str],
+    gen: Generation,
+    *,
+    node_id: str,
+    local_rank: int,
+    job_id: str,
+    agent_addr: str,
+) -> dict[str, str]:
+    """A standby's sandbox worker: no rank yet (the runtime learns it when given one)."""
+    env = {k: v for k, v in base.items() if k not in ("RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(gen.world_size),
+        LOCAL_WORLD_SIZE=str(gen.nproc_per_node),
+        GROUP_WORLD_SIZE=str(gen.nnodes),
+        ROLE_WORLD_SIZE=str(gen.world_size),
+        ROLE_NAME=ROLE_NAME,
+        TORCHELASTIC_RUN_ID=job_id,
+        RLAUNCH_AGENT_ADDR=agent_addr,
+        RLAUNCH_NODE_ID=node_id,
+        RLAUNCH_ROLE="standby",
+        RLAUNCH_JOB_ID=job_id,
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

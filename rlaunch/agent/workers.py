@@ -45,18 +45,19 @@ class WorkerGroup:
     """
 
     def __init__(
-        self, cmd: Sequence[str], envs: Sequence[dict[str, str]], ranks: Sequence[int], policy: LogPolicy
+        self, cmd: Sequence[str], envs: Sequence[dict[str, str]], labels: Sequence[int | str], policy: LogPolicy
     ) -> None:
+        """``labels[i]`` names local worker ``i`` on the console: its rank, or ``s<i>`` on a standby."""
         self._cmd = list(cmd)
         self._envs = list(envs)
-        self._ranks = list(ranks)
+        self._labels = list(labels)
         self._policy = policy
         self.procs: list[subprocess.Popen[bytes]] = []
         self._pumps: list[StreamPump] = []
 
     def start(self) -> None:
         out, err = console_streams()
-        for local_rank, (env, rank) in enumerate(zip(self._envs, self._ranks, strict=True)):
+        for local_rank, (env, label) in enumerate(zip(self._envs, self._labels, strict=True)):
             proc = subprocess.Popen(
                 self._cmd,
                 env=env,
@@ -67,7 +68,7 @@ class WorkerGroup:
                 preexec_fn=_child_setup,  # noqa: PLW1509 - only calls prctl
             )
             self.procs.append(proc)
-            prefix = f"[{self._policy.node_id}/{rank}] "
+            prefix = f"[{self._policy.node_id}/{label}] "
             for stream, pipe, console in ((Std.OUT, proc.stdout, out), (Std.ERR, proc.stderr, err)):
                 to_console, path = self._policy.targets(local_rank, stream)
                 assert pipe is not None

@@ -11,7 +11,9 @@ import sys
 import typer
 
 from rlaunch import __version__
+from rlaunch.cli.drain import drain, undrain
 from rlaunch.cli.etcd import etcd
+from rlaunch.cli.events import events
 from rlaunch.cli.launch import run
 from rlaunch.cli.status import status
 
@@ -21,9 +23,12 @@ app.command(
     help="Launch SCRIPT on this node (the default when the first word is no subcommand).",
 )(run)  # fmt: skip
 app.command("status")(status)
+app.command("drain")(drain)
+app.command("undrain")(undrain)
+app.command("events")(events)
 app.command("etcd")(etcd)
 
-SUBCOMMANDS = ("run", "status", "etcd")
+SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd")
 
 
 def main(argv: list[str] | None = None) -> None:

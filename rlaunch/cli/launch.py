@@ -64,6 +64,9 @@ def run(
         False, "--standby", help="Join only as a warm standby, never among the first --nnodes.", env=False
     ),
     lease_ttl: int = _opt(5, "--lease-ttl", help="Seconds after which a silent node counts as lost.", env=False),
+    sandbox_steps: int = _opt(
+        3, "--sandbox-steps", help="Warm-up iterations a standby runs in its sandbox (0: none).", env=False
+    ),
     rdzv_timeout: float = _opt(
         600.0, "--rdzv-timeout", help="Longest wait, in seconds, for etcd and for the rendezvous.", env=False
     ),
@@ -77,7 +80,7 @@ def run(
             max_restarts=max_restarts, monitor_interval=monitor_interval, log_dir=log_dir,
             redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter, module=module,
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
-            lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr,
+            lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
         )  # fmt: skip
         if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
             log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)

@@ -93,7 +93,7 @@ class Controller:
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
-        view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation)
+        view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains))
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation
         self._deadline_pending = after is not None and after.status is GenerationStatus.WAITING
@@ -110,8 +110,10 @@ class Controller:
         )
         if written:
             self._events.emit(
-                "generation", new.number, status=new.status.value, reason=reason,
+                "generation", new.number, status=new.status.value, reason=reason, plan=new.kind,
                 assignment=new.assignment, restart_count=new.restart_count,
             )  # fmt: skip
+            for leaver in new.leavers:
+                await self._store.delete(self._keys.drain_request(leaver))
         else:
             log.info("[%s] generation changed under the controller; re-planning", self.node_id)

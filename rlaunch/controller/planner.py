@@ -14,6 +14,10 @@ Rules (torchrun's semantics, plus standbys):
 - A lost node is handled before worker failures seen in the same view: the new generation
   restarts every worker anyway, and the failures are taken as caused by the loss.
 - When every assigned node reports success for the current generation, the job succeeded.
+- A drain request for an active node, once every node runs the current generation and a
+  standby is ready, hands the node rank to that standby: live (``migrate``: nobody else
+  restarts) when every active node's workers use the runtime, else by a restart that does not
+  count against ``max_restarts``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from rlaunch.store.records import (
     NodeState,
 )
 
-#: States in which a node not holding ranks may be given some.
-_SPARE_STATES = (NodeState.WAITING, NodeState.STANDBY)
+#: States in which a node not holding ranks may be given some in a restart.
+_SPARE_STATES = (NodeState.WAITING, NodeState.WARMING, NodeState.STANDBY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,8 @@ class ClusterView:
     spec: JobSpec
     nodes: dict[str, NodeView]
     generation: Generation | None
+    #: node ids with a pending drain request
+    drains: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +90,35 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if all(r.state is NodeState.SUCCEEDED and r.generation == gen.number for r in records.values()):
         reason = f"every node finished generation {gen.number}; the job succeeded"
         return dataclasses.replace(gen, status=GenerationStatus.SUCCEEDED, reason=reason), reason
+    if view.drains:
+        return _drain(now, view, cfg, gen, records)
     return None, f"generation {gen.number} is running"
+
+
+def _drain(
+    now: float, view: ClusterView, cfg: PlannerConfig, gen: Generation, records: dict[str, NodeRecord]
+) -> tuple[Generation | None, str]:
+    """Hand a draining node's rank to a ready standby (one drain at a time)."""
+    leaver = min((n for n in view.drains if n in gen.assignment), key=lambda n: gen.assignment[n], default=None)
+    if leaver is None:
+        return None, f"drain requested for {sorted(view.drains)}, which hold no ranks"
+    settled = all(r.state is NodeState.RUNNING and r.generation == gen.number for r in records.values())
+    if not settled:
+        return None, f"drain of {leaver} waits until every node runs generation {gen.number}"
+    ready = _by_join(
+        view, [n for n, v in view.nodes.items() if n not in gen.assignment and v.record.state is NodeState.STANDBY]
+    )
+    if not ready:
+        return None, f"drain of {leaver} waits for a ready standby"
+    joiner = ready[0]
+    assignment = dict(gen.assignment)
+    assignment[joiner] = assignment.pop(leaver)
+    live = all(r.runtime for r in records.values()) and view.nodes[joiner].record.runtime
+    kind = "migrate" if live else "restart"
+    how = "live" if live else "by restarting every worker (the script does not use rlaunch.init())"
+    reason = f"draining {leaver}: {joiner} takes node rank {assignment[joiner]} {how}"
+    new = _generation(now, view, cfg, gen.number + 1, assignment, gen.restart_count, reason)
+    return dataclasses.replace(new, kind=kind, leavers=[leaver], joiners=[joiner]), reason
 
 
 def _by_join(view: ClusterView, names: list[str]) -> list[str]:

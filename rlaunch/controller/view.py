@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 from rlaunch.controller.planner import NodeView
 from rlaunch.errors import RecordError
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import Generation, JobSpec, NodeRecord, decode
+from rlaunch.store.records import DrainedMark, DrainRequest, Generation, JobSpec, NodeRecord, decode
+
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,8 @@ class JobSnapshot:
     problems: list[str]
     #: the generation key exists but does not parse: nobody may plan over it blindly
     generation_malformed: bool = False
+    drains: dict[str, DrainRequest] = dataclasses.field(default_factory=dict)
+    drained: dict[str, DrainedMark] = dataclasses.field(default_factory=dict)
 
 
 async def read_snapshot(store: Store, keys: JobKeys) -> JobSnapshot:
@@ -63,4 +68,17 @@ async def read_snapshot(store: Store, keys: JobKeys) -> JobSnapshot:
             continue
         nodes[record.node_id] = NodeView(record=record, join_revision=kv.create_revision)
         leases[record.node_id] = kv.lease
-    return JobSnapshot(spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad)
+    drains = {r.node_id: r for r in await _records(store, keys.drains_prefix, DrainRequest, problems)}
+    drained = {m.node_id: m for m in await _records(store, keys.drained_prefix, DrainedMark, problems)}
+    return JobSnapshot(spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad, drains, drained)
+
+
+async def _records(store: Store, prefix: str, cls: type[R], problems: list[str]) -> list[R]:
+    out = []
+    kvs, _ = await store.get_prefix(prefix)
+    for kv in kvs:
+        try:
+            out.append(decode(cls, kv.value, kv.key))
+        except RecordError as exc:
+            problems.append(str(exc))
+    return out

@@ -56,6 +56,24 @@ class JobKeys:
     def all_acks_prefix(self) -> str:
         return self.prefix + "acks/"
 
+    def kv(self, key: str) -> str:
+        """A key of the c10d store that workers build their groups on."""
+        return f"{self.prefix}kv/{key}"
+
+    @property
+    def drains_prefix(self) -> str:
+        return self.prefix + "requests/drain/"
+
+    def drain_request(self, node_id: str) -> str:
+        return self.drains_prefix + _check_segment("node id", node_id)
+
+    @property
+    def drained_prefix(self) -> str:
+        return self.prefix + "drained/"
+
+    def drained(self, node_id: str) -> str:
+        return self.drained_prefix + _check_segment("node id", node_id)
+
     @property
     def events_prefix(self) -> str:
         return self.prefix + "events/"

@@ -24,7 +24,11 @@ class NodeState(str, enum.Enum):
 
     Transitions (by the node's own agent):
     - ``waiting`` → ``running`` (assigned ranks in a generation) | ``standby`` (not assigned)
+      | ``warming`` (not assigned, in a job whose workers use the runtime)
+    - ``warming`` → ``standby`` (its sandbox iterations are done: a ready standby)
     - ``standby`` → ``running`` (given ranks)
+    - ``running`` → ``draining`` (it leaves in a migration) → ``drained`` (its state was handed
+      over; the agent exits 0 and leaves a ``drained/`` mark until ``rlaunch undrain``)
     - ``running`` → ``succeeded`` | ``failed`` (its workers ended) | ``restarting``
     - ``restarting`` → ``running`` (all nodes of the new generation are ready) | ``standby``
     - ``succeeded`` | ``failed`` → ``restarting`` (a new generation) | removed (job ended)
@@ -32,12 +36,15 @@ class NodeState(str, enum.Enum):
     """
 
     WAITING = "waiting"
+    WARMING = "warming"
     STANDBY = "standby"
     RESTARTING = "restarting"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPING = "stopping"
+    DRAINING = "draining"
+    DRAINED = "drained"
 
 
 class GenerationStatus(str, enum.Enum):
@@ -99,6 +106,8 @@ class NodeRecord:
     updated_at: float
     exit_codes: dict[str, int] = dataclasses.field(default_factory=dict)
     message: str = ""
+    #: every local worker called ``rlaunch.init()``: the job can migrate live
+    runtime: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,11 @@ class Generation:
     controller: str
     created_at: float
     deadline: float = 0.0
+    #: ``restart``: every worker starts anew; ``migrate``: leavers hand their ranks to joiners
+    #: live (``joiners[i]`` takes the node rank of ``leavers[i]``); others keep their processes
+    kind: str = "restart"
+    leavers: list[str] = dataclasses.field(default_factory=list)
+    joiners: list[str] = dataclasses.field(default_factory=list)
 
     def node_rank(self, node_id: str) -> int | None:
         return self.assignment.get(node_id)
@@ -131,6 +145,24 @@ class Generation:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRequest:
+    """``rlaunch drain NODE``: move the node's ranks to a ready standby."""
+
+    node_id: str
+    requested_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainedMark:
+    """Left by a drained node's agent; a node with a mark may rejoin only after undrain."""
+
+    node_id: str
+    generation: int
+    replaced_by: str
+    at: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,208 @@
+"""The agent's side of the worker runtime: requests workers send over the control socket.
+
+- ``hello``: a worker announces it uses the runtime; it learns its role, rank and generation.
+- ``kv_*``: c10d store operations, kept in etcd under ``kv/`` (groups are built on them).
+- ``wait_plan``: a long wait for the next migration this worker takes part in.
+- ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched``: progress reports, which the
+  agent turns into node states and events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from rlaunch.agent.control import ControlServer
+from rlaunch.errors import StoreError
+from rlaunch.store.client import Store
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Generation
+
+#: Longest a worker may be kept in one ``wait_plan`` call before it asks again.
+PLAN_WAIT_S = 30.0
+
+
+@dataclasses.dataclass
+class LinkState:
+    """What the node's workers have reported, for the agent's main loop."""
+
+    hello: set[int] = dataclasses.field(default_factory=set)
+    warm: set[int] = dataclasses.field(default_factory=set)
+    prepared: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    left: set[int] = dataclasses.field(default_factory=set)
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        store: Store,
+        keys: JobKeys,
+        lease: Callable[[], int],
+        emit: Callable[..., None],
+        wake: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._lease = lease
+        self._emit = emit
+        self._wake = wake
+        self.state = LinkState()
+        self.role = "active"
+        self.generation: Generation | None = None
+        self.node_id = ""
+        self.sandbox_steps = 3
+        self._plans: dict[int, dict[str, Any]] = {}
+        self._plan_changed = asyncio.Event()
+
+    def register(self, server: ControlServer) -> None:
+        for op in ("hello", "wait_plan", "warm", "prepared", "joined", "left", "switched",
+                   "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count"):  # fmt: skip
+            server.register(op, getattr(self, "_" + op))
+
+    def reset(self, role: str, generation: Generation | None) -> None:
+        """New workers are starting: forget what the previous ones reported."""
+        self.state = LinkState()
+        self.role = role
+        self.generation = generation
+        self._plans.clear()
+
+    def offer(self, gen: Generation, role: str, nproc: int) -> None:
+        """Hand migration ``gen`` to the local workers as ``role`` (survivor|leaver|joiner)."""
+        moved: list[int] = []
+        for joiner in gen.joiners:
+            moved.extend(gen.ranks_of(joiner))
+        if role == "leaver":
+            base = gen.assignment[gen.joiners[gen.leavers.index(self.node_id)]] * gen.nproc_per_node
+        else:
+            base = gen.assignment[self.node_id] * gen.nproc_per_node
+        for local_rank in range(nproc):
+            self._plans[local_rank] = {
+                "generation": gen.number, "role": role, "rank": base + local_rank,
+                "moved_ranks": moved, "world_size": gen.world_size,
+            }  # fmt: skip
+        self.generation = gen
+        self._plan_changed.set()
+
+    # -- progress -----------------------------------------------------------------------------
+
+    async def _hello(self, req: dict[str, Any]) -> dict[str, Any]:
+        local_rank = int(req["local_rank"])
+        self.state.hello.add(local_rank)
+        self._wake()
+        gen = self.generation
+        if self.role == "standby" or gen is None:
+            world = gen.world_size if gen else 0
+            return {"role": "standby", "rank": -1, "world_size": world, "generation": 0,
+                    "sandbox_steps": self.sandbox_steps}  # fmt: skip
+        rank = gen.assignment[self.node_id] * gen.nproc_per_node + local_rank
+        return {"role": "active", "rank": rank, "world_size": gen.world_size, "generation": gen.number}
+
+    async def _wait_plan(self, req: dict[str, Any]) -> dict[str, Any]:
+        local_rank, after = int(req["local_rank"]), int(req["after"])
+        loop = asyncio.get_running_loop()
+        end = loop.time() + PLAN_WAIT_S
+        while True:
+            plan = self._plans.get(local_rank)
+            if plan is not None and plan["generation"] > after:
+                return plan
+            self._plan_changed.clear()
+            remaining = end - loop.time()
+            if remaining <= 0:
+                return {"generation": 0}
+            try:
+                await asyncio.wait_for(self._plan_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return {"generation": 0}
+
+    async def _warm(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.warm.add(int(req["local_rank"]))
+        self._wake()
+        return {}
+
+    async def _prepared(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.prepared.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
+        self._wake()
+        return {}
+
+    async def _joined(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"])
+        return {}
+
+    async def _left(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.left.add(int(req["local_rank"]))
+        self._emit("state_sent", int(req["generation"]), local_rank=req["local_rank"], bytes=req["bytes"],
+                   seconds=req["seconds"])  # fmt: skip
+        return {}
+
+    async def _switched(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._emit("switched", int(req["generation"]), rank=req["rank"], downtime_ms=round(req["downtime_ms"], 1),
+                   step_ms=round(req["step_ms"], 1), median_ms=round(req["median_ms"], 1))  # fmt: skip
+        return {}
+
+    # -- the c10d store in etcd ---------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return self._keys.kv(key)
+
+    async def _kv_set(self, req: dict[str, Any]) -> dict[str, Any]:
+        await self._store.put(self._key(req["key"]), base64.b64decode(req["value"]), lease=self._lease())
+        return {}
+
+    async def _kv_get(self, req: dict[str, Any]) -> dict[str, Any]:
+        key, timeout = self._key(req["key"]), float(req["timeout"])
+        try:
+            value = await asyncio.wait_for(self._get_when_set(key), timeout)
+        except asyncio.TimeoutError:
+            raise StoreError(f"The store key {req['key']!r} was not set within {timeout:.0f} s.") from None
+        return {"value": base64.b64encode(value).decode()}
+
+    async def _get_when_set(self, key: str) -> bytes:
+        while True:
+            kv, revision = await self._store.get_at(key)
+            if kv is not None:
+                return kv.value
+            async for ev in self._store.watch_prefix(key, start_revision=revision + 1):
+                if ev.key == key and not ev.deleted:
+                    return ev.value
+
+    async def _kv_add(self, req: dict[str, Any]) -> dict[str, Any]:
+        key, amount = self._key(req["key"]), int(req["amount"])
+        for _ in range(1000):
+            kv = await self._store.get(key)
+            value = (int(kv.value) if kv is not None else 0) + amount
+            if await self._store.put_guarded(
+                key, str(value).encode(), kv.mod_revision if kv else 0, lease=self._lease()
+            ):
+                return {"value": value}
+        raise StoreError(f"The store counter {req['key']!r} kept changing; add({amount}) gave up after 1000 tries.")
+
+    async def _kv_compare_set(self, req: dict[str, Any]) -> dict[str, Any]:
+        key = self._key(req["key"])
+        expected, desired = base64.b64decode(req["expected"]), base64.b64decode(req["desired"])
+        kv = await self._store.get(key)
+        current = kv.value if kv is not None else None
+        if (current is None and expected == b"") or current == expected:
+            if await self._store.put_guarded(key, desired, kv.mod_revision if kv else 0, lease=self._lease()):
+                return {"value": base64.b64encode(desired).decode()}
+            kv = await self._store.get(key)
+            current = kv.value if kv is not None else None
+        return {"value": base64.b64encode(current if current is not None else expected).decode()}
+
+    async def _kv_check(self, req: dict[str, Any]) -> dict[str, Any]:
+        for key in req["keys"]:
+            if await self._store.get(self._key(key)) is None:
+                return {"value": False}
+        return {"value": True}
+
+    async def _kv_delete(self, req: dict[str, Any]) -> dict[str, Any]:
+        key = self._key(req["key"])
+        existed = await self._store.get(key) is not None
+        await self._store.delete(key)
+        return {"value": existed}
+
+    async def _kv_count(self, req: dict[str, Any]) -> dict[str, Any]:
+        kvs, _ = await self._store.get_prefix(self._keys.kv(""))
+        return {"value": len(kvs)}

@@ -1,0 +1,141 @@
+"""``rlaunch drain`` / ``rlaunch undrain``: planned maintenance of one node.
+
+``drain`` checks the request against the job (the node must hold ranks; a standby must be
+ready unless ``--wait``), writes it for the controller, and waits until the node is drained,
+printing the measured downtime. ``undrain`` lifts the drained mark so the node can rejoin as a
+standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import typer
+
+from rlaunch.cli.options import ENDPOINT, JOB_ID, fail
+from rlaunch.controller.view import JobSnapshot, read_snapshot
+from rlaunch.errors import RlaunchError, UsageError
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import DrainRequest, Event, NodeState, decode, encode
+from rlaunch.waiting import wait_event
+
+
+class DrainRefused(RlaunchError):
+    """The drain request does not fit the job as it is."""
+
+
+def check_drain(snap: JobSnapshot, node_id: str, job_id: str, wait: bool) -> None:
+    """Raise :class:`DrainRefused` with a sentence when ``node_id`` cannot be drained now."""
+    gen = snap.generation
+    if node_id in snap.drained:
+        raise DrainRefused(f"Node {node_id!r} is already drained from job {job_id!r}.")
+    if node_id not in snap.nodes:
+        known = ", ".join(sorted(snap.nodes)) or "none"
+        raise DrainRefused(f"Job {job_id!r} has no live node {node_id!r} (its nodes: {known}).")
+    if gen is None or gen.node_rank(node_id) is None:
+        state = snap.nodes[node_id].record.state.value
+        raise DrainRefused(
+            f"Node {node_id!r} holds no ranks in job {job_id!r} (it is {state}); only active nodes can be drained."
+        )
+    ready = [n for n, v in snap.nodes.items() if n not in gen.assignment and v.record.state is NodeState.STANDBY]
+    if not ready and not wait:
+        raise DrainRefused(
+            f"Job {job_id!r} has no ready standby to take node {node_id!r}'s ranks; start one "
+            "(rlaunch --standby ...) or pass --wait to wait for one."
+        )
+
+
+async def _drain(endpoint: str, job_id: str, node_id: str, wait: bool, timeout: float) -> dict[str, Any]:
+    keys = JobKeys(job_id)
+    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    try:
+        await store.connect(min(timeout, 10.0))
+        snap = await read_snapshot(store, keys)
+        if snap.spec is None:
+            raise DrainRefused(f"No job {job_id!r} exists in etcd at {endpoint}; check --rdzv-id.")
+        check_drain(snap, node_id, job_id, wait)
+        requested = time.time()
+        await store.put(keys.drain_request(node_id), encode(DrainRequest(node_id=node_id, requested_at=requested)))
+        await store.put(
+            keys.event(int(requested * 1e9), "cli"),
+            encode(Event(time=requested, node_id="cli", kind="drain_requested", generation=0, data={"node": node_id})),
+        )
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            snap = await read_snapshot(store, keys)
+            mark = snap.drained.get(node_id)
+            if mark is not None:
+                return {"node": node_id, "replaced_by": mark.replaced_by, "generation": mark.generation,
+                        **await _switch_stats(store, keys, mark.generation)}  # fmt: skip
+            await wait_event(asyncio.Event(), 0.2)
+        await store.delete(keys.drain_request(node_id))
+        raise DrainRefused(
+            f"Node {node_id!r} was not drained within {timeout:.0f} s; the request was withdrawn. "
+            "See `rlaunch events` for what happened."
+        )
+    finally:
+        await store.close()
+
+
+async def _switch_stats(store: Store, keys: JobKeys, generation: int) -> dict[str, Any]:
+    """Downtime and transfer figures reported by the workers for the migration to ``generation``."""
+    out: dict[str, Any] = {}
+    for _ in range(25):  # the switch is reported one step after the transfer
+        kvs, _ = await store.get_prefix(keys.events_prefix)
+        for kv in kvs:
+            ev = decode(Event, kv.value, kv.key)
+            if ev.generation == generation and ev.kind == "switched":
+                out["downtime_ms"] = max(out.get("downtime_ms", 0.0), ev.data["downtime_ms"])
+            if ev.generation == generation and ev.kind == "state_sent":
+                out["state_bytes"] = out.get("state_bytes", 0) + ev.data["bytes"]
+                out["transfer_s"] = max(out.get("transfer_s", 0.0), ev.data["seconds"])
+        if "downtime_ms" in out:
+            break
+        await wait_event(asyncio.Event(), 0.2)
+    return out
+
+
+def drain(
+    node: str = typer.Argument(..., help="The node to drain."),
+    rdzv_endpoint: str = ENDPOINT,
+    rdzv_id: str = JOB_ID,
+    wait: bool = typer.Option(False, "--wait", help="Wait for a ready standby instead of refusing."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Longest wait, in seconds, for the node to be drained."),
+) -> None:
+    """Move NODE's ranks to a ready standby while the job keeps running, then retire NODE."""
+    try:
+        if timeout <= 0:
+            raise UsageError(f"--timeout {timeout} is not valid: give a positive number of seconds.")
+        result = asyncio.run(_drain(rdzv_endpoint, rdzv_id, node, wait, timeout))
+    except RlaunchError as exc:
+        fail(exc)
+    extra = f"; downtime {result['downtime_ms']:.0f} ms" if "downtime_ms" in result else ""
+    print(f"node {node} drained: its ranks moved to {result['replaced_by']} (generation {result['generation']}){extra}")
+
+
+async def _undrain(endpoint: str, job_id: str, node_id: str) -> None:
+    keys = JobKeys(job_id)
+    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    try:
+        await store.connect(10.0)
+        if await store.get(keys.drained(node_id)) is None:
+            raise DrainRefused(f"Node {node_id!r} is not drained in job {job_id!r}; nothing to undo.")
+        await store.delete(keys.drained(node_id))
+    finally:
+        await store.close()
+
+
+def undrain(
+    node: str = typer.Argument(..., help="The drained node."),
+    rdzv_endpoint: str = ENDPOINT,
+    rdzv_id: str = JOB_ID,
+) -> None:
+    """Let a drained NODE rejoin the job; started again, its agent joins as a standby."""
+    try:
+        asyncio.run(_undrain(rdzv_endpoint, rdzv_id, node))
+    except RlaunchError as exc:
+        fail(exc)
+    print(f"node {node} may rejoin job {rdzv_id} as a standby")

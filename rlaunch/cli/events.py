@@ -1,0 +1,61 @@
+"""``rlaunch events``: the job's structured event stream, as lines or JSON, optionally followed."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+
+import typer
+
+from rlaunch.cli.options import ENDPOINT, JOB_ID, fail
+from rlaunch.errors import RecordError, RlaunchError
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Event, decode
+
+
+def format_event(ev: Event) -> str:
+    when = datetime.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
+    data = " ".join(f"{k}={v}" for k, v in ev.data.items())
+    return f"{when} gen {ev.generation:<3} {ev.node_id:<12} {ev.kind:<20} {data}"
+
+
+async def _events(endpoint: str, job_id: str, follow: bool, as_json: bool) -> None:
+    keys = JobKeys(job_id)
+    store = Store(parse_endpoints(endpoint), timeout=5.0)
+
+    def show(raw: bytes, key: str) -> None:
+        try:
+            ev = decode(Event, raw, key)
+        except RecordError as exc:
+            print(f"warning: {exc}", flush=True)
+            return
+        print(json.dumps(ev.__dict__) if as_json else format_event(ev), flush=True)
+
+    try:
+        await store.connect(10.0)
+        kvs, revision = await store.get_prefix(keys.events_prefix)
+        for kv in kvs:
+            show(kv.value, kv.key)
+        if follow:
+            async for ev in store.watch_prefix(keys.events_prefix, start_revision=revision + 1):
+                if not ev.deleted:
+                    show(ev.value, ev.key)
+    finally:
+        await store.close()
+
+
+def events(
+    rdzv_endpoint: str = ENDPOINT,
+    rdzv_id: str = JOB_ID,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until interrupted."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """Show a job's events: joins, generations, restarts, migrations (with their downtime)."""
+    try:
+        asyncio.run(_events(rdzv_endpoint, rdzv_id, follow, as_json))
+    except RlaunchError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,210 @@
+"""Process groups whose communicator is swapped in place, and the sandbox communicator.
+
+:class:`SwitchableGroup` is a real ``ProcessGroup`` (DDP and ``torch.distributed`` accept it)
+whose collectives are forwarded, from Python, to an inner communicator: a gloo group of the
+current generation, or a :class:`SandboxComm` that serves every collective locally with
+shape-correct results and no traffic. A migration swaps the inner communicator between two
+steps; DDP keeps its buckets, so results stay bit-identical. Old communicators are released on a
+background thread: dropping a gloo group with a pending operation blocks until its timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroup, Store
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+from torch.futures import Future
+
+#: ProcessGroup methods that carry traffic; each is forwarded to the inner communicator.
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall",
+    "barrier", "send", "recv", "reduce", "gather", "scatter",
+)  # fmt: skip
+
+
+def build_gloo(store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroup:
+    """A standalone gloo group of ``size`` ranks on ``prefix`` of ``store`` (no default group needed)."""
+    pstore = PrefixStore(prefix, store)
+    backend = ProcessGroupGloo(pstore, rank, size, timeout=timeout)
+    pg = ProcessGroup(pstore, rank, size)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(prefix.strip("/").replace("/", "."))
+    return pg
+
+
+def _done(result: Any) -> dist.Work:
+    fut: Future[Any] = Future()
+    fut.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+def _flat(args: Sequence[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_flat(a))
+    return out
+
+
+class SandboxComm:
+    """Serves every collective locally: outputs get this rank's own data, shaped as expected."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def _same(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return _done(_flat(args))
+
+    allreduce = allreduce_coalesced = broadcast = reduce = barrier = send = recv = _same
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
+        for outs, inp in zip(outputs, inputs, strict=False):
+            for o in outs:
+                o.copy_(inp)
+        return _done(outputs)
+
+    allgather_coalesced = allgather
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
+        output.copy_(inp.reshape(1, -1).expand(self._size, -1).reshape(output.shape))
+        return _done([output])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any
+    ) -> dist.Work:
+        for o, i in zip(outputs, inputs, strict=False):
+            self._allgather_base(o, i)
+        return _done(outputs)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *rest: Any) -> dist.Work:
+        for o, ins in zip(outputs, inputs, strict=False):
+            o.copy_(ins[self._rank])
+        return _done(outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
+        output.copy_(inp.reshape(self._size, -1)[self._rank].reshape(output.shape))
+        return _done([output])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any
+    ) -> dist.Work:
+        for o, i in zip(outputs, inputs, strict=False):
+            self._reduce_scatter_base(o, i)
+        return _done(outputs)
+
+    def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
+        output.copy_(inp.reshape(output.shape))
+        return _done([output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
+        for o, i in zip(outputs, inputs, strict=False):
+            o.copy_(i.reshape(o.shape))
+        return _done(outputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
+        return self.allgather(outputs, inputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *rest: Any) -> dist.Work:
+        for o, ins in zip(outputs, inputs, strict=False):
+            if ins:
+                o.copy_(ins[self._rank])
+        return _done(outputs)
+
+
+class _Retirer:
+    """Drops old communicators on a daemon thread, off the training thread's critical path.
+
+    At exit it waits (bounded) for that thread: a gloo group destroyed while the interpreter
+    shuts down aborts the process.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._run, name="rlaunch-retire", daemon=True).start()
+        atexit.register(self.drain, 30.0)
+
+    def retire(self, comm: Any) -> None:
+        self._queue.put(comm)
+
+    def _run(self) -> None:
+        while True:
+            comm = self._queue.get()
+            del comm
+            self._queue.task_done()
+
+    def drain(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+_retirer: _Retirer | None = None
+
+
+def retire(comm: Any) -> None:
+    global _retirer
+    if _retirer is None:
+        _retirer = _Retirer()
+    _retirer.retire(comm)
+
+
+class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
+    """A named group of global ranks whose communicator is swapped between steps.
+
+    ``version`` is the generation whose communicator it holds; it changes only when the group
+    is rebuilt, which is how tests see that an untouched group was kept.
+    """
+
+    def __init__(self, name: str, members: Sequence[int], my_rank: int, comm: Any, version: int) -> None:
+        self.members = sorted(members)
+        self.group_rank = self.members.index(my_rank) if my_rank in self.members else -1
+        super().__init__(max(self.group_rank, 0), len(self.members))
+        self.label = name
+        self.comm = comm
+        self.version = version
+
+    def swap(self, comm: Any, version: int) -> None:
+        old, self.comm, self.version = self.comm, comm, version
+        retire(old)
+
+    def rank(self) -> int:
+        return self.group_rank
+
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def sandboxed(self) -> bool:
+        return isinstance(self.comm, SandboxComm)
+
+
+def _forward(name: str) -> Any:
+    def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.comm, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in COLLECTIVES:
+    setattr(SwitchableGroup, _name, _forward(_name))

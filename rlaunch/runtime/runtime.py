@@ -1,0 +1,301 @@
+"""The resilient worker runtime: what ``rlaunch.init()`` returns.
+
+A script opts in with a few lines (see ``examples/train_resilient.py``)::
+
+    rt = rlaunch.init()                          # instead of init_process_group
+    model = DDP(Net(), process_group=rt.group)
+    opt = torch.optim.AdamW(model.parameters())
+    rt.track(model=model, optimizer=opt)         # anything with state_dict()/load_state_dict()
+    for step in rt.steps(total_steps):           # the runtime owns iteration boundaries
+        loss = model(batch(step)).mean(); loss.backward()
+        rt.optimizer_step(opt)                   # the per-step vote, then opt.step()
+
+Under rlaunch, ``rt.group`` is a :class:`SwitchableGroup` (also the default group, so plain
+``torch.distributed`` calls work) built on an etcd-backed store reached through the agent.
+A planned migration runs in two phases: in the background the affected groups are rebuilt on
+a fresh key prefix and the leaver and joiner open a transfer channel; each step's vote carries
+"ready", and when every rank is ready all switch at the same boundary: the leaver sends its
+state to the joiner and exits 0, the others swap their affected groups in place.
+
+A standby runs the same script: ``steps()`` first yields a few sandbox iterations on a local
+communicator (warming allocator, kernels and the data path), then waits to be given ranks,
+receives the leaver's state and yields the real next step. Under plain torchrun the same script
+runs without migration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+from torch.distributed import distributed_c10d as c10d
+
+from rlaunch.runtime.agent_link import AgentLink
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
+from rlaunch.runtime.store import AgentStore
+from rlaunch.runtime.transfer import recv_state, send_state
+
+log = logging.getLogger(__name__)
+
+WORLD = "world"
+
+
+class Runtime:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        generation: int,
+        link: AgentLink | None,
+        store: Store | None,
+        world_comm: Any,
+        standby: bool,
+        sandbox_steps: int,
+        timeout: datetime.timedelta,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.generation = generation
+        self.standby = standby
+        self._link = link
+        self._store = store
+        self._timeout = timeout
+        self._sandbox_steps = sandbox_steps
+        self.group = SwitchableGroup(WORLD, range(world_size), max(rank, 0), world_comm, generation)
+        self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
+        self._tracked: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._prepared: dict[str, Any] | None = None  # a plan whose communicators are built
+        self._switch_to = 0
+        self._durations: deque[float] = deque(maxlen=50)
+        self._measure_after_switch = False
+        self.step = 0
+        if link is not None:
+            _register(self.group, store, {i: i for i in range(world_size)}, default=True)
+            if not standby:
+                self._start_listener()
+
+    # -- the API ------------------------------------------------------------------------------
+
+    def track(self, **objects: Any) -> None:
+        """Register the state a joiner must receive: modules, optimizers, schedulers, samplers..."""
+        for name, obj in objects.items():
+            if not hasattr(obj, "state_dict"):
+                raise TypeError(f"rt.track({name}=...) needs an object with state_dict(); got {type(obj).__name__}.")
+            self._tracked[name] = obj
+
+    def new_group(self, name: str, ranks: Sequence[int]) -> SwitchableGroup:
+        """A named subgroup of global ``ranks``; every rank calls it (non-members get a non-member)."""
+        members = sorted(set(ranks))
+        if name in self._groups:
+            raise ValueError(f"A group named {name!r} already exists; give each group its own name.")
+        if not members or members[0] < 0 or members[-1] >= self.world_size:
+            raise ValueError(f"The ranks {list(ranks)} of group {name!r} are not all in 0..{self.world_size - 1}.")
+        comm: Any = None
+        if self._link is None:
+            comm = dist.new_group(members)
+        elif self.standby:
+            comm = SandboxComm(0, len(members))
+        elif self.rank in members:
+            comm = self._group_comm(name, members, self.rank, self.generation)
+        group = SwitchableGroup(name, members, self.rank, comm, self.generation)
+        self._groups[name] = group
+        if self._link is not None and self.rank in members:
+            _register(group, self._store, {g: i for i, g in enumerate(members)})
+        return group
+
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """Yield step numbers; between them the runtime may move this rank's state."""
+        step = start
+        if self.standby:
+            yield from self._sandbox(min(self._sandbox_steps, total))
+            step = self._join()
+        last = time.perf_counter()
+        while step < total:
+            self.step = step
+            yield step
+            now = time.perf_counter()
+            self._after_step(now - last)
+            if self._switch_to:
+                self._switch(step + 1)
+            last = time.perf_counter()
+            step += 1
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Join the per-step vote, then step ``optimizer``.
+
+        The vote is a one-scalar allreduce after gradient sync; it also carries "ready for the
+        next generation", so every rank decides to switch at the same boundary.
+        """
+        if not self.group.sandboxed:
+            ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
+            vote = torch.tensor([1.0, ready])
+            self.group.allreduce([vote]).wait()
+            if vote[1].item() == self.world_size:
+                self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
+        optimizer.step()
+
+    def group_version(self, name: str) -> int:
+        """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""
+        return self._groups[name].version
+
+    # -- sandbox and joining ------------------------------------------------------------------
+
+    def _sandbox(self, n: int) -> Iterator[int]:
+        for step in range(n):
+            self.step = step
+            yield step
+        assert self._link is not None
+        self._link.call("warm", steps=n)
+
+    def _join(self) -> int:
+        """Wait to be given ranks, build the new groups, receive state; return the next step."""
+        assert self._link is not None
+        plan = self._wait_plan(0)
+        began = time.perf_counter()
+        self.rank = int(plan["rank"])
+        comms = self._prepare(plan)
+        self.standby = False
+        for name, group in self._groups.items():
+            group.group_rank = group.members.index(self.rank) if self.rank in group.members else -1
+            if name in comms:
+                group.swap(comms[name], plan["generation"])
+                if name != WORLD:
+                    _register(group, self._store, {g: i for i, g in enumerate(group.members)})
+        next_step = recv_state(comms["channel"], self._tracked)
+        self.generation = int(plan["generation"])
+        self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
+        self._start_listener()
+        return next_step
+
+    # -- planned migration --------------------------------------------------------------------
+
+    def _start_listener(self) -> None:
+        threading.Thread(target=self._listen, name="rlaunch-plans", daemon=True).start()
+
+    def _listen(self) -> None:
+        """Phase 1, in the background: take each plan, build what it needs, report ready."""
+        assert self._link is not None
+        after = self.generation
+        while True:
+            try:
+                plan = self._wait_plan(after)
+                comms = self._prepare(plan)
+            except Exception:  # noqa: BLE001 - a failed preparation must not kill training
+                log.exception("rank %d: preparing for the next generation failed", self.rank)
+                return
+            with self._lock:
+                self._prepared = {**plan, "comms": comms}
+            self._link.call("prepared", generation=plan["generation"])
+            after = int(plan["generation"])
+
+    def _wait_plan(self, after: int) -> dict[str, Any]:
+        assert self._link is not None
+        while True:
+            plan = self._link.call("wait_plan", after=after)
+            if int(plan["generation"]) > after:
+                return plan
+
+    def _prepare(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Build the communicators of ``plan`` that this rank needs (fresh store prefixes)."""
+        gen, role, moved = int(plan["generation"]), plan["role"], set(plan["moved_ranks"])
+        comms: dict[str, Any] = {}
+        if role == "leaver":
+            comms["channel"] = self._channel(gen, 0)
+            return comms
+        rank = int(plan["rank"])
+        for name, group in self._groups.items():
+            if rank in group.members and moved & set(group.members):
+                comms[name] = self._group_comm(name, group.members, rank, gen)
+        if role == "joiner":
+            comms["channel"] = self._channel(gen, 1)
+        return comms
+
+    def _group_comm(self, name: str, members: Sequence[int], rank: int, gen: int) -> Any:
+        assert self._store is not None
+        return build_gloo(self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout)
+
+    def _channel(self, gen: int, side: int) -> Any:
+        """The leaver (side 0) and joiner (side 1) of one rank meet under that rank's name."""
+        assert self._store is not None
+        return build_gloo(self._store, f"g{gen}/transfer/{self.rank}/", side, 2, self._timeout)
+
+    def _switch(self, next_step: int) -> None:
+        """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
+        with self._lock:
+            plan, self._prepared, gen = self._prepared, None, self._switch_to
+            self._switch_to = 0
+        assert plan is not None and self._link is not None
+        comms = plan["comms"]
+        if plan["role"] == "leaver":
+            began = time.perf_counter()
+            sent = send_state(comms["channel"], self._tracked, next_step)
+            self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
+            raise SystemExit(0)
+        for name, comm in comms.items():
+            self._groups[name].swap(comm, gen)
+        self.generation = gen
+        self._measure_after_switch = True
+
+    def _after_step(self, seconds: float) -> None:
+        if self._measure_after_switch:
+            self._measure_after_switch = False
+            median = statistics.median(self._durations) if self._durations else 0.0
+            if self._link is not None:
+                self._link.call(
+                    "switched", generation=self.generation, rank=self.rank,
+                    downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000, median_ms=median * 1000,
+                )  # fmt: skip
+            return
+        self._durations.append(seconds)
+
+
+def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
+    """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
+    c10d._register_pg_in_world(
+        group,
+        "gloo",
+        store,
+        f"rlaunch.{group.label}.{id(group)}",
+        "gloo",
+        rank_mapping=ranks,
+        add_to_default_tag=default,
+    )
+    if default:
+        c10d._update_default_pg(group)
+        c10d._world.pg_group_ranks[c10d.GroupMember.WORLD] = dict(ranks)
+
+
+def init(timeout_s: float = 300.0) -> Runtime:
+    """Start the runtime in this worker (instead of ``init_process_group``)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    addr = os.environ.get("RLAUNCH_AGENT_ADDR")
+    if not addr:
+        # Plain torchrun (or any env:// launcher): the same script runs, without migration.
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timeout)
+        return Runtime(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), generation=0, link=None, store=None,
+            world_comm=c10d._get_default_group(), standby=False, sandbox_steps=0, timeout=timeout,
+        )  # fmt: skip
+    link = AgentLink(addr, int(os.environ.get("LOCAL_RANK", "0")))
+    hello = link.call("hello", pid=os.getpid())
+    store = AgentStore(link, timeout)
+    standby = hello["role"] == "standby"
+    rank, world, gen = int(hello["rank"]), int(hello["world_size"]), int(hello["generation"])
+    comm: Any = SandboxComm(0, world) if standby else build_gloo(store, f"g{gen}/{WORLD}/", rank, world, timeout)
+    return Runtime(
+        rank=rank, world_size=world, generation=gen, link=link, store=store, world_comm=comm,
+        standby=standby, sandbox_steps=int(hello.get("sandbox_steps", 3)), timeout=timeout,
+    )  # fmt: skip
