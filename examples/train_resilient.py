@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import time
 
@@ -54,7 +55,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step, to make runs last")
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--subgroup", default="", help="also allreduce over a named subgroup of these ranks, e.g. 0,1")
+    ap.add_argument(
+        "--subgroup", action="append", default=[], help="also allreduce over a subgroup of these ranks, e.g. 0,1"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -62,27 +65,29 @@ def main() -> None:
     model = DDP(make_model(args.seed, args.width, args.depth), process_group=rt.group)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rt.track(model=model, optimizer=opt)  # rlaunch: what a joiner receives
-    sub = rt.new_group("sub", [int(r) for r in args.subgroup.split(",")]) if args.subgroup else None
+    subs = [rt.new_group(f"sub{i}", [int(r) for r in spec.split(",")]) for i, spec in enumerate(args.subgroup)]
     started = time.perf_counter()
     for step in rt.steps(args.steps):  # rlaunch: the runtime owns the iteration boundaries
         x, y = batch(args.seed, step, rt.rank, args.batch)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if sub is not None and rt.rank in sub.members:
-            probe = torch.ones(1)
-            torch.distributed.all_reduce(probe, group=sub)
-            assert probe.item() == len(sub.members) or rt.standby
+        for sub in subs:
+            if rt.rank in sub.members:
+                probe = torch.ones(1)
+                torch.distributed.all_reduce(probe, group=sub)
+                assert probe.item() == len(sub.members) or rt.standby
         rt.optimizer_step(opt)  # rlaunch: the per-step vote, then opt.step()
         if args.step_time:
             time.sleep(args.step_time)
         if rt.rank == 0 and (step + 1) % args.log_every == 0 and not rt.standby:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
     opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    versions = {name: rt.group_version(name) for name in (["world", "sub"] if sub is not None else ["world"])}
+    versions = {name: rt.group_version(name) for name in ["world", *(f"sub{i}" for i in range(len(subs)))]}
     print(
         f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.parameters()))} "
-        f"optim={digest(opt_state)} versions={versions} seconds={time.perf_counter() - started:.1f}",
+        f"optim={digest(opt_state)} versions={json.dumps(versions, separators=(',', ':'))} "
+        f"seconds={time.perf_counter() - started:.1f}",
         flush=True,
     )
 

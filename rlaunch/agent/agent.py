@@ -276,8 +276,8 @@ class Agent:
                 return 0
             log.error("[%s] the job failed: %s", self.node_id, gen.reason)
             return EXIT_FAILED
-        if self.node_id in gen.leavers:
-            return await self._leave(gen)
+        if self.node_id in gen.leavers and (self._worker_gen or self._leaving):
+            return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
             await self._stand_by(gen, holds_ranks=node_rank is not None)

@@ -15,11 +15,12 @@ from typing import Any
 import typer
 
 from rlaunch.cli.options import ENDPOINT, JOB_ID, fail
+from rlaunch.controller.planner import is_ready
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import DrainRequest, Event, NodeState, decode, encode
+from rlaunch.store.records import DrainRequest, Event, decode, encode
 from rlaunch.waiting import wait_event
 
 
@@ -40,7 +41,8 @@ def check_drain(snap: JobSnapshot, node_id: str, job_id: str, wait: bool) -> Non
         raise DrainRefused(
             f"Node {node_id!r} holds no ranks in job {job_id!r} (it is {state}); only active nodes can be drained."
         )
-    ready = [n for n, v in snap.nodes.items() if n not in gen.assignment and v.record.state is NodeState.STANDBY]
+    live = all(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
+    ready = [n for n, v in snap.nodes.items() if n not in gen.assignment and is_ready(v.record, live)]
     if not ready and not wait:
         raise DrainRefused(
             f"Job {job_id!r} has no ready standby to take node {node_id!r}'s ranks; start one "

@@ -37,7 +37,14 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
             "ranks": gen.ranks_of(rec.node_id) if gen else [],
             "restarts": rec.restarts,
             "last_seen_s": max(0, granted - remaining) if remaining >= 0 else None,
+            "runtime": rec.runtime,
         })  # fmt: skip
+    for mark in sorted(snap.drained.values(), key=lambda m: m.at):
+        if mark.node_id not in snap.nodes:
+            nodes.append({
+                "node_id": mark.node_id, "host": "", "role": "none", "state": "drained", "node_rank": None,
+                "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "replaced_by": mark.replaced_by,
+            })  # fmt: skip
     return {
         "job": job_id,
         "generation": gen.number if gen else 0,
@@ -57,7 +64,7 @@ async def fetch_status(endpoint: str, job_id: str, timeout: float) -> dict[str, 
     try:
         await store.connect(timeout)
         snap = await read_snapshot(store, keys)
-        if snap.spec is None and snap.generation is None and not snap.nodes:
+        if snap.spec is None and snap.generation is None and not snap.nodes and not snap.drained:
             return None
         ttls = {}
         for node_id, lease in snap.node_leases.items():

@@ -95,6 +95,11 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     return None, f"generation {gen.number} is running"
 
 
+def is_ready(record: NodeRecord, job_uses_runtime: bool) -> bool:
+    """A standby that may take a leaver's ranks: warm (its sandbox workers ran) if the job migrates live."""
+    return record.state is NodeState.STANDBY and (record.runtime or not job_uses_runtime)
+
+
 def _drain(
     now: float, view: ClusterView, cfg: PlannerConfig, gen: Generation, records: dict[str, NodeRecord]
 ) -> tuple[Generation | None, str]:
@@ -105,15 +110,13 @@ def _drain(
     settled = all(r.state is NodeState.RUNNING and r.generation == gen.number for r in records.values())
     if not settled:
         return None, f"drain of {leaver} waits until every node runs generation {gen.number}"
-    ready = _by_join(
-        view, [n for n, v in view.nodes.items() if n not in gen.assignment and v.record.state is NodeState.STANDBY]
-    )
+    live = all(r.runtime for r in records.values())
+    ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, live)])
     if not ready:
         return None, f"drain of {leaver} waits for a ready standby"
     joiner = ready[0]
     assignment = dict(gen.assignment)
     assignment[joiner] = assignment.pop(leaver)
-    live = all(r.runtime for r in records.values()) and view.nodes[joiner].record.runtime
     kind = "migrate" if live else "restart"
     how = "live" if live else "by restarting every worker (the script does not use rlaunch.init())"
     reason = f"draining {leaver}: {joiner} takes node rank {assignment[joiner]} {how}"

@@ -1,0 +1,128 @@
+"""Live migration with real processes: drains leave every rank bit-identical to a run without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster import REPO, AgentProc, Cluster, wait_for
+
+RESILIENT = REPO / "examples" / "train_resilient.py"
+STEPS = 60
+ARGS = ("--steps", str(STEPS), "--step-time", "0.05")
+FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+) versions=(\S+)")
+
+
+def finals(*agents: AgentProc) -> dict[int, tuple[str, str, dict[str, int]]]:
+    """rank -> (params digest, optimizer digest, group versions) as printed at the end."""
+    out = {}
+    for agent in agents:
+        for m in FINAL.finditer(agent.output()):
+            out[int(m.group(1))] = (m.group(2), m.group(3), json.loads(m.group(4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, tuple[str, str]]:
+    """Digests of an uninterrupted 2-rank run (nothing drained)."""
+    return _reference(2, ())
+
+
+def _reference(nproc: int, extra: tuple[str, ...]) -> dict[int, tuple[str, str]]:
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", str(nproc), str(RESILIENT),
+         *ARGS, *extra],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
+    assert sorted(got) == list(range(nproc))
+    return got
+
+
+def start(cluster: Cluster, names: list[str], *extra: str, flags: tuple[str, ...] = ()) -> dict[str, AgentProc]:
+    agents = dict(zip(names, cluster.agents_in_order(names, RESILIENT, *ARGS, *extra, flags=flags), strict=True))
+    wait_for(lambda: warm(cluster, names[-1]), 90, f"standby {names[-1]} to be warm")
+    return agents
+
+
+def warm(cluster: Cluster, node_id: str) -> bool:
+    node = cluster.node(node_id)
+    return bool(node and node["state"] == "standby" and node["runtime"])
+
+
+def drain(cluster: Cluster, node: str) -> str:
+    res = cluster.cli("drain", node, "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"node {node} drained" in res.stdout and "downtime" in res.stdout, res.stdout
+    return res.stdout
+
+
+def assert_identical(got: dict[int, tuple[str, str, dict[str, int]]], ref: dict[int, tuple[str, str]]) -> None:
+    assert sorted(got) == sorted(ref), got
+    for rank, (params, optim, _) in got.items():
+        assert (params, optim) == ref[rank], f"rank {rank} diverged from the uninterrupted run"
+
+
+def test_drain_partway_is_bit_identical(cluster: Cluster, reference: dict[int, tuple[str, str]]) -> None:
+    agents = start(cluster, ["a", "b", "c"])
+    wait_for(lambda: "step 10/" in agents["a"].output(), 60, "training to make progress")
+    drain(cluster, "b")
+    status = cluster.status()
+    nodes = {n["node_id"]: n for n in status["nodes"]}
+    assert nodes["b"]["state"] == "drained" and nodes["b"]["role"] == "none"
+    assert (nodes["c"]["role"], nodes["c"]["node_rank"]) == ("active", 1)
+    assert [agents[n].wait(120) for n in "abc"] == [0, 0, 0]
+    assert "final" not in agents["b"].output(), "the leaver must stop at the switch"
+    assert "step 10/" in agents["a"].output(), "the survivor kept its process throughout"
+    assert_identical(finals(agents["a"], agents["c"]), reference)
+
+
+def test_drain_of_the_rank0_node_is_bit_identical(cluster: Cluster, reference: dict[int, tuple[str, str]]) -> None:
+    agents = start(cluster, ["a", "b", "c"])
+    wait_for(lambda: "step 10/" in agents["a"].output(), 60, "training to make progress")
+    drain(cluster, "a")
+    assert [agents[n].wait(120) for n in "abc"] == [0, 0, 0]
+    got = finals(agents["b"], agents["c"])
+    assert_identical(got, reference)
+    assert "rank 0 final" in agents["c"].output(), "the joiner holds rank 0 now"
+
+
+def test_two_drains_the_second_onto_the_undrained_first_leaver(
+    cluster: Cluster, reference: dict[int, tuple[str, str]]
+) -> None:
+    args = ("--steps", "300", "--step-time", "0.05")
+    agents = dict(zip("abc", cluster.agents_in_order(["a", "b", "c"], RESILIENT, *args), strict=True))
+    wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
+    drain(cluster, "b")
+    assert agents["b"].wait(60) == 0
+    refused = cluster.agent("b2", RESILIENT, *args, flags=("--node-id", "b"))
+    assert refused.wait(30) == 1 and "was drained" in refused.output() and "rlaunch undrain" in refused.output()
+    res = cluster.cli("undrain", "b", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id)
+    assert res.returncode == 0, res.stderr
+    back = cluster.agent("b3", RESILIENT, *args, flags=("--node-id", "b"))
+    wait_for(lambda: warm(cluster, "b"), 90, "b to be a warm standby again")
+    drain(cluster, "c")
+    assert [agents["a"].wait(120), agents["c"].wait(60), back.wait(60)] == [0, 0, 0]
+    ref = _reference(2, ("--steps", "300", "--step-time", "0"))
+    assert_identical(finals(agents["a"], back), ref)
+
+
+def test_drain_with_subgroups_rebuilds_only_the_touched_ones(cluster: Cluster) -> None:
+    # 2 active nodes x 2 ranks: draining b moves ranks 2 and 3. sub0 = {0, 1} lies on node a
+    # only and must be kept; sub1 = {1, 2} touches the leaver and must be rebuilt.
+    extra = ("--subgroup", "0,1", "--subgroup", "1,2")
+    agents = start(cluster, ["a", "b", "c"], *extra, flags=("--nproc-per-node", "2"))
+    wait_for(lambda: "step 10/" in agents["a"].output(), 90, "training to make progress")
+    drain(cluster, "b")
+    assert [agents[n].wait(180) for n in "abc"] == [0, 0, 0]
+    got = finals(agents["a"], agents["c"])
+    assert_identical(got, _reference(4, extra))
+    assert got[0][2] == {"world": 2, "sub0": 1, "sub1": 1}, "rank 0 is in sub0 only: kept"
+    assert got[1][2] == {"world": 2, "sub0": 1, "sub1": 2}, "sub0 kept, sub1 rebuilt"
+    assert got[2][2]["world"] == 2 and got[2][2]["sub1"] == 2
