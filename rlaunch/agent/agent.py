@@ -98,6 +98,7 @@ class Agent:
         self._starts = 0
         self._sandbox = False  # the running workers are a standby's sandbox workers
         self._sandbox_tried = False
+        self._sandbox_failed = False
         self._nodes_changed = True
         self._leaving = False
         self._prepared_reported: set[int] = set()
@@ -153,7 +154,11 @@ class Agent:
             await self._stop_workers()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: on Python 3.11 a cancellation can be swallowed by wait_for inside a task.
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=5.0)
+                if pending:
+                    log.warning("[%s] %d background task(s) did not stop in time", self.node_id, len(pending))
             await self.events.close()
             if self._lease:
                 try:
@@ -324,6 +329,8 @@ class Agent:
                     self._start_sandbox(gen)
             warming = self._sandbox and len(self.link.state.warm) < self.cfg.nproc_per_node
             target = NodeState.WARMING if warming else NodeState.STANDBY
+            if self._sandbox_failed:
+                target = NodeState.FAILED  # its sandbox workers died: not a usable standby
         if self._record is None or self._record.state is not target or self._record.generation != gen.number:
             await self._publish(target, gen.number)
 
@@ -416,6 +423,11 @@ class Agent:
             await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
             log.error("[%s] sandbox workers exited (codes %s); this standby is not warm", self.node_id, codes)
             self.events.emit("sandbox_failed", self._worker_gen, codes={str(i): c for i, c in enumerate(codes)})
+            # Forget their hellos: a standby without workers must never look ready for a drain.
+            self.link.reset("standby", self._generation)
+            self._sandbox_failed = True
+            exit_codes = {str(i): c for i, c in enumerate(codes) if c is not None}
+            await self._publish(NodeState.FAILED, self._generation.number if self._generation else 0, exit_codes)
             return
         if self._leaving and all(c == 0 for c in codes):
             self._workers = None  # they handed their state over; _leave finishes the drain

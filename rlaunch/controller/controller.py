@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 #: Otherwise the controller plans on etcd changes only, so a quiet job costs etcd nothing but
 #: lease keepalives.
 DEADLINE_TICK_S = 1.0
+#: Longest idle wait between checks of ``stop`` (no etcd request is made on these wake-ups).
+STOP_CHECK_S = 1.0
 
 
 class Controller:
@@ -64,21 +66,27 @@ class Controller:
         watch (re)starts; between changes nothing is sent to etcd, except every
         ``DEADLINE_TICK_S`` while a deadline is pending.
         """
+        work = True
         while not stop.is_set():
-            try:
-                if not self.leading:
-                    self.leading = await self._store.create(
-                        self._keys.leader, self.node_id.encode(), lease=self._lease_id
-                    )
+            if work:
+                try:
+                    if not self.leading:
+                        self.leading = await self._store.create(
+                            self._keys.leader, self.node_id.encode(), lease=self._lease_id
+                        )
+                        if self.leading:
+                            self._events.emit("controller_elected", 0, controller=self.node_id)
                     if self.leading:
-                        self._events.emit("controller_elected", 0, controller=self.node_id)
-                if self.leading:
-                    await self.tick()
-            except StoreError as exc:
-                log.warning("[%s] controller tick failed: %s", self.node_id, exc)
-            # Non-leaders campaign when the leader key changes (it vanishes with its lease).
-            await wait_event(wake, DEADLINE_TICK_S if self.leading and self._deadline_pending else None)
+                        await self.tick()
+                except StoreError as exc:
+                    log.warning("[%s] controller tick failed: %s", self.node_id, exc)
+            # Non-leaders campaign when the leader key changes (it vanishes with its lease). The
+            # wait is bounded so that ``stop`` is seen even if a wake-up is lost; a wake-up by
+            # timeout alone sends nothing to etcd unless a deadline is pending.
+            deadline = self.leading and self._deadline_pending
+            woken = await wait_event(wake, DEADLINE_TICK_S if deadline else STOP_CHECK_S)
             wake.clear()
+            work = woken or deadline
 
     async def tick(self) -> None:
         snap = await read_snapshot(self._store, self._keys)

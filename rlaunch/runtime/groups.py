@@ -60,6 +60,14 @@ def _flat(args: Sequence[Any]) -> list[torch.Tensor]:
     return out
 
 
+def _fill(output: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy as much of ``source`` as fits into ``output`` (flat order) and zero the rest."""
+    flat_out, flat_in = output.view(-1), source.reshape(-1)
+    n = min(flat_out.numel(), flat_in.numel())
+    flat_out[:n].copy_(flat_in[:n])
+    flat_out[n:].zero_()
+
+
 class SandboxComm:
     """Serves every collective locally: outputs get this rank's own data, shaped as expected."""
 
@@ -83,7 +91,14 @@ class SandboxComm:
                 o.copy_(inp)
         return _done(outputs)
 
-    allgather_coalesced = allgather
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any
+    ) -> dist.Work:
+        # output_lists[r][i] receives rank r's input i; here every rank's inputs are ours
+        for outs in output_lists:
+            for o, inp in zip(outs, inputs, strict=False):
+                o.copy_(inp)
+        return _done(output_lists)
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
         output.copy_(inp.reshape(1, -1).expand(self._size, -1).reshape(output.shape))
@@ -113,12 +128,12 @@ class SandboxComm:
         return _done(outputs)
 
     def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
-        output.copy_(inp.reshape(output.shape))
+        _fill(output, inp)  # split sizes may be uneven: fill what fits, zero the rest
         return _done([output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
         for o, i in zip(outputs, inputs, strict=False):
-            o.copy_(i.reshape(o.shape))
+            _fill(o, i)
         return _done(outputs)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:

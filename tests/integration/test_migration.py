@@ -126,3 +126,13 @@ def test_drain_with_subgroups_rebuilds_only_the_touched_ones(cluster: Cluster) -
     assert got[0][2] == {"world": 2, "sub0": 1, "sub1": 1}, "rank 0 is in sub0 only: kept"
     assert got[1][2] == {"world": 2, "sub0": 1, "sub1": 2}, "sub0 kept, sub1 rebuilt"
     assert got[2][2]["world"] == 2 and got[2][2]["sub1"] == 2
+
+
+def test_the_resilient_script_runs_under_plain_torchrun(reference: dict[int, tuple[str, str]]) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RESILIENT), *ARGS],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
+    assert got == reference, "the same script under torchrun must train to the same weights"

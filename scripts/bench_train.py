@@ -1,0 +1,111 @@
+"""The benchmarks' training script: one model, two ways of running it.
+
+``--mode rlaunch`` uses the rlaunch runtime (live migration); ``--mode plain`` is a plain DDP
+script as torchrun users write it today, which saves a checkpoint when it receives SIGTERM and
+resumes from it after a restart. Both write one line per step to ``--timeline`` (append-only, so
+restarted processes add to it) and print their final digests and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def make_model(seed: int, width: int, depth: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(width, width), nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def batch(seed: int, step: int, rank: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(size, width, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["rlaunch", "plain"], required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--timeline", required=True, help="directory for per-rank step timelines")
+    ap.add_argument("--ckpt", default="", help="plain mode: checkpoint written on SIGTERM, resumed from")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    stop = {"now": False}
+    rt = None
+    if args.mode == "rlaunch":
+        import rlaunch
+
+        rt = rlaunch.init()
+        group = rt.group
+    else:
+        dist.init_process_group("gloo")
+        group = None
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    model = DDP(make_model(0, args.width, args.depth), process_group=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    start = 0
+    if args.mode == "plain" and args.ckpt and os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        del state
+    steps = rt.steps(args.steps) if rt is not None else range(start, args.steps)
+    role = "standby" if rt is not None and rt.standby else "active"
+    began = time.time()
+    for step in steps:
+        rank = rt.rank if rt is not None else dist.get_rank()
+        x, y = batch(0, step, rank, args.batch, args.width)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if rt is not None:
+            rt.optimizer_step(opt)
+            role = "sandbox" if rt.standby else "real"
+        else:
+            opt.step()
+        end = time.time()
+        with open(os.path.join(args.timeline, f"rank{rank}.txt"), "a") as f:
+            f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
+        began = end
+        if stop["now"]:
+            if args.ckpt:
+                state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
+                torch.save(state, args.ckpt + ".tmp")
+                os.replace(args.ckpt + ".tmp", args.ckpt)
+            raise SystemExit(0)
+    opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    rank = rt.rank if rt is not None else dist.get_rank()
+    print("FINAL " + json.dumps({
+        "rank": rank, "params": digest(list(model.parameters())), "optim": digest(opt_state),
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
