@@ -261,10 +261,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rlaunch-bench-"))
     log(f"logs in {root}")
     with EmbeddedEtcd() as etcd:
-        log("steady: rlaunch, no event")
-        steady_rl = run_rlaunch(root, etcd.endpoint, "steady-rlaunch", args.steps, None, 3)
-        log("steady: torchrun, plain DDP, no event")
-        steady_tr = run_torchrun(root, "steady-torchrun", args.steps, None)
+        steady_rl, steady_tr = [], []
+        for i in range(2):  # interleaved, so that drifts in the machine's load hit both alike
+            log(f"steady {i + 1}/2: rlaunch, no event")
+            steady_rl.append(run_rlaunch(root, etcd.endpoint, f"steady-rlaunch-{i}", args.steps, None, 3))
+            log(f"steady {i + 1}/2: torchrun, plain DDP, no event")
+            steady_tr.append(run_torchrun(root, f"steady-torchrun-{i}", args.steps, None))
         log("(a) rlaunch drain onto a warm standby")
         warm = run_rlaunch(root, etcd.endpoint, "rlaunch-warm", args.steps, args.event_at, 3)
         log("(b) torchrun: SIGTERM, checkpoint, restart on the new node set")
@@ -274,8 +276,12 @@ def main() -> None:
     log("measuring loopback bandwidth")
     bandwidth = loopback_bandwidth()
 
-    median_rl = median_step(read_timeline(steady_rl["timeline"] / "rank0.txt"))
-    median_tr = median_step(read_timeline(steady_tr["timeline"] / "rank0.txt"))
+    median_rl = statistics.median(
+        median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_rl for k in (0, 1)
+    )
+    median_tr = statistics.median(
+        median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_tr for k in (0, 1)
+    )
     rows_warm = read_timeline(warm["timeline"] / "rank0.txt")
     rows_cold = read_timeline(cold["timeline"] / "rank0.txt")
     rows_tr = read_timeline(tr["timeline"] / "rank0.txt")
@@ -289,14 +295,14 @@ def main() -> None:
         return (rows[0][2] - rows[0][1]) / median
 
     state_bytes = int(_events_bytes(warm))  # fp32 params + AdamW's two moments, as the leaver sent them
-    reference = {r: (f["params"], f["optim"]) for r, f in steady_rl["finals"].items()}
+    reference = {r: (f["params"], f["optim"]) for r, f in steady_rl[0]["finals"].items()}
 
     def same(result: dict[str, Any]) -> bool:
         got = {r: (f["params"], f["optim"]) for r, f in result["finals"].items()}
         return got == reference
 
-    rss_rl = steady_rl["finals"][0]["peak_rss_kb"]
-    rss_tr = steady_tr["finals"][0]["peak_rss_kb"]
+    rss_rl = statistics.median(f["peak_rss_kb"] for r in steady_rl for f in r["finals"].values())
+    rss_tr = statistics.median(f["peak_rss_kb"] for r in steady_tr for f in r["finals"].values())
     lower = state_bytes / bandwidth
     out = {
         "params_m": round(PARAMS / 1e6, 2),
@@ -313,7 +319,7 @@ def main() -> None:
         "joiner_first_step_over_median": round(joiner_first(warm, med_warm), 3),
         "cold_joiner_first_step_over_median": round(joiner_first(cold, med_cold), 3),
         "bit_identical": same(warm) and same(cold),
-        "bit_identical_to_plain_ddp": same(steady_tr),
+        "bit_identical_to_plain_ddp": all(same(r) for r in (*steady_rl, *steady_tr)),
         "torchrun_resume_bit_identical": same(tr),
         "steady_median_step_rlaunch_s": round(median_rl, 4),
         "steady_median_step_torchrun_s": round(median_tr, 4),

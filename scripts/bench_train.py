@@ -68,6 +68,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     model = DDP(make_model(0, args.width, args.depth), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if rt is not None:
+        rt.track(model=model, optimizer=opt)
     start = 0
     if args.mode == "plain" and args.ckpt and os.path.exists(args.ckpt):
         state = torch.load(args.ckpt, weights_only=True)
@@ -77,8 +79,8 @@ def main() -> None:
         del state
     steps = rt.steps(args.steps) if rt is not None else range(start, args.steps)
     role = "standby" if rt is not None and rt.standby else "active"
-    began = time.time()
     for step in steps:
+        began = time.time()  # the step's own work: time spent inside rt.steps() between steps is not in it
         rank = rt.rank if rt is not None else dist.get_rank()
         x, y = batch(0, step, rank, args.batch, args.width)
         loss = nn.functional.mse_loss(model(x), y)
@@ -92,7 +94,6 @@ def main() -> None:
         end = time.time()
         with open(os.path.join(args.timeline, f"rank{rank}.txt"), "a") as f:
             f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
-        began = end
         if stop["now"]:
             if args.ckpt:
                 state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}

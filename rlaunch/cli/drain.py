@@ -69,6 +69,11 @@ async def _drain(endpoint: str, job_id: str, node_id: str, wait: bool, timeout: 
         while time.monotonic() < end:
             snap = await read_snapshot(store, keys)
             mark = snap.drained.get(node_id)
+            if mark is None and snap.generation is not None and snap.generation.status.terminal:
+                raise DrainRefused(
+                    f"Job {job_id!r} ended ({snap.generation.status.value}: {snap.generation.reason}) "
+                    f"before node {node_id!r} was drained."
+                )
             if mark is not None:
                 return {"node": node_id, "replaced_by": mark.replaced_by, "generation": mark.generation,
                         **await _switch_stats(store, keys, mark.generation)}  # fmt: skip

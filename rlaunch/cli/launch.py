@@ -65,7 +65,10 @@ def run(
     ),
     lease_ttl: int = _opt(5, "--lease-ttl", help="Seconds after which a silent node counts as lost.", env=False),
     sandbox_steps: int = _opt(
-        3, "--sandbox-steps", help="Warm-up iterations a standby runs in its sandbox (0: none).", env=False
+        3,
+        "--sandbox-steps",
+        help="Warm-up iterations a standby runs in its sandbox (0: none; a DDP model needs and gets 2).",
+        env=False,
     ),
     rdzv_timeout: float = _opt(
         600.0, "--rdzv-timeout", help="Longest wait, in seconds, for etcd and for the rendezvous.", env=False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import queue
 import threading
 import time
@@ -162,6 +163,12 @@ class _Retirer:
         self._queue.put(comm)
 
     def _run(self) -> None:
+        # Lowest priority for this thread only (Linux nice values are per thread): tearing old
+        # groups down must not take CPU from training.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         while True:
             comm = self._queue.get()
             del comm

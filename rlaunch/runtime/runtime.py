@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
+from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime.agent_link import AgentLink
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
@@ -48,6 +49,8 @@ from rlaunch.runtime.transfer import recv_state, send_state
 log = logging.getLogger(__name__)
 
 WORLD = "world"
+#: Sandbox iterations a standby with a DDP model runs at least (see Runtime._sandbox_iterations).
+DDP_MIN_ITERATIONS = 2
 
 
 class Runtime:
@@ -119,7 +122,7 @@ class Runtime:
         """Yield step numbers; between them the runtime may move this rank's state."""
         step = start
         if self.standby:
-            yield from self._sandbox(min(self._sandbox_steps, total))
+            yield from self._sandbox(min(self._sandbox_iterations(), total))
             step = self._join()
         last = time.perf_counter()
         while step < total:
@@ -152,6 +155,15 @@ class Runtime:
 
     # -- sandbox and joining ------------------------------------------------------------------
 
+    def _sandbox_iterations(self) -> int:
+        """Sandbox iterations to run: as asked, but at least DDP_MIN_ITERATIONS with a DDP model.
+
+        DDP rebuilds its gradient buckets at the start of its second iteration; a joiner must
+        arrive with the same buckets as the survivors, or the first real allreduce mismatches.
+        """
+        uses_ddp = any(isinstance(obj, DistributedDataParallel) for obj in self._tracked.values())
+        return max(self._sandbox_steps, DDP_MIN_ITERATIONS) if uses_ddp else self._sandbox_steps
+
     def _sandbox(self, n: int) -> Iterator[int]:
         for step in range(n):
             self.step = step
@@ -162,6 +174,11 @@ class Runtime:
     def _join(self) -> int:
         """Wait to be given ranks, build the new groups, receive state; return the next step."""
         assert self._link is not None
+        if not self._tracked:
+            raise RuntimeError(
+                "rt.track() was not called before rt.steps(): a standby has nothing to receive its state into; "
+                "call rt.track(model=..., optimizer=...) first."
+            )
         plan = self._wait_plan(0)
         began = time.perf_counter()
         self.rank = int(plan["rank"])
@@ -191,6 +208,14 @@ class Runtime:
         while True:
             try:
                 plan = self._wait_plan(after)
+                if not self._tracked:
+                    # Moving an empty state would corrupt the joiner: never report ready.
+                    log.error(
+                        "rank %d: a migration to generation %s was planned, but rt.track() was never called, "
+                        "so this rank has no state to hand over; it will not switch (the drain times out).",
+                        self.rank, plan["generation"],
+                    )  # fmt: skip
+                    return
                 comms = self._prepare(plan)
             except Exception:  # noqa: BLE001 - a failed preparation must not kill training
                 log.exception("rank %d: preparing for the next generation failed", self.rank)
@@ -242,6 +267,8 @@ class Runtime:
             began = time.perf_counter()
             sent = send_state(comms["channel"], self._tracked, next_step)
             self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
+            # Tearing this process down must not take CPU from the job it just left.
+            os.nice(19)
             raise SystemExit(0)
         for name, comm in comms.items():
             self._groups[name].swap(comm, gen)
