@@ -359,7 +359,7 @@ class Agent:
         return 0
 
     def _start_workers(self, gen: Generation) -> None:
-        nproc = gen.nproc_per_node
+        """Start this node's workers for generation ``gen`` with torchrun's environment."""
         envs = [
             worker_env(
                 os.environ,
@@ -370,18 +370,10 @@ class Agent:
                 max_restarts=self.cfg.max_restarts,
                 agent_addr=self.control.path,
             )  # fmt: skip
-            for i in range(nproc)
+            for i in range(gen.nproc_per_node)
         ]
         ranks = gen.ranks_of(self.node_id)
-        attempt_dir = (
-            self._log_root / self.cfg.job_id / self.node_id / f"attempt_{gen.number}" if self._log_root else None
-        )
-        policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
-        self.link.reset("active", gen)
-        group = WorkerGroup(self.cfg.command(self._python), envs, ranks, policy)
-        group.start()
-        self._workers = group
-        self._sandbox = False
+        group = self._spawn(gen, "active", envs, ranks, f"attempt_{gen.number}")
         self._worker_gen = gen.number
         self._starts += 1
         self.events.emit(
@@ -403,14 +395,22 @@ class Agent:
             )  # fmt: skip
             for i in range(gen.nproc_per_node)
         ]
-        attempt_dir = self._log_root / self.cfg.job_id / self.node_id / "standby" if self._log_root else None
+        labels = [f"s{i}" for i in range(gen.nproc_per_node)]
+        group = self._spawn(gen, "standby", envs, labels, "standby")
+        self.events.emit("sandbox_started", gen.number, pids=group.pids)
+
+    def _spawn(
+        self, gen: Generation, role: str, envs: list[dict[str, str]], labels: list[int] | list[str], log_name: str
+    ) -> WorkerGroup:
+        """Start a worker group whose files (if any) go to ``<log root>/<job>/<node>/<log_name>/``."""
+        attempt_dir = self._log_root / self.cfg.job_id / self.node_id / log_name if self._log_root else None
         policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
-        self.link.reset("standby", gen)
-        group = WorkerGroup(self.cfg.command(self._python), envs, [f"s{i}" for i in range(gen.nproc_per_node)], policy)
+        self.link.reset(role, gen)
+        group = WorkerGroup(self.cfg.command(self._python), envs, list(labels), policy)
         group.start()
         self._workers = group
-        self._sandbox = True
-        self.events.emit("sandbox_started", gen.number, pids=group.pids)
+        self._sandbox = role == "standby"
+        return group
 
     async def _check_workers(self) -> None:
         group = self._workers
