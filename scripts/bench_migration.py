@@ -291,8 +291,13 @@ def main() -> None:
     down_tr, _ = downtime(rows_tr, tr["t_event"], med_tr)
 
     def joiner_first(result: dict[str, Any], median: float) -> float:
-        rows = [r for r in read_timeline(result["timeline"] / "rank1.txt") if r[3] == "real"]
-        return (rows[0][2] - rows[0][1]) / median
+        """The joiner's first real step over the median; its pid is the one of the sandbox rows."""
+        pids = {line.split()[4] for line in (result["timeline"] / "rank-1.txt").read_text().splitlines()}
+        rows = [
+            line.split() for line in (result["timeline"] / "rank1.txt").read_text().splitlines()
+            if line.split()[4] in pids
+        ]  # fmt: skip
+        return (float(rows[0][2]) - float(rows[0][1])) / median
 
     state_bytes = int(_events_bytes(warm))  # fp32 params + AdamW's two moments, as the leaver sent them
     reference = {r: (f["params"], f["optim"]) for r, f in steady_rl[0]["finals"].items()}

@@ -25,6 +25,9 @@ from torch.distributed import PrefixStore, ProcessGroup, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 from torch.futures import Future
 
+#: How long a replaced communicator is kept before it is destroyed (see _Retirer).
+RETIRE_AFTER_S = 20.0
+
 #: ProcessGroup methods that carry traffic; each is forwarded to the inner communicator.
 COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
@@ -148,33 +151,36 @@ class SandboxComm:
 
 
 class _Retirer:
-    """Drops old communicators on a daemon thread, off the training thread's critical path.
+    """Drops old communicators on a daemon thread, well after the switch that replaced them.
 
-    At exit it waits (bounded) for that thread: a gloo group destroyed while the interpreter
-    shuts down aborts the process.
+    A gloo group's destructor joins its threads and may hold the GIL while it does; run right
+    after a switch it would slow the first steps of the new generation. So each communicator is
+    kept RETIRE_AFTER_S seconds, then dropped on this low-priority thread. At exit the rest are
+    dropped at once (a gloo group destroyed during interpreter shutdown aborts the process).
     """
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
+        self._now = threading.Event()
         threading.Thread(target=self._run, name="rlaunch-retire", daemon=True).start()
         atexit.register(self.drain, 30.0)
 
     def retire(self, comm: Any) -> None:
-        self._queue.put(comm)
+        self._queue.put((time.monotonic() + RETIRE_AFTER_S, comm))
 
     def _run(self) -> None:
-        # Lowest priority for this thread only (Linux nice values are per thread): tearing old
-        # groups down must not take CPU from training.
-        try:
+        try:  # Linux nice values are per thread: lower only this one
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
         while True:
-            comm = self._queue.get()
+            due, comm = self._queue.get()
+            self._now.wait(max(0.0, due - time.monotonic()))
             del comm
             self._queue.task_done()
 
     def drain(self, timeout: float) -> None:
+        self._now.set()
         end = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.05)
