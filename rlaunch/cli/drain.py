@@ -21,7 +21,9 @@ from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import DrainRequest, Event, decode, encode
-from rlaunch.waiting import wait_event
+
+#: How often the command re-reads the job while it waits (bounded by --timeout).
+POLL_S = 0.2
 
 
 class DrainRefused(RlaunchError):
@@ -77,7 +79,7 @@ async def _drain(endpoint: str, job_id: str, node_id: str, wait: bool, timeout: 
             if mark is not None:
                 return {"node": node_id, "replaced_by": mark.replaced_by, "generation": mark.generation,
                         **await _switch_stats(store, keys, mark.generation)}  # fmt: skip
-            await wait_event(asyncio.Event(), 0.2)
+            await asyncio.sleep(POLL_S)
         await store.delete(keys.drain_request(node_id))
         raise DrainRefused(
             f"Node {node_id!r} was not drained within {timeout:.0f} s; the request was withdrawn. "
@@ -101,7 +103,7 @@ async def _switch_stats(store: Store, keys: JobKeys, generation: int) -> dict[st
                 out["transfer_s"] = max(out.get("transfer_s", 0.0), ev.data["seconds"])
         if "downtime_ms" in out:
             break
-        await wait_event(asyncio.Event(), 0.2)
+        await asyncio.sleep(POLL_S)
     return out
 
 

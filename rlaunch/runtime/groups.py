@@ -210,6 +210,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.label = name
         self.comm = comm
         self.version = version
+        #: the name under which torch.distributed knows this group (None: not registered)
+        self.registered_name: str | None = None
 
     def swap(self, comm: Any, version: int) -> None:
         old, self.comm, self.version = self.comm, comm, version

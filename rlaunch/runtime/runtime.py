@@ -25,7 +25,9 @@ runs without migration.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import os
 import statistics
@@ -86,6 +88,7 @@ class Runtime:
         self.step = 0
         if link is not None:
             _register(self.group, store, {i: i for i in range(world_size)}, default=True)
+            atexit.register(self._shutdown)
             if not standby:
                 self._start_listener()
 
@@ -152,6 +155,18 @@ class Runtime:
     def group_version(self, name: str) -> int:
         """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""
         return self._groups[name].version
+
+    def _shutdown(self) -> None:
+        """At exit, release every communicator now, in order, on this thread.
+
+        Left to interpreter teardown, the groups would be destroyed by C++ static destructors
+        after Python has gone, which can abort the process ("terminate called without an
+        active exception").
+        """
+        for group in self._groups.values():
+            _unregister(group)
+            group.comm = None
+        gc.collect()
 
     # -- sandbox and joining ------------------------------------------------------------------
 
@@ -288,17 +303,28 @@ class Runtime:
         self._durations.append(seconds)
 
 
+def _unregister(group: SwitchableGroup) -> None:
+    """Forget ``group`` in torch.distributed's Python and C++ registries (see Runtime._shutdown)."""
+    name = group.registered_name
+    if name is None:
+        return
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
+        table.pop(group, None)
+    for members in world.tags_to_pg.values():
+        while group in members:
+            members.remove(group)
+    c10d._unregister_process_group(name)
+    if world.default_pg is group:
+        c10d._update_default_pg(None)
+    group.registered_name = None
+
+
 def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
     """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
-    c10d._register_pg_in_world(
-        group,
-        "gloo",
-        store,
-        f"rlaunch.{group.label}.{id(group)}",
-        "gloo",
-        rank_mapping=ranks,
-        add_to_default_tag=default,
-    )
+    name = f"rlaunch.{group.label}.{id(group)}"
+    c10d._register_pg_in_world(group, "gloo", store, name, "gloo", rank_mapping=ranks, add_to_default_tag=default)
+    group.registered_name = name
     if default:
         c10d._update_default_pg(group)
         c10d._world.pg_group_ranks[c10d.GroupMember.WORLD] = dict(ranks)

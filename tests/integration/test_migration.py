@@ -13,7 +13,7 @@ import pytest
 from tests.cluster import REPO, AgentProc, Cluster, wait_for
 
 RESILIENT = REPO / "examples" / "train_resilient.py"
-STEPS = 60
+STEPS = 100
 ARGS = ("--steps", str(STEPS), "--step-time", "0.05")
 FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+) versions=(\S+)")
 
