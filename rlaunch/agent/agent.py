@@ -293,6 +293,8 @@ class Agent:
             # Live: survivors keep their processes; a warm standby's workers become the joiner.
             role = "joiner" if self._sandbox else "survivor"
             self.link.offer(gen, role, self.cfg.nproc_per_node)
+            if role == "joiner":
+                self._workers.relabel(gen.ranks_of(self.node_id))
             self._sandbox = False
             self._worker_gen = gen.number
             self.events.emit("migration_offered", gen.number, role=role, leavers=gen.leavers, joiners=gen.joiners)

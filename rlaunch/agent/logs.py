@@ -45,7 +45,8 @@ class StreamPump:
 
     def __init__(self, pipe: IO[bytes], prefix: str, console: IO[bytes] | None, path: Path | None) -> None:
         self._pipe = pipe
-        self._prefix = prefix.encode()
+        #: read for every line, so a standby's workers can be relabelled when they take ranks
+        self.prefix = prefix.encode()
         self._console = console
         self._file: IO[bytes] | None = None
         if path is not None:
@@ -62,7 +63,7 @@ class StreamPump:
                     self._file.flush()
                 if self._console is not None:
                     with _console_lock:
-                        self._console.write(self._prefix + line)
+                        self._console.write(self.prefix + line)
                         self._console.flush()
         except (OSError, ValueError):
             pass  # the pipe or the console went away while shutting down

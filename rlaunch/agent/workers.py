@@ -53,7 +53,7 @@ class WorkerGroup:
         self._labels = list(labels)
         self._policy = policy
         self.procs: list[subprocess.Popen[bytes]] = []
-        self._pumps: list[StreamPump] = []
+        self._pumps: list[list[StreamPump]] = []  # [stdout, stderr] of each local worker
 
     def start(self) -> None:
         out, err = console_streams()
@@ -68,11 +68,22 @@ class WorkerGroup:
                 preexec_fn=_child_setup,  # noqa: PLW1509 - only calls prctl
             )
             self.procs.append(proc)
-            prefix = f"[{self._policy.node_id}/{label}] "
+            prefix = self._prefix(label)
+            pumps = []
             for stream, pipe, console in ((Std.OUT, proc.stdout, out), (Std.ERR, proc.stderr, err)):
                 to_console, path = self._policy.targets(local_rank, stream)
                 assert pipe is not None
-                self._pumps.append(StreamPump(pipe, prefix, console if to_console else None, path))
+                pumps.append(StreamPump(pipe, prefix, console if to_console else None, path))
+            self._pumps.append(pumps)
+
+    def _prefix(self, label: int | str) -> str:
+        return f"[{self._policy.node_id}/{label}] "
+
+    def relabel(self, labels: Sequence[int | str]) -> None:
+        """New console labels (a standby's workers took ranks ``labels``)."""
+        for pumps, label in zip(self._pumps, labels, strict=True):
+            for pump in pumps:
+                pump.prefix = self._prefix(label).encode()
 
     @property
     def pids(self) -> list[int]:
@@ -110,8 +121,9 @@ class WorkerGroup:
             if all(p.poll() is not None for p in self.procs) and not alive:
                 break
             log.warning("[%s] workers did not stop within %.0f s of %s", self._policy.node_id, grace, sig.name)
-        for pump in self._pumps:
-            pump.join(2.0)
+        for pumps in self._pumps:
+            for pump in pumps:
+                pump.join(2.0)
         return self.poll()
 
 

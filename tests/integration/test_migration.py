@@ -80,6 +80,7 @@ def test_drain_partway_is_bit_identical(cluster: Cluster, reference: dict[int, t
     assert [agents[n].wait(120) for n in "abc"] == [0, 0, 0]
     assert "final" not in agents["b"].output(), "the leaver must stop at the switch"
     assert "step 10/" in agents["a"].output(), "the survivor kept its process throughout"
+    assert "[c/1] rank 1 final" in agents["c"].output(), "the joiner's lines carry its new rank"
     assert_identical(finals(agents["a"], agents["c"]), reference)
 
 
