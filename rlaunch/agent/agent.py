@@ -13,6 +13,7 @@ One agent runs per machine (``rlaunch train.py``). It
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlaunch.agent.config import LaunchConfig, Std
+from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.logs import LogPolicy
@@ -33,6 +34,7 @@ from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
 from rlaunch.controller.planner import PlannerConfig
 from rlaunch.controller.view import read_snapshot
+from rlaunch.detectors.gpu import make_gpu_health, watch_gpus
 from rlaunch.errors import JoinError, RecordError, StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Endpoint, Store
@@ -57,18 +59,10 @@ log = logging.getLogger(__name__)
 EXIT_FAILED = 1
 #: How long workers get between SIGTERM and SIGKILL (torchrun's default shutdown timeout).
 SHUTDOWN_GRACE_S = 30.0
+#: How often the GPU health detector runs (NVML queries are local; no etcd traffic).
+HEALTH_EVERY_S = 2.0
 #: How often stray zombie descendants are reaped (scanning /proc is not free).
 REAP_EVERY_S = 5.0
-
-
-def route_addr(ep: Endpoint) -> str:
-    """The local address this machine uses to reach ``ep`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((ep.host, ep.port))
-            return str(s.getsockname()[0])
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 class Agent:
@@ -102,6 +96,7 @@ class Agent:
         self._nodes_changed = True
         self._leaving = False
         self._prepared_reported: set[int] = set()
+        self._fault = ""  # a hardware fault sentence, once a detector found one
         self._signal: int | None = None
         self._fenced: str | None = None
         self._reported: set[str] = set()
@@ -143,7 +138,9 @@ class Agent:
                 PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port),
                 self._lease, self.events, self._clock,
             )  # fmt: skip
+            self._gpu = make_gpu_health()
             tasks = [
+                loop.create_task(self._watch_gpus()),
                 loop.create_task(self._keepalive()),
                 loop.create_task(self._watch()),
                 loop.create_task(controller.run(self._stop, self._ctl_wake)),
@@ -281,6 +278,12 @@ class Agent:
                 return 0
             log.error("[%s] the job failed: %s", self.node_id, gen.reason)
             return EXIT_FAILED
+        if self._fault:
+            # A faulty node gives its ranks up: the controller hands them to a standby.
+            await self._stop_workers()
+            if self._record is None or self._record.state is not NodeState.FAILED:
+                await self._publish(NodeState.FAILED, gen.number)
+            return None
         if self.node_id in gen.leavers and (self._worker_gen or self._leaving):
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
         node_rank = gen.node_rank(self.node_id)
@@ -493,6 +496,18 @@ class Agent:
                 log.warning("[%s] lease renewal failed, retrying: %s", self.node_id, exc)
             await self._sleep(ttl / 3)
 
+    async def _watch_gpus(self) -> None:
+        """The first GPU fault takes this node out of the job (its ranks go to a standby)."""
+        result = await watch_gpus(self._gpu, self._stop, HEALTH_EVERY_S)
+        if isinstance(result, str):
+            log.info("[%s] %s", self.node_id, result)
+            self.events.emit("gpu_health_off", 0, reason=result)
+        elif result:
+            self._fault = "; ".join(f.sentence() for f in result)
+            log.error("[%s] %s: this node gives up its ranks", self.node_id, self._fault)
+            self.events.emit("gpu_fault", self._worker_gen, faults=[dataclasses.asdict(f) for f in result])
+            self._wake.set()
+
     def _fence(self, why: str) -> None:
         self._fenced = f"This agent stops its workers and exits because {why}."
         self._wake.set()
@@ -551,6 +566,7 @@ class Agent:
             updated_at=self._clock(),
             exit_codes=exit_codes or {},
             runtime=len(self.link.state.hello) >= self.cfg.nproc_per_node,
+            fault=self._fault,
         )
 
     async def _publish(

@@ -1,8 +1,8 @@
 """The launch configuration: torchrun's flags and rlaunch's own, parsed and validated.
 
-Pure functions only: the CLI hands raw flag values to :func:`build_config`, which returns a
-frozen :class:`LaunchConfig` or raises :class:`~rlaunch.errors.UsageError` with a sentence
-naming the bad value.
+Pure functions: the CLI hands raw flag values to :func:`build_config`, which returns a frozen
+:class:`LaunchConfig` or raises :class:`~rlaunch.errors.UsageError` with a sentence naming the
+bad value. (:func:`route_addr` asks the kernel for a route to etcd; it sends no packet.)
 """
 
 from __future__ import annotations
@@ -244,3 +244,13 @@ def build_config(
         local_addr=local_addr,
         sandbox_steps=sandbox_steps,
     )
+
+
+def route_addr(ep: Endpoint) -> str:
+    """The local address this machine uses to reach ``ep`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ep.host, ep.port))
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

@@ -38,12 +38,14 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
             "restarts": rec.restarts,
             "last_seen_s": max(0, granted - remaining) if remaining >= 0 else None,
             "runtime": rec.runtime,
+            "fault": rec.fault,
         })  # fmt: skip
     for mark in sorted(snap.drained.values(), key=lambda m: m.at):
         if mark.node_id not in snap.nodes:
             nodes.append({
                 "node_id": mark.node_id, "host": "", "role": "none", "state": "drained", "node_rank": None,
-                "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "replaced_by": mark.replaced_by,
+                "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": "",
+                "replaced_by": mark.replaced_by,
             })  # fmt: skip
     return {
         "job": job_id,

@@ -9,8 +9,9 @@ Rules (torchrun's semantics, plus standbys):
   with node ranks in join order; later nodes are standbys.
 - A worker failure restarts every node in a new generation with the same ranks, counted
   against ``max_restarts``; past it the job fails.
-- A lost node (lease gone, or stopping) does not count as a restart: its node rank goes to the
-  earliest-joined spare node. With no spare, the job waits up to ``replace_timeout`` for one.
+- A lost node (lease gone, stopping, or reporting a hardware fault) does not count as a
+  restart: its node rank goes to the earliest-joined spare node. With no spare, the job waits
+  up to ``replace_timeout`` for one.
 - A lost node is handled before worker failures seen in the same view: the new generation
   restarts every worker anyway, and the failures are taken as caused by the loss.
 - When every assigned node reports success for the current generation, the job succeeded.
@@ -66,7 +67,7 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
         return _first(now, view, cfg)
     if gen.status.terminal:
         return None, f"the job has {gen.status.value}; nothing to do"
-    live = {n for n, v in view.nodes.items() if v.record.state is not NodeState.STOPPING}
+    live = {n for n, v in view.nodes.items() if v.record.state is not NodeState.STOPPING and not v.record.fault}
     lost = sorted(n for n in gen.assignment if n not in live)
     if lost or gen.status is GenerationStatus.WAITING:
         survivors = [n for n in gen.assignment if n in live]

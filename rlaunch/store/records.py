@@ -108,6 +108,8 @@ class NodeRecord:
     message: str = ""
     #: every local worker called ``rlaunch.init()``: the job can migrate live
     runtime: bool = False
+    #: a hardware fault found by a detector (a sentence); such a node holds no ranks any more
+    fault: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

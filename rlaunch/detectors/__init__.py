@@ -1,0 +1,1 @@
+"""Fault detectors: each turns what it sees into a typed fault that the agent reports."""

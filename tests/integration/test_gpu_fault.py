@@ -1,0 +1,39 @@
+"""A GPU fault found through NVML (injected through the file source) hands the node's rank to a standby."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.cluster import TRAIN, AgentProc, Cluster, checksums, wait_for
+
+
+def test_an_injected_xid_moves_the_rank_to_the_standby(cluster: Cluster, reference_checksum: str) -> None:
+    ckpt = cluster.tmp / "ckpt.pt"
+    faults = cluster.tmp / "faults.json"
+    faults.write_text("[]")
+    args = ("--steps", "24", "--step-time", "0.15", "--ckpt", str(ckpt), "--ckpt-every", "6")
+    a, b, c = _start(cluster, args, faults)
+    wait_for(ckpt.exists, 90, "the first checkpoint")
+    faults.write_text(json.dumps([{"kind": "xid", "gpu": 0, "detail": "79"}]))
+    node_c = wait_for(
+        lambda: (n := cluster.node("c")) and n["role"] == "active" and n["state"] == "running" and n,
+        60, "the standby to take node b's rank",
+    )  # fmt: skip
+    assert node_c["node_rank"] == 1
+    node_b = cluster.node("b")
+    assert node_b is not None and node_b["state"] == "failed" and node_b["role"] == "standby"
+    assert node_b["fault"] == "GPU 0 reported critical XID 79"
+    assert a.wait(120) == 0 and c.wait(120) == 0 and b.wait(30) == 0
+    assert "gpu_fault" in b.output() and "this node gives up its ranks" in b.output()
+    assert checksums(a.output() + c.output()) == {reference_checksum}
+
+
+def _start(cluster: Cluster, args: tuple[str, ...], faults: Path) -> list[AgentProc]:
+    """a, b, c in join order; only b reads its GPU faults from ``faults``."""
+    started = []
+    for node in ("a", "b", "c"):
+        env = {"RLAUNCH_FAKE_NVML": str(faults)} if node == "b" else None
+        started.append(cluster.agent(node, TRAIN, *args, flags=("--max-restarts", "3"), env=env))
+        wait_for(lambda n=node: cluster.node(n), 30, f"node {node} to register")
+    return started

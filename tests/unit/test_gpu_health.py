@@ -1,0 +1,147 @@
+"""GPU health detection against a fake pynvml module (the NVML boundary), and the file source."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlaunch.detectors.gpu import CRITICAL_XIDS, FileHealth, GpuFaultKind, NvmlHealth, make_gpu_health, watch_gpus
+
+
+class FakeNvml(types.SimpleNamespace):
+    """The pynvml calls NvmlHealth makes, over a hand-built GPU state."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 - pynvml's names
+        pass
+
+    class NVMLError_GpuIsLost(NVMLError):  # noqa: N801
+        pass
+
+    class NVMLError_NotSupported(NVMLError):  # noqa: N801
+        pass
+
+    class NVMLError_Timeout(NVMLError):  # noqa: N801
+        pass
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self, gpus: int = 2, present: bool = True) -> None:
+        super().__init__()
+        self.present = present
+        self.ecc = [0] * gpus
+        self.pending = [0] * gpus
+        self.lost: set[int] = set()
+        self.xids: list[tuple[int, int]] = []  # (gpu, xid)
+        self.gpus = gpus
+
+    def nvmlInit(self) -> None:  # noqa: N802
+        if not self.present:
+            raise self.NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return self.gpus
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:  # noqa: N802
+        return f"gpu{i}"
+
+    def nvmlEventSetCreate(self) -> str:  # noqa: N802
+        return "events"
+
+    def nvmlDeviceRegisterEvents(self, handle: str, kinds: int, events: str) -> None:  # noqa: N802
+        assert kinds == self.nvmlEventTypeXidCriticalError
+
+    def _index(self, handle: str) -> int:
+        i = int(handle.removeprefix("gpu"))
+        if i in self.lost:
+            raise self.NVMLError_GpuIsLost("GPU is lost")
+        return i
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: str, kind: int, counter: int) -> int:  # noqa: N802
+        return self.ecc[self._index(handle)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: str) -> int:  # noqa: N802
+        return self.pending[self._index(handle)]
+
+    def nvmlEventSetWait(self, events: str, timeout_ms: int) -> Any:  # noqa: N802
+        if not self.xids:
+            raise self.NVMLError_Timeout("timeout")
+        gpu, xid = self.xids.pop(0)
+        return types.SimpleNamespace(eventData=xid, device=f"gpu{gpu}")
+
+
+def started(nvml: FakeNvml) -> NvmlHealth:
+    health = NvmlHealth(nvml)
+    assert health.start() is None
+    return health
+
+
+def test_no_gpu_turns_the_checks_off_with_a_reason() -> None:
+    reason = NvmlHealth(FakeNvml(present=False)).start()
+    assert reason is not None and "GPU health checks are off" in reason and "Library Not Found" in reason
+    assert "no GPU" in (NvmlHealth(FakeNvml(gpus=0)).start() or "")
+
+
+def test_healthy_gpus_report_nothing() -> None:
+    assert started(FakeNvml()).check() == []
+
+
+def test_each_fault_kind_is_detected_on_its_gpu() -> None:
+    nvml = FakeNvml(gpus=3)
+    health = started(nvml)
+    nvml.ecc[1] = 2
+    nvml.pending[2] = 1
+    nvml.lost.add(0)
+    nvml.xids += [(2, 79), (1, 13)]  # 13 (a graphics engine exception) is not critical
+    faults = {(f.kind, f.gpu, f.detail) for f in health.check()}
+    assert faults == {
+        (GpuFaultKind.FELL_OFF_BUS, 0, ""),
+        (GpuFaultKind.ECC_UNCORRECTABLE, 1, "2"),
+        (GpuFaultKind.RETIRED_PAGES_PENDING, 2, ""),
+        (GpuFaultKind.XID, 2, "79"),
+    }
+    assert health.check() == [f for f in health.check() if f.kind is not GpuFaultKind.XID]  # XIDs are events
+
+
+@pytest.mark.parametrize("xid", sorted(CRITICAL_XIDS))
+def test_every_critical_xid_is_a_fault(xid: int) -> None:
+    nvml = FakeNvml(gpus=1)
+    health = started(nvml)
+    nvml.xids.append((0, xid))
+    (fault,) = health.check()
+    assert fault.kind is GpuFaultKind.XID and f"critical XID {xid}" in fault.sentence()
+
+
+def test_file_source_injects_faults(tmp_path: Path) -> None:
+    path = tmp_path / "faults.json"
+    health = make_gpu_health({"RLAUNCH_FAKE_NVML": str(path)})
+    assert isinstance(health, FileHealth) and health.start() is None
+    assert health.check() == []
+    path.write_text(json.dumps([{"kind": "fell_off_bus", "gpu": 3}]))
+    (fault,) = health.check()
+    assert fault.sentence() == "GPU 3 fell off the bus"
+
+
+def test_watch_returns_the_first_faults_or_the_off_reason(tmp_path: Path) -> None:
+    async def go() -> None:
+        stop = asyncio.Event()
+        assert "off" in str(await watch_gpus(NvmlHealth(FakeNvml(present=False)), stop, 0.01))
+        nvml = FakeNvml(gpus=1)
+        health = NvmlHealth(nvml)
+        task = asyncio.ensure_future(watch_gpus(health, stop, 0.01))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        nvml.ecc[0] = 1
+        faults = await asyncio.wait_for(task, 2)
+        assert isinstance(faults, list) and faults[0].kind is GpuFaultKind.ECC_UNCORRECTABLE
+
+    asyncio.run(go())
