@@ -286,6 +286,7 @@ class Agent:
             return None
         if self.node_id in gen.leavers and (self._worker_gen or self._leaving):
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
+        self._leaving = False  # a newer generation abandoned the move: this node is a node again
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
             await self._stand_by(gen, holds_ranks=node_rank is not None)
