@@ -95,6 +95,7 @@ class Agent:
         self._sandbox_failed = False
         self._nodes_changed = True
         self._leaving = False
+        self._move_failed = False  # a move this node was leaving in failed; it is an ordinary node again
         self._prepared_reported: set[int] = set()
         self._fault = ""  # a hardware fault sentence, once a detector found one
         self._signal: int | None = None
@@ -284,9 +285,10 @@ class Agent:
             if self._record is None or self._record.state is not NodeState.FAILED:
                 await self._publish(NodeState.FAILED, gen.number)
             return None
-        if self.node_id in gen.leavers and (self._worker_gen or self._leaving):
+        if self.node_id in gen.leavers and (self._worker_gen or self._leaving) and not self._move_failed:
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
-        self._leaving = False  # a newer generation abandoned the move: this node is a node again
+        # A newer generation abandoned (or never had) a move of this node: it is a node again.
+        self._leaving = self._move_failed = False
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
             await self._stand_by(gen, holds_ranks=node_rank is not None)
@@ -356,6 +358,14 @@ class Agent:
                 await self._stop_workers()
         if self._workers is not None:
             return None  # the workers exit 0 once they have sent their state
+        if gen.kind == "migrate" and len(self.link.state.left) < self.cfg.nproc_per_node:
+            # The workers ended before handing their state over: this node is not drained. Its
+            # failure is on its record; it stays in the job as a node without ranks.
+            self._move_failed = True
+            self._leaving = False
+            log.error("[%s] the move to generation %d failed before the state was sent", self.node_id, gen.number)
+            self.events.emit("migration_failed", gen.number, sent=sorted(self.link.state.left))
+            return None
         joiner = gen.joiners[gen.leavers.index(self.node_id)]
         mark = DrainedMark(node_id=self.node_id, generation=gen.number, replaced_by=joiner, at=self._clock())
         await self.store.put(self.keys.drained(self.node_id), encode(mark))
