@@ -156,7 +156,11 @@ def _fill(
     missing = [r for r in range(view.spec.nnodes) if r not in held]
     spares = _by_join(
         view,
-        [n for n, v in view.nodes.items() if n not in survivors and v.record.state in _SPARE_STATES],
+        [
+            n
+            for n, v in view.nodes.items()
+            if n not in survivors and v.record.state in _SPARE_STATES and not v.record.fault
+        ],
     )
     lost_txt = f"node(s) {', '.join(lost)} lost; " if lost else ""
     if len(spares) >= len(missing):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rlaunch.controller.planner import ClusterView, NodeView, PlannerConfig, plan
@@ -425,3 +427,24 @@ def test_terminal_generation_plans_nothing(status: GenerationStatus) -> None:
     assert new is None
     assert status.value in reason
     assert "nothing to do" in reason
+
+
+def test_a_node_with_a_hardware_fault_gives_up_its_rank_and_is_never_a_spare() -> None:
+    faulty = dataclasses.replace(rec("b", NodeState.FAILED, generation=1), fault="GPU 0 fell off the bus")
+    current = gen(1, {"a": 0, "b": 1})
+    # no other node: the job waits for one, and the faulty node does not fill its own rank
+    new, reason = plan(NOW, view(rec("a", NodeState.RUNNING, generation=1), faulty, generation=current), CFG)
+    assert new is not None and new.status is GenerationStatus.WAITING and "b lost" in reason
+    # a standby takes the rank
+    new, reason = plan(
+        NOW, view(rec("a", NodeState.RUNNING, generation=1), faulty, rec("c", NodeState.STANDBY), generation=current),
+        CFG,
+    )  # fmt: skip
+    assert new is not None and new.assignment == {"a": 0, "c": 1} and new.restart_count == 0
+
+
+def test_a_node_whose_workers_failed_may_fill_a_lost_rank_in_a_restart() -> None:
+    current = gen(2, {"a": 0, "c": 1})  # b left in generation 2, but its move failed
+    new, _ = plan(NOW, view(rec("c", NodeState.RUNNING, generation=2), rec("b", NodeState.FAILED, generation=1),
+                            generation=current), CFG)  # fmt: skip
+    assert new is not None and new.assignment == {"b": 0, "c": 1} and new.status is GenerationStatus.RUNNING
