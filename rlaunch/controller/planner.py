@@ -62,13 +62,18 @@ class PlannerConfig:
     master_port: int = 0  # 0: use the port advertised by the node holding node rank 0
 
 
+def can_hold_ranks(record: NodeRecord) -> bool:
+    """A live node that may hold ranks: not stopping, and no hardware fault reported."""
+    return record.state is not NodeState.STOPPING and not record.fault
+
+
 def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation | None, str]:
     gen = view.generation
     if gen is None:
         return _first(now, view, cfg)
     if gen.status.terminal:
         return None, f"the job has {gen.status.value}; nothing to do"
-    live = {n for n, v in view.nodes.items() if v.record.state is not NodeState.STOPPING and not v.record.fault}
+    live = {n for n, v in view.nodes.items() if can_hold_ranks(v.record)}
     lost = sorted(n for n in gen.assignment if n not in live)
     if lost or gen.status is GenerationStatus.WAITING:
         survivors = [n for n in gen.assignment if n in live]
@@ -159,7 +164,7 @@ def _fill(
         [
             n
             for n, v in view.nodes.items()
-            if n not in survivors and v.record.state in _SPARE_STATES and not v.record.fault
+            if n not in survivors and v.record.state in _SPARE_STATES and can_hold_ranks(v.record)
         ],
     )
     lost_txt = f"node(s) {', '.join(lost)} lost; " if lost else ""
