@@ -15,6 +15,10 @@ def test_losing_the_controllers_node_during_a_drain_abandons_the_move(cluster: C
     wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
     wait_for(lambda: "step 20/" in a.output(), 60, "training to make progress")
     assert cluster.status()["controller"] == "a"
+    # Freeze a's workers so the move cannot finish before a's node is lost: b's workers stay blocked in
+    # a training collective with a and never reach the step where they would hand their state over.
+    for w in a.workers():
+        w.suspend()
     drain = subprocess.Popen(
         [sys.executable, "-m", "rlaunch", "drain", "b", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id",
          cluster.job_id, "--timeout", "60"],
