@@ -97,6 +97,7 @@ class Agent:
         self._leaving = False
         self._move_failed = False  # a move this node was leaving in failed; it is an ordinary node again
         self._prepared_reported: set[int] = set()
+        self._settling = 0  # a move's generation whose local workers have not all joined or recovered
         self._fault = ""  # a hardware fault sentence, once a detector found one
         self._signal: int | None = None
         self._fenced: str | None = None
@@ -136,7 +137,7 @@ class Agent:
             await self.control.start()
             controller = Controller(
                 self.store, self.keys, self._spec,
-                PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port),
+                PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port, self.cfg.standby_wait),
                 self._lease, self.events, self._clock,
             )  # fmt: skip
             self._gpu = make_gpu_health()
@@ -285,7 +286,12 @@ class Agent:
             if self._record is None or self._record.state is not NodeState.FAILED:
                 await self._publish(NodeState.FAILED, gen.number)
             return None
-        if self.node_id in gen.leavers and (self._worker_gen or self._leaving) and not self._move_failed:
+        if (
+            gen.kind == "migrate"
+            and self.node_id in gen.leavers
+            and (self._worker_gen or self._leaving)
+            and not self._move_failed
+        ):
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
         # A newer generation abandoned (or never had) a move of this node: it is a node again.
         self._leaving = self._move_failed = False
@@ -295,6 +301,9 @@ class Agent:
             return None
         if self._worker_gen == gen.number:
             return None  # our workers for this generation run or have ended; the controller decides
+        if gen.kind == "replace":
+            await self._replace(gen)
+            return None
         if gen.kind == "migrate" and self._workers is not None:
             # Live: survivors keep their processes; a warm standby's workers become the joiner.
             role = "joiner" if self._sandbox else "survivor"
@@ -304,7 +313,11 @@ class Agent:
             self._sandbox = False
             self._worker_gen = gen.number
             self.events.emit("migration_offered", gen.number, role=role, leavers=gen.leavers, joiners=gen.joiners)
-            await self._publish(NodeState.RUNNING, gen.number)
+            if role == "joiner":
+                self._settling = gen.number
+                await self._publish(NodeState.RESTARTING, gen.number)  # RUNNING once its workers joined
+            else:
+                await self._publish(NodeState.RUNNING, gen.number)
             return None
         if self._acked_gen != gen.number:
             await self._stop_workers()
@@ -323,6 +336,33 @@ class Agent:
             self._start_workers(gen)
             await self._publish(NodeState.RUNNING, gen.number)
         return None
+
+    async def _replace(self, gen: Generation) -> None:
+        """Take part in a live replacement: a survivor keeps its workers; a joiner's take the ranks."""
+        if self.node_id in gen.joiners:
+            if self._workers is None or not self._sandbox:
+                # Restarted in place (its workers failed): fresh workers warm up, then receive state.
+                await self._stop_workers()
+                self._start_sandbox(gen)
+            self.link.offer(gen, "joiner", self.cfg.nproc_per_node)
+            assert self._workers is not None
+            self._workers.relabel(gen.ranks_of(self.node_id))
+            self._sandbox = False
+            self._worker_gen = self._settling = gen.number
+            self.events.emit("replacement_offered", gen.number, role="joiner", leavers=gen.leavers)
+            await self._publish(NodeState.RESTARTING, gen.number)  # RUNNING once its workers joined
+            return
+        self._worker_gen = gen.number
+        if self._workers is None or self._sandbox:
+            # Its workers ended as the replacement was planned: the controller must hear of it.
+            await self._stop_workers()
+            codes = self._record.exit_codes if self._record else {}
+            await self._publish(NodeState.FAILED, gen.number, exit_codes=codes)
+            return
+        self.link.offer(gen, "survivor", self.cfg.nproc_per_node)
+        self._settling = gen.number
+        self.events.emit("replacement_offered", gen.number, role="survivor", leavers=gen.leavers, joiners=gen.joiners)
+        await self._publish(NodeState.RESTARTING, gen.number)  # RUNNING once its workers recovered
 
     async def _stand_by(self, gen: Generation, holds_ranks: bool) -> None:
         """Hold no running ranks: keep (or start) warm sandbox workers when the job can use them."""
@@ -476,6 +516,11 @@ class Agent:
         uses_runtime = len(state.hello) >= self.cfg.nproc_per_node
         if self._record is not None and self._record.runtime != uses_runtime and self._workers is not None:
             await self._publish(self._record.state, self._record.generation)
+        if self._settling and self._settling == self._worker_gen and self._workers is not None:
+            done = state.joined | state.recovered.get(self._settling, set())
+            if len(done) >= self.cfg.nproc_per_node:
+                self._settling = 0
+                await self._publish(NodeState.RUNNING, self._worker_gen)
         for gen, ranks in state.prepared.items():
             if len(ranks) >= self.cfg.nproc_per_node and gen not in self._prepared_reported:
                 self._prepared_reported.add(gen)

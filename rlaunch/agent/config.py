@@ -55,6 +55,10 @@ class LaunchConfig:
     local_addr: str | None
     #: sandbox iterations a standby's workers run before they report ready (0: no warm-up)
     sandbox_steps: int = 3
+    #: how long a live replacement of a lost node waits for a standby before a full restart
+    standby_wait: float = 30.0
+    #: floor of the hang timeout (the timeout grows with the job's own step time)
+    hang_timeout: float = 60.0
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -190,6 +194,8 @@ def build_config(
     rdzv_timeout: float,
     local_addr: str | None,
     sandbox_steps: int = 3,
+    standby_wait: float = 30.0,
+    hang_timeout: float = 60.0,
 ) -> LaunchConfig:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
@@ -203,6 +209,10 @@ def build_config(
         raise UsageError(f"--lease-ttl {lease_ttl} is not valid: give at least 2 seconds.")
     if sandbox_steps < 0:
         raise UsageError(f"--sandbox-steps {sandbox_steps} is not valid: give 0 or more.")
+    if not standby_wait >= 0:  # also rejects nan
+        raise UsageError(f"--standby-wait {standby_wait} is not valid: give 0 or more seconds.")
+    if not hang_timeout > 0:
+        raise UsageError(f"--hang-timeout {hang_timeout} is not valid: give a positive number of seconds.")
     if master_port is not None and not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is not valid: give a port between 1 and 65535.")
     n = parse_nnodes(nnodes)
@@ -243,6 +253,8 @@ def build_config(
         rdzv_timeout=rdzv_timeout,
         local_addr=local_addr,
         sandbox_steps=sandbox_steps,
+        standby_wait=standby_wait,
+        hang_timeout=hang_timeout,
     )
 
 

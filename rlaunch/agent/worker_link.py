@@ -2,9 +2,9 @@
 
 - ``hello``: a worker announces it uses the runtime; it learns its role, rank and generation.
 - ``kv_*``: c10d store operations, kept in etcd under ``kv/`` (groups are built on them).
-- ``wait_plan``: a long wait for the next migration this worker takes part in.
-- ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched``: progress reports, which the
-  agent turns into node states and events.
+- ``wait_plan``: a long wait for the next migration or replacement this worker takes part in.
+- ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched`` / ``recovering`` / ``recovered``:
+  progress reports, which the agent turns into node states and events.
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ class LinkState:
     warm: set[int] = dataclasses.field(default_factory=set)
     prepared: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     left: set[int] = dataclasses.field(default_factory=set)
+    joined: set[int] = dataclasses.field(default_factory=set)
+    recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+
+
+def replica_sources(gen: Generation) -> dict[str, int]:
+    """For a replacement: which surviving rank sends each replaced rank its state.
+
+    Every rank is taken as a data-parallel replica of every other (DDP); the replaced ranks are
+    spread over the survivors so that no one rank sends them all.
+    """
+    if gen.kind != "replace":
+        return {}
+    moved = sorted(r for joiner in gen.joiners for r in gen.ranks_of(joiner))
+    survivors = [r for r in range(gen.world_size) if r not in moved]
+    return {str(m): survivors[i % len(survivors)] for i, m in enumerate(moved)} if survivors else {}
 
 
 class WorkerLink:
@@ -58,7 +73,7 @@ class WorkerLink:
         self._plan_changed = asyncio.Event()
 
     def register(self, server: ControlServer) -> None:
-        for op in ("hello", "wait_plan", "warm", "prepared", "joined", "left", "switched",
+        for op in ("hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
                    "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count"):  # fmt: skip
             server.register(op, getattr(self, "_" + op))
 
@@ -70,7 +85,7 @@ class WorkerLink:
         self._plans.clear()
 
     def offer(self, gen: Generation, role: str, nproc: int) -> None:
-        """Hand migration ``gen`` to the local workers as ``role`` (survivor|leaver|joiner)."""
+        """Hand migration or replacement ``gen`` to the local workers as ``role`` (survivor|leaver|joiner)."""
         moved: list[int] = []
         for joiner in gen.joiners:
             moved.extend(gen.ranks_of(joiner))
@@ -80,8 +95,8 @@ class WorkerLink:
             base = gen.assignment[self.node_id] * gen.nproc_per_node
         for local_rank in range(nproc):
             self._plans[local_rank] = {
-                "generation": gen.number, "role": role, "rank": base + local_rank,
-                "moved_ranks": moved, "world_size": gen.world_size,
+                "generation": gen.number, "kind": gen.kind, "role": role, "rank": base + local_rank,
+                "moved_ranks": moved, "world_size": gen.world_size, "sources": replica_sources(gen),
             }  # fmt: skip
         self.generation = gen
         self._plan_changed.set()
@@ -128,7 +143,22 @@ class WorkerLink:
         return {}
 
     async def _joined(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.joined.add(int(req["local_rank"]))
         self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"])
+        self._wake()
+        return {}
+
+    async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._emit("recovering", self.generation.number if self.generation else 0, local_rank=req["local_rank"],
+                   step=req["step"])  # fmt: skip
+        return {}
+
+    async def _recovered(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.recovered.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
+        self._wake()
+        fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sent_to", "bytes")
+        self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
+                   **{k: req[k] for k in fields})  # fmt: skip
         return {}
 
     async def _left(self, req: dict[str, Any]) -> dict[str, Any]:

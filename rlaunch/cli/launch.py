@@ -73,6 +73,18 @@ def run(
     rdzv_timeout: float = _opt(
         600.0, "--rdzv-timeout", help="Longest wait, in seconds, for etcd and for the rendezvous.", env=False
     ),
+    standby_wait: float = _opt(
+        30.0,
+        "--standby-wait",
+        help="Seconds a live replacement of a lost node waits for a standby before restarting every worker.",
+        env=False,
+    ),
+    hang_timeout: float = _opt(
+        60.0,
+        "--hang-timeout",
+        help="Floor, in seconds, of the hang timeout: a worker without step progress for longer is killed.",
+        env=False,
+    ),
 ) -> None:
     """Launch SCRIPT on this node as one agent of the job (torchrun's flags and semantics)."""
     setup_logging()
@@ -84,6 +96,7 @@ def run(
             redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter, module=module,
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
+            standby_wait=standby_wait, hang_timeout=hang_timeout,
         )  # fmt: skip
         if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
             log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)

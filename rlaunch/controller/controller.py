@@ -19,7 +19,7 @@ from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import GenerationStatus, JobSpec, encode
+from rlaunch.store.records import JobSpec, encode
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ class Controller:
         view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains))
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation
-        self._deadline_pending = after is not None and after.status is GenerationStatus.WAITING
+        # a replacement node or a standby is awaited until a deadline
+        self._deadline_pending = after is not None and not after.status.terminal and after.deadline > 0
         if reason != self._last_reason:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason

@@ -14,6 +14,12 @@ Rules (torchrun's semantics, plus standbys):
   up to ``replace_timeout`` for one.
 - A lost node is handled before worker failures seen in the same view: the new generation
   restarts every worker anyway, and the failures are taken as caused by the loss.
+- Live replacement (``replace``) comes first when every node's workers use the runtime and the
+  job is settled (every other assigned node runs the current generation): each lost or failed
+  node's ranks go to a ready standby, else (workers failed, node healthy) back to the node
+  itself, restarted in place; the survivors keep their processes and send the state. With a
+  lost node and no standby, the job waits up to ``standby_wait`` (survivors keep waiting), then
+  falls back to the restart rules below. A worker failure counts against ``max_restarts``.
 - When every assigned node reports success for the current generation, the job succeeded.
 - A drain request for an active node, once every node runs the current generation and a
   standby is ready, hands the node rank to that standby: live (``migrate``: nobody else
@@ -60,6 +66,8 @@ class PlannerConfig:
     controller: str
     replace_timeout: float
     master_port: int = 0  # 0: use the port advertised by the node holding node rank 0
+    #: how long a live replacement of a lost node waits for a standby before a full restart
+    standby_wait: float = 30.0
 
 
 def can_hold_ranks(record: NodeRecord) -> bool:
@@ -75,12 +83,16 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
         return None, f"the job has {gen.status.value}; nothing to do"
     live = {n for n, v in view.nodes.items() if can_hold_ranks(v.record)}
     lost = sorted(n for n in gen.assignment if n not in live)
+    failed = sorted(n for n in gen.assignment if n in live and _failed_in(view.nodes[n].record, gen))
+    if (lost or failed) and gen.status is GenerationStatus.RUNNING:
+        decided = _replace(now, view, cfg, gen, lost, failed)
+        if decided is not None:
+            return decided
     if lost or gen.status is GenerationStatus.WAITING:
         survivors = [n for n in gen.assignment if n in live]
         return _fill(now, view, cfg, gen, survivors, lost)
 
     records = {n: view.nodes[n].record for n in gen.assignment}
-    failed = sorted(n for n, r in records.items() if r.state is NodeState.FAILED and r.generation == gen.number)
     if failed:
         what = ", ".join(f"{n} (exit codes {records[n].exit_codes})" for n in failed)
         if gen.restart_count >= view.spec.max_restarts:
@@ -100,6 +112,10 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if view.drains:
         return _drain(now, view, cfg, gen, records)
     return None, f"generation {gen.number} is running"
+
+
+def _failed_in(record: NodeRecord, gen: Generation) -> bool:
+    return record.state is NodeState.FAILED and record.generation == gen.number
 
 
 def is_ready(record: NodeRecord, job_uses_runtime: bool) -> bool:
@@ -129,6 +145,47 @@ def _drain(
     reason = f"draining {leaver}: {joiner} takes node rank {assignment[joiner]} {how}"
     new = _generation(now, view, cfg, gen.number + 1, assignment, gen.restart_count, reason)
     return dataclasses.replace(new, kind=kind, leavers=[leaver], joiners=[joiner]), reason
+
+
+def _replace(
+    now: float, view: ClusterView, cfg: PlannerConfig, gen: Generation, lost: list[str], failed: list[str]
+) -> tuple[Generation | None, str] | None:
+    """Replace lost and failed nodes live, or wait for a standby; ``None``: restart instead."""
+    out = set(lost) | set(failed)
+    survivors = [n for n in gen.assignment if n not in out]
+    records = {n: view.nodes[n].record for n in gen.assignment if n in view.nodes}
+    if not survivors or not all(r.runtime for r in records.values()):
+        return None  # nobody holds a replica, or the script does not use the runtime: torchrun's restart
+    if not all(records[n].state is NodeState.RUNNING and records[n].generation == gen.number for n in survivors):
+        return None  # a move is still in flight: only a restart is safe
+    if failed and gen.restart_count >= view.spec.max_restarts:
+        return None  # the restart rules fail the job
+    ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, True)])
+    joiners: list[str] = []
+    for node in sorted(out, key=lambda n: gen.assignment[n]):
+        if ready:
+            joiners.append(ready.pop(0))
+        elif node in failed:
+            joiners.append(node)  # its GPU is fine: restart its workers in place
+        else:
+            if gen.deadline and now >= gen.deadline:
+                return None  # no standby came in time: fall back to a restart
+            if gen.deadline:
+                return None, f"waiting for a standby to replace {node} live"
+            reason = f"node {node} lost and no standby is ready; waiting up to {cfg.standby_wait:.0f} s for one"
+            return dataclasses.replace(gen, deadline=now + cfg.standby_wait, reason=reason), reason
+    leavers = sorted(out, key=lambda n: gen.assignment[n])
+    assignment = {n: gen.assignment[n] for n in survivors}
+    moves = []
+    for leaver, joiner in zip(leavers, joiners, strict=True):
+        assignment[joiner] = gen.assignment[leaver]
+        how = "restarted in place" if joiner == leaver else f"replaced by {joiner}"
+        why = "lost" if leaver in lost else "workers failed"
+        moves.append(f"{leaver} ({why}) {how}")
+    reason = "; ".join(moves) + f"; survivors {survivors} keep their processes"
+    restarts = gen.restart_count + (1 if failed else 0)
+    new = _generation(now, view, cfg, gen.number + 1, assignment, restarts, reason)
+    return dataclasses.replace(new, kind="replace", leavers=leavers, joiners=joiners), reason
 
 
 def _by_join(view: ClusterView, names: list[str]) -> list[str]:

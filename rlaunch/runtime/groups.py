@@ -6,12 +6,21 @@ current generation, or a :class:`SandboxComm` that serves every collective local
 shape-correct results and no traffic. A migration swaps the inner communicator between two
 steps; DDP keeps its buckets, so results stay bit-identical. Old communicators are released on a
 background thread: dropping a gloo group with a pending operation blocks until its timeout.
+
+Each real collective is guarded: its result reaches the caller through a future the group owns.
+If the communicator fails (a peer died) or the runtime abandons the group (its agent said a peer
+is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
+own inputs and the group is marked ``failed``: later collectives return at once, so the step
+runs to ``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
+flight (``abort()`` does not wake it), hence the outer future.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import itertools
+import logging
 import os
 import queue
 import threading
@@ -25,6 +34,7 @@ from torch.distributed import PrefixStore, ProcessGroup, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 from torch.futures import Future
 
+log = logging.getLogger(__name__)
 #: How long a replaced communicator is kept before it is destroyed (see _Retirer).
 RETIRE_AFTER_S = 20.0
 
@@ -212,10 +222,47 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.version = version
         #: the name under which torch.distributed knows this group (None: not registered)
         self.registered_name: str | None = None
+        #: why the current communicator is unusable ("" while it works); reset by swap()
+        self.failed = ""
+        self._pending: dict[int, tuple[Future[Any], list[torch.Tensor]]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
 
     def swap(self, comm: Any, version: int) -> None:
-        old, self.comm, self.version = self.comm, comm, version
+        with self._lock:
+            old, self.comm, self.version = self.comm, comm, version
+            self.failed = ""
         retire(old)
+
+    def abandon(self, why: str) -> None:
+        """Give up this group's operations in flight: their callers get their inputs back."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self.failed = self.failed or why
+        for fut, tensors in pending.values():
+            fut.set_result(tensors)
+
+    def _guard(self, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
+        outer: Future[Any] = Future()
+        key = next(self._ids)
+        with self._lock:
+            self._pending[key] = (outer, tensors)
+
+        def finished(inner: Future[Any]) -> None:
+            try:
+                value, error = inner.value(), ""
+            except Exception as exc:  # noqa: BLE001 - any failure of the communicator
+                value, error = tensors, str(exc).splitlines()[0]
+            with self._lock:
+                if self._pending.pop(key, None) is None:
+                    return  # abandoned: the caller already has its inputs back
+                if error and not self.failed:
+                    self.failed = error
+                    log.warning("group %s: a collective failed (%s); this step will be recovered", self.label, error)
+            outer.set_result(value)
+
+        work.get_future().add_done_callback(finished)
+        return torch._C._distributed_c10d._create_work_from_future(outer)
 
     def rank(self) -> int:
         return self.group_rank
@@ -228,9 +275,18 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         return isinstance(self.comm, SandboxComm)
 
 
+#: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.
+_UNGUARDED = ("send", "recv")
+
+
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.comm, name)(*args, **kwargs)
+        if self.failed:
+            return _done(_flat(args))
+        work = getattr(self.comm, name)(*args, **kwargs)
+        if name in _UNGUARDED or isinstance(self.comm, SandboxComm):
+            return work
+        return self._guard(work, _flat(args))
 
     method.__name__ = name
     return method

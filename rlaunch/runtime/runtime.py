@@ -21,6 +21,16 @@ A standby runs the same script: ``steps()`` first yields a few sandbox iteration
 communicator (warming allocator, kernels and the data path), then waits to be given ranks,
 receives the leaver's state and yields the real next step. Under plain torchrun the same script
 runs without migration.
+
+An unplanned fault (a peer crashed, its node was lost or hung) is recovered without restarting
+the survivors. A failed collective, or the agent's word that a replacement is planned, marks the
+affected groups failed: the rest of the step's collectives return at once and the step reaches
+``optimizer_step``. There the survivors apply the commit rule of the per-step vote: each reports
+the last step it applied; if any survivor applied step s, every survivor applies s (its gradients
+were synced, since the vote for s needed every rank), else all discard s and redo it. The
+replacement (a warm standby, or the failed node's restarted workers) receives its state from a
+data-parallel replica: the runtime treats every rank's tracked state as a replica of the others,
+as DDP keeps it. Only the groups that touch the replaced ranks are rebuilt.
 """
 
 from __future__ import annotations
@@ -28,8 +38,11 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import json
 import logging
 import os
+import queue
+import random
 import statistics
 import threading
 import time
@@ -85,6 +98,10 @@ class Runtime:
         self._switch_to = 0
         self._durations: deque[float] = deque(maxlen=50)
         self._measure_after_switch = False
+        self._recoveries: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._applied = -1  # the last step whose optimizer step this rank applied
+        self._resume_at: int | None = None  # where steps() goes on after a recovery
+        self._rng: tuple[Any, Any] | None = None  # RNG states at the start of the current step
         self.step = 0
         if link is not None:
             _register(self.group, store, {i: i for i in range(world_size)}, default=True)
@@ -124,15 +141,25 @@ class Runtime:
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""
         step = start
+        self._applied = start - 1
         if self.standby:
             yield from self._sandbox(min(self._sandbox_iterations(), total))
             step = self._join()
         last = time.perf_counter()
         while step < total:
             self.step = step
+            if self._link is not None:
+                self._rng = (torch.get_rng_state(), random.getstate())
             yield step
             now = time.perf_counter()
             self._after_step(now - last)
+            if self._resume_at is not None:
+                step, self._resume_at = self._resume_at, None
+                if step == self.step and self._rng is not None:
+                    torch.set_rng_state(self._rng[0])  # the step is redone: as if never run
+                    random.setstate(self._rng[1])
+                last = time.perf_counter()
+                continue
             if self._switch_to:
                 self._switch(step + 1)
             last = time.perf_counter()
@@ -142,15 +169,35 @@ class Runtime:
         """Join the per-step vote, then step ``optimizer``.
 
         The vote is a one-scalar allreduce after gradient sync; it also carries "ready for the
-        next generation", so every rank decides to switch at the same boundary.
+        next generation", so every rank decides to switch at the same boundary. A rank steps only
+        if its vote completed; after a fault, this is where the step is rolled forward or
+        discarded (see the module docstring).
         """
-        if not self.group.sandboxed:
+        if self.group.sandboxed:
+            optimizer.step()
+            return
+        if not self.step_failed:
             ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
             vote = torch.tensor([1.0, ready])
             self.group.allreduce([vote]).wait()
-            if vote[1].item() == self.world_size:
-                self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
-        optimizer.step()
+            # A failed or abandoned vote leaves the tensor partly summed at most; a full sum means
+            # every rank finished its gradient sync for this step, so stepping is safe.
+            if vote[0].item() == self.world_size:
+                self._applied = self.step
+                if vote[1].item() == self.world_size and not self.step_failed:
+                    self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
+                optimizer.step()
+                return
+        self._recover(optimizer)
+
+    @property
+    def step_failed(self) -> bool:
+        """A collective of this step failed or was abandoned: its results are this rank's inputs.
+
+        The step will be rolled forward or redone in ``optimizer_step``; until then, code should
+        not act on collective results (``rt.steps()`` yields the step again if it is redone).
+        """
+        return not self._recoveries.empty() or any(g.failed for g in self._groups.values())
 
     def group_version(self, name: str) -> int:
         """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""
@@ -206,6 +253,7 @@ class Runtime:
                 if name != WORLD:
                     _register(group, self._store, {g: i for i, g in enumerate(group.members)})
         next_step = recv_state(comms["channel"], self._tracked)
+        self._applied = next_step - 1
         self.generation = int(plan["generation"])
         self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
         self._start_listener()
@@ -223,6 +271,10 @@ class Runtime:
         while True:
             try:
                 plan = self._wait_plan(after)
+                if plan.get("kind") == "replace":
+                    self._on_replace(plan)
+                    after = int(plan["generation"])
+                    continue
                 if not self._tracked:
                     # Moving an empty state would corrupt the joiner: never report ready.
                     log.error(
@@ -240,6 +292,59 @@ class Runtime:
             self._link.call("prepared", generation=plan["generation"])
             after = int(plan["generation"])
 
+    # -- recovery from a fault ----------------------------------------------------------------
+
+    def _on_replace(self, plan: dict[str, Any]) -> None:
+        """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
+        moved = set(plan["moved_ranks"])
+        why = f"ranks {sorted(moved)} are being replaced (generation {plan['generation']})"
+        for group in self._groups.values():
+            if moved & set(group.members):
+                group.abandon(why)
+        self._recoveries.put(plan)
+
+    def _recover(self, optimizer: torch.optim.Optimizer) -> None:
+        """(main thread) Agree on the last applied step, rebuild groups, send replicas' state."""
+        assert self._link is not None and self._store is not None
+        began = time.perf_counter()
+        self._link.call("recovering", step=self.step)
+        try:
+            plan = self._recoveries.get(timeout=self._timeout.total_seconds())
+        except queue.Empty:
+            raise RuntimeError(
+                f"rank {self.rank}: a collective of step {self.step} failed and no replacement was planned within "
+                f"{self._timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
+            ) from None
+        gen, moved = int(plan["generation"]), set(plan["moved_ranks"])
+        survivors = [r for r in range(self.world_size) if r not in moved]
+        dirty = sorted(n for n, g in self._groups.items() if g.failed and not moved & set(g.members))
+        self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
+        reports = [json.loads(self._store.get(f"g{gen}/recover/{r}")) for r in survivors]
+        agreed = max(int(r["applied"]) for r in reports)
+        rolled = agreed > self._applied
+        if rolled:
+            # Some survivor applied this step, so every rank finished its gradient sync: apply it.
+            optimizer.step()
+            self._applied = agreed
+        dirty_names = {n for r in reports for n in r["dirty"]}
+        comms = {
+            name: self._group_comm(name, group.members, self.rank, gen)
+            for name, group in self._groups.items()
+            if self.rank in group.members and (moved & set(group.members) or name in dirty_names)
+        }
+        sources = {int(m): int(src) for m, src in plan["sources"].items()}
+        channels = {m: self._channel(gen, 0, m) for m, src in sorted(sources.items()) if src == self.rank}
+        for name, comm in comms.items():
+            self._groups[name].swap(comm, gen)
+        sent = sum(send_state(channel, self._tracked, agreed + 1) for channel in channels.values())
+        self.generation = gen
+        self._resume_at = agreed + 1
+        self._link.call(
+            "recovered", generation=gen, rank=self.rank, step=self.step, resume_at=agreed + 1,
+            rolled_forward=rolled, rebuilt=sorted(comms), sent_to=sorted(channels), bytes=sent,
+            seconds=time.perf_counter() - began,
+        )  # fmt: skip
+
     def _wait_plan(self, after: int) -> dict[str, Any]:
         assert self._link is not None
         while True:
@@ -252,24 +357,24 @@ class Runtime:
         gen, role, moved = int(plan["generation"]), plan["role"], set(plan["moved_ranks"])
         comms: dict[str, Any] = {}
         if role == "leaver":
-            comms["channel"] = self._channel(gen, 0)
+            comms["channel"] = self._channel(gen, 0, self.rank)
             return comms
         rank = int(plan["rank"])
         for name, group in self._groups.items():
             if rank in group.members and moved & set(group.members):
                 comms[name] = self._group_comm(name, group.members, rank, gen)
         if role == "joiner":
-            comms["channel"] = self._channel(gen, 1)
+            comms["channel"] = self._channel(gen, 1, rank)
         return comms
 
     def _group_comm(self, name: str, members: Sequence[int], rank: int, gen: int) -> Any:
         assert self._store is not None
         return build_gloo(self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout)
 
-    def _channel(self, gen: int, side: int) -> Any:
-        """The leaver (side 0) and joiner (side 1) of one rank meet under that rank's name."""
+    def _channel(self, gen: int, side: int, moved_rank: int) -> Any:
+        """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
-        return build_gloo(self._store, f"g{gen}/transfer/{self.rank}/", side, 2, self._timeout)
+        return build_gloo(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout)
 
     def _switch(self, next_step: int) -> None:
         """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
