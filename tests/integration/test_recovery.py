@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from psutil import Process as psutil_process
+
 from tests.cluster import AgentProc, Cluster, wait_for
 from tests.integration.test_migration import FINAL, RESILIENT, _reference, warm
 
@@ -39,3 +41,53 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_live(cluster: Cluster) 
     assert _starts(a) == 1 and f"pids': [{survivor}]" in a.output(), "the survivor's worker must never restart"
     assert "event recovered" in a.output() and "'sent_to': [1]" in a.output(), "rank 0 sends rank 1 its state"
     assert "event joined" in c.output() and "'plan': 'replace'" in a.output()
+
+
+def test_a_lost_node_is_replaced_live_once_its_lease_expires(cluster: Cluster) -> None:
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS)
+    wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
+    wait_for(lambda: "step 30/" in a.output(), 60, "training to make progress")
+    b.kill_with_workers()
+    assert a.wait(180) == 0 and c.wait(180) == 0, (a.output()[-3000:], c.output()[-3000:])
+    assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
+    assert _starts(a) == 1 and "b (lost) replaced by c" in a.output()
+
+
+def test_without_a_standby_the_failed_workers_restart_in_place(cluster: Cluster) -> None:
+    a, b = cluster.agents_in_order(["a", "b"], RESILIENT, *ARGS, flags=("--max-restarts", "1"))
+    wait_for(lambda: "step 30/" in a.output(), 90, "training to make progress")
+    b.workers()[0].kill()
+    assert a.wait(180) == 0 and b.wait(180) == 0, (a.output()[-3000:], b.output()[-3000:])
+    assert _finals(a, b) == _reference_run(), "the job must end as if uninterrupted"
+    assert _starts(a) == 1 and "b (workers failed) restarted in place" in a.output()
+    assert "event sandbox_started" in b.output() and "event joined" in b.output()
+
+
+def test_a_frozen_node_is_abandoned_by_the_survivors_and_fenced_when_it_wakes(cluster: Cluster) -> None:
+    """SIGSTOP of a whole node: gloo would wait for its timeout; the survivors drop the step instead."""
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS)
+    wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
+    wait_for(lambda: "step 30/" in a.output(), 60, "training to make progress")
+    frozen = [psutil_process(b.pid), *b.workers()]
+    for p in frozen:
+        p.suspend()
+    wait_for(lambda: "event joined" in c.output(), 60, "the standby to take the frozen node's rank")
+    for p in frozen:
+        p.resume()
+    assert b.wait(60) == 1 and "lease" in b.output(), b.output()[-2000:]
+    assert a.wait(180) == 0 and c.wait(180) == 0, (a.output()[-3000:], c.output()[-3000:])
+    assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
+    assert _starts(a) == 1 and "rank 1 final" not in b.output(), "the frozen node never trained on"
+
+
+def test_a_lost_node_with_no_standby_falls_back_to_a_full_restart(cluster: Cluster) -> None:
+    flags = ("--standby-wait", "2")
+    a, b = cluster.agents_in_order(["a", "b"], RESILIENT, *ARGS, flags=flags)
+    wait_for(lambda: "step 30/" in a.output(), 90, "training to make progress")
+    b.kill_with_workers()
+    wait_for(lambda: "no standby is ready" in a.output(), 60, "the survivors to wait for a standby")
+    wait_for(lambda: "waiting for a node to take node rank" in a.output(), 60, "the fallback to a restart")
+    d = cluster.agent("d", RESILIENT, *ARGS, flags=flags)
+    assert a.wait(180) == 0 and d.wait(180) == 0, (a.output()[-3000:], d.output()[-3000:])
+    assert _finals(a, d) == _reference_run(), "a restart from step 0 ends bit-identical too"
+    assert _starts(a) == 2, "the survivor's workers were restarted"
