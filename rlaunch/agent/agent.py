@@ -99,6 +99,7 @@ class Agent:
         self._prepared_reported: set[int] = set()
         self._settling = 0  # a move's generation whose local workers have not all joined or recovered
         self._fault = ""  # a hardware fault sentence, once a detector found one
+        self._hung: list[str] = []  # sentences about local workers killed as hung
         self._signal: int | None = None
         self._fenced: str | None = None
         self._reported: set[str] = set()
@@ -128,6 +129,7 @@ class Agent:
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
         self.link.node_id = self.node_id
         self.link.sandbox_steps = self.cfg.sandbox_steps
+        self.link.hangs.floor_s = self.cfg.hang_timeout
         tasks: list[asyncio.Task[Any]] = []
         try:
             self._lease = await self.store.grant_lease(self.cfg.lease_ttl)
@@ -258,6 +260,7 @@ class Agent:
                 code = await self._act(self._generation)
                 if code is not None:
                     return code
+                self._check_hangs()
                 await self._check_workers()
                 await self._sync_link()
             except StoreError as exc:
@@ -294,6 +297,9 @@ class Agent:
         ):
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
         # A newer generation abandoned (or never had) a move of this node: it is a node again.
+        if self._leaving:
+            log.warning("[%s] generation %d abandoned the move this node was leaving in", self.node_id, gen.number)
+            self.events.emit("migration_abandoned", gen.number)
         self._leaving = self._move_failed = False
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
@@ -468,6 +474,20 @@ class Agent:
         self._sandbox = role == "standby"
         return group
 
+    def _check_hangs(self) -> None:
+        """Kill local workers that made no progress within the hang timeout (their exit is a failure)."""
+        if self._workers is None or self._sandbox:
+            return
+        for hang in self.link.hangs.hung(time.monotonic()):
+            self.link.hangs.forget(hang.local_rank)
+            self._hung.append(hang.sentence())
+            log.error("[%s] %s; killing it", self.node_id, hang.sentence())
+            self.events.emit(
+                "worker_hung", self._worker_gen, local_rank=hang.local_rank, silent_s=round(hang.silent_s, 1),
+                timeout_s=round(hang.timeout_s, 1), frozen=hang.frozen,
+            )  # fmt: skip
+            self._workers.kill(hang.local_rank)
+
     async def _check_workers(self) -> None:
         group = self._workers
         if group is None:
@@ -504,7 +524,13 @@ class Agent:
                 exit_codes=exit_codes,
                 final_codes={str(i): c for i, c in enumerate(final)},
             )
-            await self._publish(NodeState.FAILED, self._worker_gen, exit_codes=exit_codes)
+            if self._hung:
+                failure, message = "hang", "; ".join(self._hung)
+            else:
+                failure = "signal" if any(c < 0 for c in exit_codes.values()) else "exit"
+                message = f"worker(s) failed with exit codes {exit_codes} (by local rank)"
+            self._hung = []
+            await self._publish(NodeState.FAILED, self._worker_gen, exit_codes=exit_codes, failure=(failure, message))
         elif all(c == 0 for c in codes):
             self._workers = None
             self.events.emit("workers_succeeded", self._worker_gen)
@@ -607,7 +633,13 @@ class Agent:
 
     # -- the node record ----------------------------------------------------------------------
 
-    def _make_record(self, state: NodeState, generation: int, exit_codes: dict[str, int] | None = None) -> NodeRecord:
+    def _make_record(
+        self,
+        state: NodeState,
+        generation: int,
+        exit_codes: dict[str, int] | None = None,
+        failure: tuple[str, str] = ("", ""),
+    ) -> NodeRecord:
         return NodeRecord(
             node_id=self.node_id,
             host=socket.gethostname(),
@@ -623,14 +655,20 @@ class Agent:
             exit_codes=exit_codes or {},
             runtime=len(self.link.state.hello) >= self.cfg.nproc_per_node,
             fault=self._fault,
+            failure=failure[0],
+            message=failure[1],
         )
 
     async def _publish(
-        self, state: NodeState, generation: int | None = None, exit_codes: dict[str, int] | None = None
+        self,
+        state: NodeState,
+        generation: int | None = None,
+        exit_codes: dict[str, int] | None = None,
+        failure: tuple[str, str] = ("", ""),
     ) -> None:
         gen = self._worker_gen if generation is None else generation
         previous = self._record.state if self._record else None
-        record = self._make_record(state, gen, exit_codes)
+        record = self._make_record(state, gen, exit_codes, failure)
         await self.store.put(self.keys.node(self.node_id), encode(record), lease=self._lease)
         self._record = record
         if previous is not state:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
+from rlaunch.detectors.hang import HangDetector
 from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
@@ -71,10 +73,14 @@ class WorkerLink:
         self.sandbox_steps = 3
         self._plans: dict[int, dict[str, Any]] = {}
         self._plan_changed = asyncio.Event()
+        self.hangs = HangDetector(60.0)
 
     def register(self, server: ControlServer) -> None:
-        for op in ("hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
-                   "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count"):  # fmt: skip
+        ops = (
+            "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
+            "heartbeat", "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
+        )  # fmt: skip
+        for op in ops:
             server.register(op, getattr(self, "_" + op))
 
     def reset(self, role: str, generation: Generation | None) -> None:
@@ -83,6 +89,7 @@ class WorkerLink:
         self.role = role
         self.generation = generation
         self._plans.clear()
+        self.hangs.reset()
 
     def offer(self, gen: Generation, role: str, nproc: int) -> None:
         """Hand migration or replacement ``gen`` to the local workers as ``role`` (survivor|leaver|joiner)."""
@@ -146,6 +153,11 @@ class WorkerLink:
         self.state.joined.add(int(req["local_rank"]))
         self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"])
         self._wake()
+        return {}
+
+    async def _heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.hangs.heartbeat(int(req["local_rank"]), time.monotonic(), int(req["steps"]), float(req["step_s"]),
+                             bool(req["waiting"]))  # fmt: skip
         return {}
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:

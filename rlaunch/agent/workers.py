@@ -89,6 +89,10 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def kill(self, local_rank: int) -> None:
+        """SIGKILL one worker's process tree (a hung worker may ignore SIGTERM)."""
+        _killpg(self.procs[local_rank].pid, signal.SIGKILL)
+
     def poll(self) -> list[int | None]:
         """Exit code of each local worker (``None`` while running; ``-N`` for signal N)."""
         return [p.poll() for p in self.procs]

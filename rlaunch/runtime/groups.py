@@ -234,6 +234,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             self.failed = ""
         retire(old)
 
+    @property
+    def busy(self) -> bool:
+        """A collective is in flight (read without the lock: a hint for the heartbeat)."""
+        return bool(self._pending)
+
     def abandon(self, why: str) -> None:
         """Give up this group's operations in flight: their callers get their inputs back."""
         with self._lock:

@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 WORLD = "world"
 #: Sandbox iterations a standby with a DDP model runs at least (see Runtime._sandbox_iterations).
 DDP_MIN_ITERATIONS = 2
+#: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
+HEARTBEAT_S = 1.0
 
 
 class Runtime:
@@ -102,6 +104,8 @@ class Runtime:
         self._applied = -1  # the last step whose optimizer step this rank applied
         self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._rng: tuple[Any, Any] | None = None  # RNG states at the start of the current step
+        self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
+        self._recovering = False
         self.step = 0
         if link is not None:
             _register(self.group, store, {i: i for i in range(world_size)}, default=True)
@@ -263,6 +267,22 @@ class Runtime:
 
     def _start_listener(self) -> None:
         threading.Thread(target=self._listen, name="rlaunch-plans", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="rlaunch-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Tell the agent, about once a second, how far this rank got and whether it waits on peers."""
+        assert self._link is not None
+        while True:
+            time.sleep(HEARTBEAT_S)
+            durations = tuple(self._durations)  # one C call: safe while the main thread appends
+            waiting = self._recovering or any(g.busy for g in self._groups.values())
+            try:
+                self._link.call(
+                    "heartbeat", steps=self._completed, waiting=waiting,
+                    step_s=statistics.median(durations) if durations else 0.0,
+                )  # fmt: skip
+            except (OSError, RuntimeError):
+                return  # the agent is gone; it stops this worker anyway
 
     def _listen(self) -> None:
         """Phase 1, in the background: take each plan, build what it needs, report ready."""
@@ -307,6 +327,7 @@ class Runtime:
         """(main thread) Agree on the last applied step, rebuild groups, send replicas' state."""
         assert self._link is not None and self._store is not None
         began = time.perf_counter()
+        self._recovering = True
         self._link.call("recovering", step=self.step)
         try:
             plan = self._recoveries.get(timeout=self._timeout.total_seconds())
@@ -339,6 +360,7 @@ class Runtime:
         sent = sum(send_state(channel, self._tracked, agreed + 1) for channel in channels.values())
         self.generation = gen
         self._resume_at = agreed + 1
+        self._recovering = False
         self._link.call(
             "recovered", generation=gen, rank=self.rank, step=self.step, resume_at=agreed + 1,
             rolled_forward=rolled, rebuilt=sorted(comms), sent_to=sorted(channels), bytes=sent,
@@ -396,6 +418,7 @@ class Runtime:
         self._measure_after_switch = True
 
     def _after_step(self, seconds: float) -> None:
+        self._completed += 1
         if self._measure_after_switch:
             self._measure_after_switch = False
             median = statistics.median(self._durations) if self._durations else 0.0

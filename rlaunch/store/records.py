@@ -110,6 +110,8 @@ class NodeRecord:
     runtime: bool = False
     #: a hardware fault found by a detector (a sentence); such a node holds no ranks any more
     fault: str = ""
+    #: why its workers failed, typed: ``exit`` (non-zero code), ``signal`` or ``hang``; ``message`` says more
+    failure: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Controller loss during a drain: the move is abandoned and the job recovers by restart."""
+"""Controller loss during a drain: the move is abandoned and the job recovers by restart.
+
+The lost node was a survivor of the move, which is still in flight (the joiner has not joined):
+a live replacement is not safe then, so every worker restarts.
+"""
 
 from __future__ import annotations
 
@@ -31,4 +35,5 @@ def test_losing_the_controllers_node_during_a_drain_abandons_the_move(cluster: C
     got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(b.output() + c.output())}
     assert got == _reference(2, ("--steps", "200", "--step-time", "0")), "the job must end as if uninterrupted"
     assert drain.returncode == 1 and "'b'" in err and "drained" in err, (out, err)
-    assert "migration_failed" in b.output() and "event drained" not in b.output(), "b never handed its state over"
+    assert "event drained" not in b.output() and "state_sent" not in b.output(), "b never handed its state over"
+    assert "migration_abandoned" in b.output() or "migration_failed" in b.output()

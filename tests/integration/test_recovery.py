@@ -91,3 +91,16 @@ def test_a_lost_node_with_no_standby_falls_back_to_a_full_restart(cluster: Clust
     assert a.wait(180) == 0 and d.wait(180) == 0, (a.output()[-3000:], d.output()[-3000:])
     assert _finals(a, d) == _reference_run(), "a restart from step 0 ends bit-identical too"
     assert _starts(a) == 2, "the survivor's workers were restarted"
+
+
+def test_a_hung_worker_is_killed_by_its_agent_and_replaced_while_its_peer_waits(cluster: Cluster) -> None:
+    """SIGSTOP of one worker: its agent sees no heartbeat; the peer blocked on it is not blamed."""
+    flags = ("--hang-timeout", "3", "--max-restarts", "1")
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, flags=flags)
+    wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
+    wait_for(lambda: "step 30/" in a.output(), 60, "training to make progress")
+    b.workers()[0].suspend()
+    assert a.wait(180) == 0 and c.wait(180) == 0 and b.wait(60) == 0, (a.output()[-3000:], b.output()[-3000:])
+    assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
+    assert "event worker_hung" in b.output() and "sent no heartbeat" in b.output()
+    assert "worker_hung" not in a.output() and _starts(a) == 1, "the survivor waited on its peer; it is not hung"
