@@ -403,7 +403,10 @@ class Agent:
             else:
                 await self._stop_workers()
         if self._workers is not None:
-            return None  # the workers exit 0 once they have sent their state
+            if gen.kind != "migrate" or len(self.link.state.left) < self.cfg.nproc_per_node:
+                return None  # the workers exit 0 once they have sent their state
+            # Every local worker sent its state: the drain is done; their teardown need not be waited for.
+            await self._stop_workers()
         if gen.kind == "migrate" and len(self.link.state.left) < self.cfg.nproc_per_node:
             # The workers ended before handing their state over: this node is not drained. Its
             # failure is on its record; it stays in the job as a node without ranks.

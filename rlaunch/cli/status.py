@@ -39,13 +39,15 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
             "last_seen_s": max(0, granted - remaining) if remaining >= 0 else None,
             "runtime": rec.runtime,
             "fault": rec.fault,
+            "failure": rec.failure,
+            "message": rec.message,
         })  # fmt: skip
     for mark in sorted(snap.drained.values(), key=lambda m: m.at):
         if mark.node_id not in snap.nodes:
             nodes.append({
                 "node_id": mark.node_id, "host": "", "role": "none", "state": "drained", "node_rank": None,
                 "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": "",
-                "replaced_by": mark.replaced_by,
+                "failure": "", "message": "", "replaced_by": mark.replaced_by,
             })  # fmt: skip
     return {
         "job": job_id,
@@ -88,7 +90,7 @@ def render_table(status: dict[str, Any]) -> Table:
         ),
         caption=status["reason"] or None,
     )
-    for col in ("node", "host", "role", "state", "node rank", "ranks", "restarts", "last seen"):
+    for col in ("node", "host", "role", "state", "node rank", "ranks", "restarts", "last seen", "problem"):
         table.add_column(col)
     for n in status["nodes"]:
         ranks = n["ranks"]
@@ -98,6 +100,7 @@ def render_table(status: dict[str, Any]) -> Table:
             f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else ",".join(map(str, ranks)) or "-",
             str(n["restarts"]),
             "-" if n["last_seen_s"] is None else f"{n['last_seen_s']} s ago",
+            n["fault"] or (f"{n['failure']}: {n['message']}" if n["failure"] else ""),
         )  # fmt: skip
     return table
 

@@ -91,6 +91,10 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if lost or gen.status is GenerationStatus.WAITING:
         survivors = [n for n in gen.assignment if n in live]
         return _fill(now, view, cfg, gen, survivors, lost)
+    stalled = _stalled_move(view, gen)
+    if stalled:
+        reason = f"{stalled}; restarting every node with the new assignment"
+        return _generation(now, view, cfg, gen.number + 1, dict(gen.assignment), gen.restart_count, reason), reason
 
     records = {n: view.nodes[n].record for n in gen.assignment}
     if failed:
@@ -112,6 +116,20 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if view.drains:
         return _drain(now, view, cfg, gen, records)
     return None, f"generation {gen.number} is running"
+
+
+def _stalled_move(view: ClusterView, gen: Generation) -> str:
+    """Why a live move can no longer finish: a leaver went before its joiner joined ("" if none)."""
+    if gen.kind != "migrate":
+        return ""
+    for leaver, joiner in zip(gen.leavers, gen.joiners, strict=True):
+        # a joiner publishes RESTARTING until its workers have the state (a lost joiner is handled as lost)
+        joined = joiner in view.nodes and view.nodes[joiner].record.state is not NodeState.RESTARTING
+        record = view.nodes[leaver].record if leaver in view.nodes else None
+        gone = record is None or not can_hold_ranks(record) or record.state is NodeState.FAILED
+        if gone and not joined:
+            return f"{leaver} was lost or failed before handing its state to {joiner}"
+    return ""
 
 
 def _failed_in(record: NodeRecord, gen: Generation) -> bool:

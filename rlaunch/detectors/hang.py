@@ -10,7 +10,8 @@ how many steps it has completed, its median step time, and whether it is *waitin
 A worker blocked in a collective is a victim of someone else's hang, not hung itself: the peer's
 own agent (or the peer's lease expiry) detects that one, so only the hung rank is replaced. The
 timeout is derived from the job's own step time: ``max(floor, STEP_FACTOR x median step)``,
-where the floor is ``--hang-timeout``. Workers are watched only after their first heartbeat.
+where the floor is ``--hang-timeout``. A worker is watched from its first completed step on
+(start-up, model building and the first step have no step time to measure against).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class HangDetector:
         self._beats.clear()
 
     def heartbeat(self, local_rank: int, now: float, steps: int, step_s: float, waiting: bool) -> None:
+        if steps == 0:
+            return  # not started yet
         beat = self._beats.get(local_rank)
         if beat is None or beat.steps != steps or (beat.waiting and not waiting):
             self._beats[local_rank] = _Beat(steps, step_s, waiting, now, now)

@@ -95,7 +95,7 @@ def test_a_lost_node_with_no_standby_falls_back_to_a_full_restart(cluster: Clust
 
 def test_a_hung_worker_is_killed_by_its_agent_and_replaced_while_its_peer_waits(cluster: Cluster) -> None:
     """SIGSTOP of one worker: its agent sees no heartbeat; the peer blocked on it is not blamed."""
-    flags = ("--hang-timeout", "3", "--max-restarts", "1")
+    flags = ("--hang-timeout", "5", "--max-restarts", "1")
     a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, flags=flags)
     wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
     wait_for(lambda: "step 30/" in a.output(), 60, "training to make progress")

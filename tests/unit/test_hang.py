@@ -5,9 +5,13 @@ from __future__ import annotations
 from rlaunch.detectors.hang import STEP_FACTOR, HangDetector
 
 
-def test_a_worker_is_watched_only_after_its_first_heartbeat() -> None:
+def test_a_worker_is_watched_only_after_its_first_completed_step() -> None:
     d = HangDetector(5.0)
     assert d.hung(1000.0) == []
+    d.heartbeat(0, 0.0, steps=0, step_s=0.0, waiting=False)
+    assert d.hung(1000.0) == []
+    d.heartbeat(0, 0.0, steps=1, step_s=0.0, waiting=False)
+    assert d.hung(1000.0)
 
 
 def test_steps_completed_keep_a_worker_alive() -> None:

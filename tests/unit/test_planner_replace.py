@@ -94,3 +94,20 @@ def test_when_every_node_failed_there_is_no_replica_and_every_worker_restarts() 
              rt(rec("c", NodeState.STANDBY)), generation=G1)  # fmt: skip
     new, _ = plan(NOW, v, CFG)
     assert new is not None and new.kind == "restart"
+
+
+def test_a_leaver_lost_before_its_joiner_joined_restarts_every_node() -> None:
+    g2 = dataclasses.replace(gen(2, {"a": 0, "c": 1}), kind="migrate", leavers=["b"], joiners=["c"])
+    a, c = rt(rec("a", NodeState.RUNNING, generation=2)), rt(rec("c", NodeState.RESTARTING, generation=2))
+    new, reason = plan(NOW, view(a, c, generation=g2), CFG)
+    assert new is not None and new.kind == "restart" and new.assignment == {"a": 0, "c": 1}, reason
+    assert "b was lost or failed before handing its state to c" in reason and new.restart_count == 0
+    failed_leaver = rt(rec("b", NodeState.FAILED, generation=1))
+    new, _ = plan(NOW, view(a, c, failed_leaver, generation=g2), CFG)
+    assert new is not None and new.kind == "restart"
+    joined = dataclasses.replace(c, state=NodeState.RUNNING)
+    new, reason = plan(NOW, view(a, joined, generation=g2), CFG)
+    assert new is None, "once the joiner joined, the leaver may go"
+    done = dataclasses.replace(c, state=NodeState.SUCCEEDED)
+    new, reason = plan(NOW, view(dataclasses.replace(a, state=NodeState.SUCCEEDED), done, generation=g2), CFG)
+    assert new is not None and new.status is GenerationStatus.SUCCEEDED, reason
