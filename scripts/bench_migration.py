@@ -85,11 +85,15 @@ def median_step(rows: list[tuple[int, float, float, str]]) -> float:
 
 
 def downtime(rows: list[tuple[int, float, float, str]], t_event: float, median: float) -> tuple[float, int]:
-    """Extra wall time of the 6 steps around the event over 6 median steps, and the event's step."""
+    """Extra wall time of the 6 steps around the event over 6 median steps, and the event's step.
+
+    The event's step is the first one not done before the event; steps redone after it (from a
+    checkpoint) count from their first run, and the window ends with their last.
+    """
     real = [r for r in rows if r[3] in ("real", "active")]
-    event_step = min((r[0] for r in real if r[2] > t_event), default=real[-1][0])
     first = {s: end for s, _, end, _ in sorted(real, key=lambda r: -r[2])}  # first occurrence wins
     last = {s: end for s, _, end, _ in sorted(real, key=lambda r: r[2])}  # last occurrence wins
+    event_step = min((s for s, end in first.items() if end > t_event), default=real[-1][0])
     lo, hi = max(event_step - 3, min(first)), min(event_step + 3, max(last))
     return (last[hi] - first[lo]) - (hi - lo) * median, event_step
 
@@ -174,12 +178,15 @@ def _node(etcd: str, job: str, node_id: str) -> dict[str, Any] | None:
     return next((n for n in status["nodes"] if n["node_id"] == node_id), None) if status else None
 
 
-def _torchrun(procs: Procs, name: str, node: str, port: int, host: bool, steps: int, work: Path) -> None:
+def _torchrun(
+    procs: Procs, name: str, node: str, port: int, host: bool, steps: int, work: Path, extra: tuple[str, ...] = ()
+) -> None:
+    """Start node ``node``'s torchrun agent; ``extra`` goes to bench_train.py after its own flags."""
     procs.start(node, [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name,
         "--rdzv-conf", f"is_host={int(host)}", "--monitor-interval", "0.1", str(WORKER), "--mode", "plain",
-        "--steps", str(steps), "--timeline", str(work / "timeline"), "--ckpt", str(work / "ckpt.pt"),
+        "--steps", str(steps), "--timeline", str(work / "timeline"), "--ckpt", str(work / "ckpt.pt"), *extra,
     ])  # fmt: skip
 
 

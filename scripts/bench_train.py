@@ -1,9 +1,10 @@
 """The benchmarks' training script: one model, two ways of running it.
 
 ``--mode rlaunch`` uses the rlaunch runtime (live migration); ``--mode plain`` is a plain DDP
-script as torchrun users write it today, which saves a checkpoint when it receives SIGTERM and
-resumes from it after a restart. Both write one line per step to ``--timeline`` (append-only, so
-restarted processes add to it) and print their final digests and peak RSS.
+script as torchrun users write it today, which saves a checkpoint when it receives SIGTERM (and
+every N steps with ``--ckpt-every N``) and resumes from it after a restart. Both write one line
+per step to ``--timeline`` (append-only, so restarted processes add to it) and print their final
+digests and peak RSS.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def save(path: str, model: DDP, opt: torch.optim.Optimizer, next_step: int) -> None:
+    """Write a checkpoint atomically: a reader sees the previous one or this one, never a torn file."""
+    state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": next_step}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["rlaunch", "plain"], required=True)
@@ -52,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--timeline", required=True, help="directory for per-rank step timelines")
     ap.add_argument("--ckpt", default="", help="plain mode: checkpoint written on SIGTERM, resumed from")
+    ap.add_argument("--ckpt-every", type=int, default=0, help="plain mode: rank 0 also checkpoints every N steps")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -96,10 +105,10 @@ def main() -> None:
             f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
         if stop["now"]:
             if args.ckpt:
-                state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
-                torch.save(state, args.ckpt + ".tmp")
-                os.replace(args.ckpt + ".tmp", args.ckpt)
+                save(args.ckpt, model, opt, step + 1)
             raise SystemExit(0)
+        if rt is None and args.ckpt and args.ckpt_every and (step + 1) % args.ckpt_every == 0 and rank == 0:
+            save(args.ckpt, model, opt, step + 1)  # DDP replicas are equal: one copy is enough
     opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     rank = rt.rank if rt is not None else dist.get_rank()
     print("FINAL " + json.dumps({

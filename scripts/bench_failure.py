@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Benchmark: an unplanned node loss with rlaunch against what torchrun users do today.
+
+One run, bench_migration's model and setup (bench_train.py defaults, 2 active nodes plus 1
+standby, one process per node, 1 thread each):
+  reference  rlaunch with no event: the digests every other run must end with;
+  (a)        rlaunch, node b lost: b's agent and its worker are SIGKILLed at once, as a machine
+             loss would; b's lease expires after --lease-ttl, the controller plans a `replace`
+             generation, the warm standby c takes rank 1 and receives its state from rank 0,
+             whose process never restarts;
+  (b)        torchrun: plain DDP that checkpoints every --ckpt-every steps; node b's torchrun
+             agent and worker are SIGKILLed (no last checkpoint), a's worker fails, the job exits
+             and torchrun is started again at once on a and c, resuming from the last periodic
+             checkpoint (bench_migration.run_torchrun says why not torchrun's in-place restart;
+             starting at once leaves out any scheduler delay, in torchrun's favour);
+  (c)        rlaunch, b's worker alone is SIGKILLed (its agent lives on; --max-restarts 1, as a
+             crash counts as a restart): worker_crash_detect_s is kill -> the controller planned
+             the replacement (b's agent sees the exit within --monitor-interval, 0.1 s, and
+             reports it on its node record, which the controller watches).
+
+Recovery time of an event = bench_migration's downtime: wall time of the 6 steps around the
+event on rank 0's timeline minus 6 median steps. Steps lost since torchrun's last checkpoint are
+redone before those 6 steps end, so their time counts. The default event (step 30, checkpoints
+every 20 steps) loses 10 steps: the mean loss of a failure at a random time. The checkpoints' own
+cost (torchrun_ckpt_save_s, once every --ckpt-every steps) is left out, in torchrun's favour.
+
+rlaunch's recovery is split into phases, from the bench's clock at the kill and the event log
+(--log-dir; every agent stamps its events with this machine's wall clock):
+  detect_s    kill -> the controller planned the `replace` generation (its record's created_at,
+              the clock the planner was given; the `generation` event is stamped only after the
+              write returns, when the other agents may already have acted on it): the rest of
+              b's lease (renewed every TTL/3, so 2/3 TTL to TTL of it was left), etcd's expiry
+              check, the watch event to the controller and its planning tick;
+  plan_s      -> the last `replacement_offered` event: the generation written to etcd, and the
+              agents of survivor a and joiner c saw it and handed the plan to their workers (a's
+              worker had already seen its collective fail, the `recovering` event;
+              survivor_noticed_s);
+  transfer_s  -> the last of the survivor's `recovered` and the joiner's `joined` events:
+              agreeing on the last applied step, building the new communicators through etcd,
+              sending the state from rank 0 to the joiner;
+  resume_s    -> the end of rank 0's first step begun after its recovery.
+The phases add up to kill -> first step completed after recovery (phases_sum_s). That interval
+also holds the work of the interrupted step done before the kill, which is redone, so it exceeds
+rlaunch_recovery_s by up to one median step.
+Prints one JSON object. Usage: scripts/bench_failure.py [--steps 40] [--event-at 30] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rlaunch.controller.view import read_snapshot  # noqa: E402
+from rlaunch.store.client import Store, parse_endpoints  # noqa: E402
+from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from rlaunch.store.keys import JobKeys  # noqa: E402
+from rlaunch.store.records import Generation  # noqa: E402
+from scripts.bench_migration import (  # noqa: E402
+    PARAMS,
+    WORKER,
+    Procs,
+    _node,
+    _torchrun,
+    downtime,
+    finals,
+    log,
+    median_step,
+    read_timeline,
+    run_rlaunch,
+    steps_done,
+    wait_until,
+)
+
+Row = tuple[int, float, float, str]
+
+
+class Tree(Procs):
+    """Procs whose agents can lose their workers or die with them; close also ends orphans.
+
+    Workers run in sessions of their own (rlaunch's and torchrun's alike), so signalling an
+    agent's process group does not reach them: they are found as its descendants.
+    """
+
+    def __init__(self, work: Path) -> None:
+        super().__init__(work)
+        self.seen: list[psutil.Process] = []
+
+    def descendants(self, name: str) -> list[psutil.Process]:
+        try:
+            found = psutil.Process(self.procs[name].pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self.seen.extend(found)
+        return found
+
+    def kill(self, name: str, agent: bool) -> float:
+        """SIGKILL ``name``'s workers, and its agent too when ``agent``; return the time of the kill."""
+        victims = [psutil.Process(self.procs[name].pid)] if agent else []
+        victims += self.descendants(name)
+        t_kill = time.time()
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if agent:
+            self.procs[name].wait(10)
+        return t_kill
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                self.descendants(name)
+        super().close()
+        for p in self.seen:
+            try:
+                if p.is_running():  # (is_running also checks that the pid was not reused)
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def run_fault(
+    root: Path, etcd: str, name: str, steps: int, event_at: int, lease_ttl: int, lose_node: bool
+) -> dict[str, Any]:
+    """rlaunch with a warm standby; at ``event_at`` node b is lost (``lose_node``) or its worker crashes."""
+    work = root / name
+    timeline, logs = work / "timeline", work / "logs"
+    timeline.mkdir(parents=True)
+    procs = Tree(work)
+    job = f"bench-{name}"
+    flags = ["--lease-ttl", str(lease_ttl), "--log-dir", str(logs)]
+    if not lose_node:
+        flags += ["--max-restarts", "1"]  # a crashed worker counts as a restart; with none left the job fails
+    try:
+        for node in ("a", "b", "c"):
+            procs.start(node, [
+                sys.executable, "-m", "rlaunch", "--nnodes", "2", "--rdzv-endpoint", etcd, "--rdzv-id", job,
+                "--node-id", node, *flags, *(["--standby"] if node == "c" else []), str(WORKER),
+                "--mode", "rlaunch", "--steps", str(steps), "--timeline", str(timeline),
+            ])  # fmt: skip
+            wait_until(lambda n=node: _node(etcd, job, n), 60, f"{name}: node {node} to join")
+        wait_until(lambda: (n := _node(etcd, job, "c")) and n["state"] == "standby" and n["runtime"], 180,
+                   f"{name}: standby c to be ready")  # fmt: skip
+        wait_until(lambda: steps_done(timeline / "rank0.txt") >= event_at, 300, f"{name}: step {event_at}")
+        t_kill = procs.kill("b", agent=lose_node)
+        log(f"{name}: SIGKILLed {'node b (agent and worker)' if lose_node else 'the worker of node b'}")
+        ends = ["a", "c"] if lose_node else ["a", "b", "c"]
+        codes = [procs.wait(n, 600) for n in ends]
+        if any(codes):
+            raise RuntimeError(f"{name}: agents {ends} exited {codes}; logs in {work}")
+        events = [json.loads(line) for line in (logs / job / "events.jsonl").read_text().splitlines()]
+        result: dict[str, Any] = {
+            "finals": {}, "t_event": t_kill, "timeline": timeline, "events": events,
+            "last_generation": asyncio.run(last_generation(etcd, job)),
+        }  # fmt: skip
+        for n in ("a", "c"):
+            result["finals"].update(finals(procs.output(n)))
+        return result
+    finally:
+        procs.close()
+
+
+def run_torchrun_kill(root: Path, name: str, steps: int, event_at: int, ckpt_every: int) -> dict[str, Any]:
+    """Plain DDP under torchrun with periodic checkpoints; node b is SIGKILLed, torchrun restarts on a and c."""
+    work = root / name
+    (work / "timeline").mkdir(parents=True)
+    procs = Tree(work)
+    extra = ("--ckpt-every", str(ckpt_every))
+    try:
+        port = free_port()
+        for node, host in (("a", True), ("b", False)):
+            _torchrun(procs, name, node, port, host, steps, work, extra)
+            time.sleep(2.0)  # a hosts the c10d store
+        wait_until(lambda: steps_done(work / "timeline" / "rank0.txt") >= event_at, 300, f"{name}: step {event_at}")
+        t_kill = procs.kill("b", agent=True)
+        log(f"{name}: SIGKILLed node b (torchrun agent and worker)")
+        procs.wait("a", 120)  # its worker loses its peer; with no restarts left, the job exits
+        log(f"{name}: the job exited; starting torchrun again on a and c")
+        port = free_port()
+        for node, host in (("a2", True), ("c", False)):
+            _torchrun(procs, f"{name}-2", node, port, host, steps, work, extra)
+        for n in ("a2", "c"):
+            code = procs.wait(n, 900)
+            if code:
+                raise RuntimeError(f"{name}: torchrun on {n} exited {code}; logs in {work}")
+        result: dict[str, Any] = {"finals": {}, "t_event": t_kill, "timeline": work / "timeline"}
+        for n in ("a2", "c"):
+            result["finals"].update(finals(procs.output(n)))
+        return result
+    finally:
+        procs.close()
+
+
+async def last_generation(endpoint: str, job: str) -> Generation | None:
+    """The job's generation record as it ended (a finished generation keeps its created_at)."""
+    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    try:
+        await store.connect(10.0)
+        return (await read_snapshot(store, JobKeys(job))).generation
+    finally:
+        await store.close()
+
+
+def planned_at(result: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """When the controller planned the replace generation after the kill, and its `generation` event."""
+    event = first_event(result["events"], "generation", result["t_event"], plan="replace")
+    record = result["last_generation"]
+    if record is None or record.number != event["generation"] or record.kind != "replace":
+        raise RuntimeError(f"the job ended in generation {record}, not in the replace generation of {event}")
+    return record.created_at, event
+
+
+def first_event(events: list[dict[str, Any]], kind: str, after: float, **data: Any) -> dict[str, Any]:
+    """The first ``kind`` event at or after ``after`` whose data has the values ``data``."""
+    found = sorted(
+        (e for e in events if e["kind"] == kind and e["time"] >= after and data.items() <= e["data"].items()),
+        key=lambda e: e["time"],
+    )
+    if not found:
+        raise RuntimeError(f"no {kind} event {data or ''} after the kill in the event log")
+    return found[0]
+
+
+def phases(result: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
+    """Split kill -> first step completed after recovery into the phases of the module docstring."""
+    events, t_kill = result["events"], result["t_event"]
+    t_plan, gen = planned_at(result)
+    number = gen["generation"]
+    of_gen = [e for e in events if e["generation"] == number]
+    offers = [e["time"] for e in of_gen if e["kind"] == "replacement_offered"]
+    recovered = [e for e in of_gen if e["kind"] == "recovered"]
+    joined = [e for e in of_gen if e["kind"] == "joined"]
+    if len(offers) < 2 or not recovered or not joined:
+        raise RuntimeError(f"generation {number}: offers at {offers}, recovered {recovered}, joined {joined}")
+    t_offer = max(offers)
+    t_done = max(e["time"] for e in recovered + joined)
+    t_rank0 = next(e["time"] for e in recovered if e["data"]["rank"] == 0)
+    t_resume = next(end for _, start, end, _ in rows if start > t_rank0)
+    noticed = first_event(events, "recovering", t_kill)
+    started_a = [e for e in events if e["kind"] == "workers_started" and e["node_id"] == "a"]
+    return {
+        "detect_s": t_plan - t_kill,
+        "plan_s": t_offer - t_plan,
+        "generation_event_s": gen["time"] - t_kill,
+        "transfer_s": t_done - t_offer,
+        "resume_s": t_resume - t_done,
+        "phases_sum_s": t_resume - t_kill,
+        "survivor_noticed_s": noticed["time"] - t_kill,
+        "survivor_recovered_s": recovered[0]["data"]["seconds"],
+        "joiner_received_s": joined[0]["data"]["seconds"],
+        "state_bytes": sum(e["data"]["bytes"] for e in recovered),
+        "resumed_at_step": recovered[0]["data"]["resume_at"],
+        "plan_reason": gen["data"]["reason"],
+        "survivor_kept_its_process": len(started_a) == 1,
+    }
+
+
+def save_gap(rows: list[Row], step: int) -> float:
+    """The gap before the first run of ``step``: the checkpoint saved after the step before it."""
+    at = next(i for i, r in enumerate(rows) if r[0] == step)
+    return rows[at][1] - rows[at - 1][2]
+
+
+def gap_median(rows: list[Row]) -> float:
+    """The usual gap between one step's end and the next one's start (the loop's own overhead)."""
+    return statistics.median(b[1] - a[2] for a, b in zip(rows[:-1], rows[1:], strict=True) if b[0] == a[0] + 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--event-at", type=int, default=30)
+    ap.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: checkpoint every N steps")
+    ap.add_argument("--lease-ttl", type=int, default=3, help="rlaunch agents' --lease-ttl")
+    ap.add_argument("--skip-crash", action="store_true", help="leave out (c), the crashed worker")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args()
+    began = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="rlaunch-bench-failure-"))
+    log(f"logs in {root}")
+    with EmbeddedEtcd() as etcd:
+        log("reference: rlaunch, no event")
+        reference_run = run_rlaunch(root, etcd.endpoint, "reference", args.steps, None, 3)
+        log("(a) rlaunch: node b lost, the warm standby takes its rank")
+        lost = run_fault(root, etcd.endpoint, "rlaunch-node-loss", args.steps, args.event_at, args.lease_ttl, True)
+        log(f"(b) torchrun: node b lost, restart from the last checkpoint (every {args.ckpt_every} steps)")
+        tr = run_torchrun_kill(root, "torchrun-node-loss", args.steps, args.event_at, args.ckpt_every)
+        crash = None
+        if not args.skip_crash:
+            log("(c) rlaunch: the worker of node b crashes")
+            crash = run_fault(root, etcd.endpoint, "rlaunch-worker-crash", args.steps, args.event_at, args.lease_ttl,
+                              False)  # fmt: skip
+
+    reference = {r: (f["params"], f["optim"]) for r, f in reference_run["finals"].items()}
+
+    def same(result: dict[str, Any]) -> bool:
+        return {r: (f["params"], f["optim"]) for r, f in result["finals"].items()} == reference
+
+    rows_rl = read_timeline(lost["timeline"] / "rank0.txt")
+    rows_tr = read_timeline(tr["timeline"] / "rank0.txt")
+    med_rl, med_tr = median_step(rows_rl), median_step(rows_tr)
+    down_rl, step_rl = downtime(rows_rl, lost["t_event"], med_rl)
+    down_tr, step_tr = downtime(rows_tr, tr["t_event"], med_tr)
+    split = phases(lost, rows_rl)
+    # The relaunched job's first step is the one its checkpoint resumed from.
+    relaunched = [r for r in rows_tr if r[1] > tr["t_event"]]
+    out: dict[str, Any] = {
+        "params_m": round(PARAMS / 1e6, 2),
+        "steps": args.steps,
+        "event_at_step": step_rl,
+        "lease_ttl_s": args.lease_ttl,
+        "median_step_s": round(med_rl, 4),
+        "rlaunch_recovery_s": round(down_rl, 3),
+        **{k: round(v, 3) if isinstance(v, float) else v for k, v in split.items()},
+        "torchrun_recovery_s": round(down_tr, 3),
+        "torchrun_event_at_step": step_tr,
+        "torchrun_ckpt_every": args.ckpt_every,
+        "torchrun_lost_steps": step_tr - relaunched[0][0],
+        "torchrun_restart_s": round(relaunched[0][2] - tr["t_event"], 3),
+        "torchrun_ckpt_save_s": round(save_gap(rows_tr, args.ckpt_every) - gap_median(rows_tr), 3),
+        "torchrun_median_step_s": round(med_tr, 4),
+        "ratio_torchrun_over_rlaunch": round(down_tr / max(down_rl, 1e-3), 1),
+        "bit_identical": same(lost),
+        "torchrun_resume_bit_identical": same(tr),
+    }
+    if crash is not None:
+        rows_crash = read_timeline(crash["timeline"] / "rank0.txt")
+        t_plan, gen = planned_at(crash)
+        out["worker_crash_detect_s"] = round(t_plan - crash["t_event"], 3)
+        out["worker_crash_recovery_s"] = round(downtime(rows_crash, crash["t_event"], median_step(rows_crash))[0], 3)
+        out["worker_crash_plan_reason"] = gen["data"]["reason"]
+        out["worker_crash_bit_identical"] = same(crash)
+    out["bench_wall_s"] = round(time.monotonic() - began, 1)
+    out["targets"] = {
+        "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,
+        "node_loss_detected_within_ttl_plus_1s": split["detect_s"] <= args.lease_ttl + 1,
+    }
+    if crash is not None:
+        out["targets"]["worker_crash_detected_within_1s"] = out["worker_crash_detect_s"] < 1
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
