@@ -35,6 +35,7 @@ from rlaunch.controller.controller import Controller
 from rlaunch.controller.planner import PlannerConfig
 from rlaunch.controller.view import read_snapshot
 from rlaunch.detectors.gpu import make_gpu_health, watch_gpus
+from rlaunch.detectors.liveness import serve
 from rlaunch.errors import JoinError, RecordError, StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Endpoint, Store
@@ -126,6 +127,7 @@ class Agent:
         self.events = EventLog(self.store, self.keys, self.node_id, jsonl, self._clock)
         self.events.start()
         self.control = ControlServer()
+        self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
         self.link.node_id = self.node_id
         self.link.sandbox_steps = self.cfg.sandbox_steps
@@ -167,6 +169,7 @@ class Agent:
                 except StoreError as exc:
                     log.warning("[%s] could not revoke its lease (it will expire): %s", self.node_id, exc)
             await self.control.close()
+            self._probe_server.close()
             await self.store.close()
 
     def _on_signal(self, sig: int) -> None:
@@ -545,6 +548,8 @@ class Agent:
         uses_runtime = len(state.hello) >= self.cfg.nproc_per_node
         if self._record is not None and self._record.runtime != uses_runtime and self._workers is not None:
             await self._publish(self._record.state, self._record.generation)
+        if self._record is not None and state.peer_lost_at > self._record.peer_lost_at:
+            await self._publish(self._record.state, self._record.generation)  # the controller probes
         if self._settling and self._settling == self._worker_gen and self._workers is not None:
             done = state.joined | state.recovered.get(self._settling, set())
             if len(done) >= self.cfg.nproc_per_node:
@@ -660,6 +665,8 @@ class Agent:
             fault=self._fault,
             failure=failure[0],
             message=failure[1],
+            probe_port=self._probe_port,
+            peer_lost_at=self.link.state.peer_lost_at,
         )
 
     async def _publish(

@@ -37,6 +37,8 @@ class LinkState:
     left: set[int] = dataclasses.field(default_factory=set)
     joined: set[int] = dataclasses.field(default_factory=set)
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    #: when a local worker last reported a failed collective (wall clock, for the node record)
+    peer_lost_at: float = 0.0
 
 
 def replica_sources(gen: Generation) -> dict[str, int]:
@@ -161,6 +163,8 @@ class WorkerLink:
         return {}
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.peer_lost_at = time.time()
+        self._wake()
         self._emit("recovering", self.generation.number if self.generation else 0, local_rank=req["local_rank"],
                    step=req["step"])  # fmt: skip
         return {}

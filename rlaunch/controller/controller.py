@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
-from rlaunch.controller.view import read_snapshot
+from rlaunch.controller.view import JobSnapshot, read_snapshot
+from rlaunch.detectors.liveness import agent_gone
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
@@ -53,6 +54,7 @@ class Controller:
         self._last_reason = ""
         self._reported: set[str] = set()
         self._deadline_pending = False
+        self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
         self.leading = False
 
     @property
@@ -88,6 +90,27 @@ class Controller:
             wake.clear()
             work = woken or deadline
 
+    async def _revoke_dead(self, snap: JobSnapshot) -> bool:
+        """A worker saw a peer fail: probe the generation's agents; revoke the leases of dead ones."""
+        newest = max((v.record.peer_lost_at for v in snap.nodes.values()), default=0.0)
+        gen = snap.generation
+        if newest <= self._probed_at or gen is None or gen.status.terminal:
+            return False
+        self._probed_at = newest
+        suspects = [
+            n for n in gen.assignment
+            if n in snap.nodes and n != self.node_id and snap.nodes[n].record.probe_port and n in snap.node_leases
+        ]  # fmt: skip
+        records = [snap.nodes[n].record for n in suspects]
+        gone = await asyncio.gather(*(agent_gone(r.addr, r.probe_port) for r in records))
+        dead = [n for n, g in zip(suspects, gone, strict=True) if g]
+        for node in dead:
+            why = f"its agent no longer answers on {snap.nodes[node].record.addr}:{snap.nodes[node].record.probe_port}"
+            log.warning("[%s] controller: node %s is lost: %s; revoking its lease", self.node_id, node, why)
+            self._events.emit("node_dead", gen.number, node=node, reason=why)
+            await self._store.revoke_lease(snap.node_leases[node])
+        return bool(dead)
+
     async def tick(self) -> None:
         snap = await read_snapshot(self._store, self._keys)
         for problem in snap.problems:
@@ -101,6 +124,8 @@ class Controller:
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
+        if await self._revoke_dead(snap):
+            snap = await read_snapshot(self._store, self._keys)
         view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains))
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation

@@ -112,6 +112,10 @@ class NodeRecord:
     fault: str = ""
     #: why its workers failed, typed: ``exit`` (non-zero code), ``signal`` or ``hang``; ``message`` says more
     failure: str = ""
+    #: TCP port where the agent answers liveness probes (0: none; see rlaunch.detectors.liveness)
+    probe_port: int = 0
+    #: when one of its workers last saw a collective fail (a peer may be gone): the controller probes
+    peer_lost_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ def test_a_lost_node_is_replaced_live_once_its_lease_expires(cluster: Cluster) -
     assert a.wait(180) == 0 and c.wait(180) == 0, (a.output()[-3000:], c.output()[-3000:])
     assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
     assert _starts(a) == 1 and "b (lost) replaced by c" in a.output()
+    assert "event node_dead" in a.output(), "b's agent is gone: its lease is revoked without waiting for the TTL"
 
 
 def test_without_a_standby_the_failed_workers_restart_in_place(cluster: Cluster) -> None:
