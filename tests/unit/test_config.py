@@ -396,3 +396,19 @@ def test_bad_node_id_is_rejected(node_id: str) -> None:
         keys.node(node_id)
     with pytest.raises(UsageError):
         keys.ack(1, node_id)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("standby_wait", -1.0), ("standby_wait", float("nan")), ("hang_timeout", 0.0), ("hang_timeout", -5.0)],
+)
+def test_bad_fault_timeouts_are_rejected_naming_the_flag_and_value(script: Path, flag: str, value: float) -> None:
+    with pytest.raises(UsageError) as info:
+        config(script, **{flag: value})
+    assert f"--{flag.replace('_', '-')} {value}" in str(info.value)
+
+
+def test_fault_timeouts_default_and_pass_through(script: Path) -> None:
+    assert (config(script).standby_wait, config(script).hang_timeout) == (30.0, 60.0)
+    cfg = config(script, standby_wait=0.0, hang_timeout=2.5)
+    assert (cfg.standby_wait, cfg.hang_timeout) == (0.0, 2.5)
