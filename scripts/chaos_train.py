@@ -5,6 +5,8 @@
 ``grad_sync`` (inside backward, while the gradient buckets are being reduced), ``vote``
 (right before ``rt.optimizer_step``: the other ranks wait in the vote) or ``optimizer``
 (after the vote, inside ``optimizer.step()``). The chaos driver injects its fault meanwhile.
+``CHAOS_SLOW=seconds`` makes every step of this process that long slower before its forward
+pass (a straggling node, for the straggler detector's test).
 Model, data and output are those of train_resilient.py, so the final digests compare with it.
 """
 
@@ -51,6 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     pause = Pause(os.environ.get("CHAOS_PAUSE", ""))
+    slow = float(os.environ.get("CHAOS_SLOW", "0"))
     rt = rlaunch.init()
     model = DDP(make_model(args.seed, 64, 1), process_group=rt.group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -70,6 +73,8 @@ def main() -> None:
         current["step"] = step
         x, y = batch(args.seed, step, rt.rank, 64)
         pause.at(rt, step, "forward")
+        if slow and not rt.standby:
+            time.sleep(slow)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

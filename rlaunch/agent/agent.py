@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +65,10 @@ SHUTDOWN_GRACE_S = 30.0
 HEALTH_EVERY_S = 2.0
 #: How often stray zombie descendants are reaped (scanning /proc is not free).
 REAP_EVERY_S = 5.0
+#: A node's compute time per step goes to its record at most this often, and only when it moved
+#: by more than COMPUTE_CHANGE (a fraction): the straggler detector needs trends, not every step.
+COMPUTE_EVERY_S = 5.0
+COMPUTE_CHANGE = 0.25
 
 
 class Agent:
@@ -101,6 +106,7 @@ class Agent:
         self._settling = 0  # a move's generation whose local workers have not all joined or recovered
         self._fault = ""  # a hardware fault sentence, once a detector found one
         self._hung: list[str] = []  # sentences about local workers killed as hung
+        self._compute_at = 0.0  # when compute_s was last published
         self._signal: int | None = None
         self._fenced: str | None = None
         self._reported: set[str] = set()
@@ -142,7 +148,7 @@ class Agent:
             controller = Controller(
                 self.store, self.keys, self._spec,
                 PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port, self.cfg.standby_wait),
-                self._lease, self.events, self._clock,
+                self._lease, self.events, self._clock, self.cfg.straggler_window,
             )  # fmt: skip
             self._gpu = make_gpu_health()
             tasks = [
@@ -550,6 +556,9 @@ class Agent:
             await self._publish(self._record.state, self._record.generation)
         if self._record is not None and state.peer_lost_at > self._record.peer_lost_at:
             await self._publish(self._record.state, self._record.generation)  # the controller probes
+        if self._record is not None and self._compute_moved():
+            self._compute_at = time.monotonic()
+            await self._publish(self._record.state, self._record.generation)
         if self._settling and self._settling == self._worker_gen and self._workers is not None:
             done = state.joined | state.recovered.get(self._settling, set())
             if len(done) >= self.cfg.nproc_per_node:
@@ -559,6 +568,17 @@ class Agent:
             if len(ranks) >= self.cfg.nproc_per_node and gen not in self._prepared_reported:
                 self._prepared_reported.add(gen)
                 self.events.emit("prepared", gen)
+
+    def _compute_moved(self) -> bool:
+        if not self.link.state.compute_s or time.monotonic() - self._compute_at < COMPUTE_EVERY_S:
+            return False
+        assert self._record is not None
+        now, before = self._compute_s(), self._record.compute_s
+        return before <= 0 or abs(now - before) > COMPUTE_CHANGE * before
+
+    def _compute_s(self) -> float:
+        values = list(self.link.state.compute_s.values())
+        return statistics.median(values) if values else 0.0
 
     async def _stop_workers(self) -> None:
         group, self._workers = self._workers, None
@@ -667,6 +687,7 @@ class Agent:
             message=failure[1],
             probe_port=self._probe_port,
             peer_lost_at=self.link.state.peer_lost_at,
+            compute_s=round(self._compute_s(), 6),
         )
 
     async def _publish(

@@ -59,6 +59,8 @@ class LaunchConfig:
     standby_wait: float = 30.0
     #: floor of the hang timeout (the timeout grows with the job's own step time)
     hang_timeout: float = 60.0
+    #: seconds a node must stay slow before it is moved to a standby (0: no straggler detection)
+    straggler_window: float = 60.0
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -196,6 +198,7 @@ def build_config(
     sandbox_steps: int = 3,
     standby_wait: float = 30.0,
     hang_timeout: float = 60.0,
+    straggler_window: float = 60.0,
 ) -> LaunchConfig:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
@@ -211,6 +214,8 @@ def build_config(
         raise UsageError(f"--sandbox-steps {sandbox_steps} is not valid: give 0 or more.")
     if not standby_wait >= 0:  # also rejects nan
         raise UsageError(f"--standby-wait {standby_wait} is not valid: give 0 or more seconds.")
+    if not straggler_window >= 0:
+        raise UsageError(f"--straggler-window {straggler_window} is not valid: give 0 (off) or more seconds.")
     if not hang_timeout > 0:
         raise UsageError(f"--hang-timeout {hang_timeout} is not valid: give a positive number of seconds.")
     if master_port is not None and not 0 < master_port < 65536:
@@ -255,6 +260,7 @@ def build_config(
         sandbox_steps=sandbox_steps,
         standby_wait=standby_wait,
         hang_timeout=hang_timeout,
+        straggler_window=straggler_window,
     )
 
 

@@ -39,6 +39,8 @@ class LinkState:
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     #: when a local worker last reported a failed collective (wall clock, for the node record)
     peer_lost_at: float = 0.0
+    #: each local worker's median compute time per step (from its heartbeats)
+    compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def replica_sources(gen: Generation) -> dict[str, int]:
@@ -158,6 +160,8 @@ class WorkerLink:
         return {}
 
     async def _heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
+        if float(req.get("compute_s", 0.0)) > 0:
+            self.state.compute_s[int(req["local_rank"])] = float(req["compute_s"])
         self.hangs.heartbeat(int(req["local_rank"]), time.monotonic(), int(req["steps"]), float(req["step_s"]),
                              bool(req["waiting"]))  # fmt: skip
         return {}

@@ -79,6 +79,13 @@ def run(
         help="Seconds a live replacement of a lost node waits for a standby before restarting every worker.",
         env=False,
     ),
+    straggler_window: float = _opt(
+        60.0,
+        "--straggler-window",
+        help="Seconds a node must compute over twice the others' median per step before it moves to a standby "
+        "(0: off).",
+        env=False,
+    ),
     hang_timeout: float = _opt(
         60.0,
         "--hang-timeout",
@@ -96,7 +103,7 @@ def run(
             redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter, module=module,
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
-            standby_wait=standby_wait, hang_timeout=hang_timeout,
+            standby_wait=standby_wait, hang_timeout=hang_timeout, straggler_window=straggler_window,
         )  # fmt: skip
         if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
             log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
+from rlaunch.detectors.straggler import StragglerWatch
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import JobSpec, encode
+from rlaunch.store.records import GenerationStatus, JobSpec, NodeState, encode
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Controller:
         lease_id: int,
         events: EventLog,
         clock: Callable[[], float] = time.time,
+        straggler_window: float = 0.0,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -55,6 +57,8 @@ class Controller:
         self._reported: set[str] = set()
         self._deadline_pending = False
         self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
+        self._stragglers = StragglerWatch(straggler_window)
+        self._slow_reported: set[str] = set()
         self.leading = False
 
     @property
@@ -111,6 +115,23 @@ class Controller:
             await self._store.revoke_lease(snap.node_leases[node])
         return bool(dead)
 
+    def _find_stragglers(self, snap: JobSnapshot) -> list[str]:
+        gen, times = snap.generation, {}
+        if gen is not None and gen.status is GenerationStatus.RUNNING:
+            for node in gen.assignment:
+                rec = snap.nodes[node].record if node in snap.nodes else None
+                if rec is not None and rec.compute_s > 0 and rec.state is NodeState.RUNNING:
+                    times[node] = rec.compute_s
+        found = self._stragglers.update(self._clock(), times)
+        for node in found:
+            if node not in self._slow_reported:
+                self._slow_reported.add(node)
+                log.warning(
+                    "[%s] controller: node %s is a straggler (compute s per step: %s)", self.node_id, node, times
+                )
+                self._events.emit("straggler", gen.number if gen else 0, node=node, compute_s=times)
+        return found
+
     async def tick(self) -> None:
         snap = await read_snapshot(self._store, self._keys)
         for problem in snap.problems:
@@ -126,11 +147,15 @@ class Controller:
             return  # reported above; planning over it could undo a running generation
         if await self._revoke_dead(snap):
             snap = await read_snapshot(self._store, self._keys)
-        view = ClusterView(spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains))
+        view = ClusterView(
+            spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains),
+            stragglers=frozenset(self._find_stragglers(snap)),
+        )  # fmt: skip
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation
-        # a replacement node or a standby is awaited until a deadline
-        self._deadline_pending = after is not None and not after.status.terminal and after.deadline > 0
+        # a replacement node or a standby is awaited until a deadline, or a slow node's window runs
+        waiting = after is not None and not after.status.terminal and after.deadline > 0
+        self._deadline_pending = waiting or self._stragglers.pending
         if reason != self._last_reason:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason

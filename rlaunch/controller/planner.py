@@ -24,7 +24,8 @@ Rules (torchrun's semantics, plus standbys):
 - A drain request for an active node, once every node runs the current generation and a
   standby is ready, hands the node rank to that standby: live (``migrate``: nobody else
   restarts) when every active node's workers use the runtime, else by a restart that does not
-  count against ``max_restarts``.
+  count against ``max_restarts``. A straggler (see rlaunch.detectors.straggler) is moved the
+  same way, after any requested drain.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class ClusterView:
     generation: Generation | None
     #: node ids with a pending drain request
     drains: frozenset[str] = frozenset()
+    #: active nodes the straggler detector found slow for its whole window (moved like drains)
+    stragglers: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,7 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if all(r.state is NodeState.SUCCEEDED and r.generation == gen.number for r in records.values()):
         reason = f"every node finished generation {gen.number}; the job succeeded"
         return dataclasses.replace(gen, status=GenerationStatus.SUCCEEDED, reason=reason), reason
-    if view.drains:
+    if view.drains or view.stragglers:
         return _drain(now, view, cfg, gen, records)
     return None, f"generation {gen.number} is running"
 
@@ -144,23 +147,26 @@ def is_ready(record: NodeRecord, job_uses_runtime: bool) -> bool:
 def _drain(
     now: float, view: ClusterView, cfg: PlannerConfig, gen: Generation, records: dict[str, NodeRecord]
 ) -> tuple[Generation | None, str]:
-    """Hand a draining node's rank to a ready standby (one drain at a time)."""
-    leaver = min((n for n in view.drains if n in gen.assignment), key=lambda n: gen.assignment[n], default=None)
+    """Hand a draining (or straggling) node's rank to a ready standby (one move at a time)."""
+    asked = [n for n in view.drains if n in gen.assignment]
+    slow = [n for n in view.stragglers if n in gen.assignment]
+    leaver = min(asked or slow, key=lambda n: gen.assignment[n], default=None)
     if leaver is None:
         return None, f"drain requested for {sorted(view.drains)}, which hold no ranks"
+    what = "draining" if asked else "straggler"
     settled = all(r.state is NodeState.RUNNING and r.generation == gen.number for r in records.values())
     if not settled:
-        return None, f"drain of {leaver} waits until every node runs generation {gen.number}"
+        return None, f"{what} {leaver} waits until every node runs generation {gen.number}"
     live = all(r.runtime for r in records.values())
     ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, live)])
     if not ready:
-        return None, f"drain of {leaver} waits for a ready standby"
+        return None, f"{what} {leaver} waits for a ready standby"
     joiner = ready[0]
     assignment = dict(gen.assignment)
     assignment[joiner] = assignment.pop(leaver)
     kind = "migrate" if live else "restart"
     how = "live" if live else "by restarting every worker (the script does not use rlaunch.init())"
-    reason = f"draining {leaver}: {joiner} takes node rank {assignment[joiner]} {how}"
+    reason = f"{what} {leaver}: {joiner} takes node rank {assignment[joiner]} {how}"
     new = _generation(now, view, cfg, gen.number + 1, assignment, gen.restart_count, reason)
     return dataclasses.replace(new, kind=kind, leavers=[leaver], joiners=[joiner]), reason
 

@@ -224,6 +224,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.registered_name: str | None = None
         #: why the current communicator is unusable ("" while it works); reset by swap()
         self.failed = ""
+        #: perf_counter() when this rank last issued a collective here (its compute was done by then)
+        self.last_issue = 0.0
         self._pending: dict[int, tuple[Future[Any], list[torch.Tensor]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -291,6 +293,7 @@ def _forward(name: str) -> Any:
         work = getattr(self.comm, name)(*args, **kwargs)
         if name in _UNGUARDED or isinstance(self.comm, SandboxComm):
             return work
+        self.last_issue = time.perf_counter()
         return self._guard(work, _flat(args))
 
     method.__name__ = name

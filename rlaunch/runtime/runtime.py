@@ -105,6 +105,10 @@ class Runtime:
         self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._rng: tuple[Any, Any] | None = None  # RNG states at the start of the current step
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
+        self._step_began = 0.0
+        #: per step, from its start to this rank's last collective before the vote: its own work,
+        #: without the time spent waiting for slower peers (the straggler detector compares it)
+        self._compute: deque[float] = deque(maxlen=50)
         self._recovering = False
         self.step = 0
         if link is not None:
@@ -154,6 +158,7 @@ class Runtime:
             self.step = step
             if self._link is not None:
                 self._rng = (torch.get_rng_state(), random.getstate())
+            self._step_began = last
             yield step
             now = time.perf_counter()
             self._after_step(now - last)
@@ -181,6 +186,9 @@ class Runtime:
             optimizer.step()
             return
         if not self.step_failed:
+            issued = max(g.last_issue for g in self._groups.values())
+            if issued > self._step_began:
+                self._compute.append(issued - self._step_began)
             ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
             vote = torch.tensor([1.0, ready])
             self.group.allreduce([vote]).wait()
@@ -274,12 +282,13 @@ class Runtime:
         assert self._link is not None
         while True:
             time.sleep(HEARTBEAT_S)
-            durations = tuple(self._durations)  # one C call: safe while the main thread appends
+            durations, compute = tuple(self._durations), tuple(self._compute)  # one C call each: thread-safe
             waiting = self._recovering or any(g.busy for g in self._groups.values())
             try:
                 self._link.call(
                     "heartbeat", steps=self._completed, waiting=waiting,
                     step_s=statistics.median(durations) if durations else 0.0,
+                    compute_s=statistics.median(compute) if compute else 0.0,
                 )  # fmt: skip
             except (OSError, RuntimeError):
                 return  # the agent is gone; it stops this worker anyway

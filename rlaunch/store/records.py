@@ -116,6 +116,8 @@ class NodeRecord:
     probe_port: int = 0
     #: when one of its workers last saw a collective fail (a peer may be gone): the controller probes
     peer_lost_at: float = 0.0
+    #: its workers' median compute time per step, in seconds (0: not known; see detectors.straggler)
+    compute_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
