@@ -16,4 +16,3 @@ def test_a_listening_agent_is_alive_and_a_closed_port_is_gone() -> None:
         return alive, await agent_gone("127.0.0.1", port)
 
     assert asyncio.run(go()) == (False, True)
-
