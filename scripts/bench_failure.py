@@ -28,9 +28,11 @@ rlaunch's recovery is split into phases, from the bench's clock at the kill and 
 (--log-dir; every agent stamps its events with this machine's wall clock):
   detect_s    kill -> the controller planned the `replace` generation (its record's created_at,
               the clock the planner was given; the `generation` event is stamped only after the
-              write returns, when the other agents may already have acted on it): the rest of
-              b's lease (renewed every TTL/3, so 2/3 TTL to TTL of it was left), etcd's expiry
-              check, the watch event to the controller and its planning tick;
+              write returns, when the other agents may already have acted on it): a's worker
+              sees its collective fail, a's agent notes it on its record, the controller probes
+              the agents and revokes b's lease as b's probe port refuses (see
+              rlaunch.detectors.liveness), then plans; were the probe inconclusive (a dead
+              host), the rest of b's lease would be waited for instead (up to --lease-ttl);
   plan_s      -> the last `replacement_offered` event: the generation written to etcd, and the
               agents of survivor a and joiner c saw it and handed the plan to their workers (a's
               worker had already seen its collective fail, the `recovering` event;
