@@ -107,6 +107,7 @@ class Trial:
         self.job = f"chaos-{seed}"
         self.tag = f"chaos-{os.getpid()}-{seed}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.drain: subprocess.Popen[bytes] | None = None  # the `rlaunch drain` of a drain_prepare trial
         self.marker = work / "paused"
 
     def output(self, node: str) -> str:
@@ -158,7 +159,7 @@ class Trial:
         if self.moment == "drain_prepare":
             wait_until(lambda: f"step {fault_step // 10 * 10}/" in self.output(holder[0]), 90, "training to progress")
             drained = holder[self.rng.choice([0, 1])]
-            subprocess.Popen(
+            self.drain = subprocess.Popen(
                 [sys.executable, "-m", "rlaunch", "drain", drained, "--rdzv-endpoint", self.endpoint,
                  "--rdzv-id", self.job, "--timeout", "30"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -178,6 +179,9 @@ class Trial:
             except subprocess.TimeoutExpired:
                 limit = self.args.trial_timeout
                 raise TimeoutError(f"node {node} did not finish within the trial's {limit:.0f} s") from None
+        if self.drain is not None:
+            # It ends on its own: the node drained, or the job ended first (the move was abandoned).
+            self.drain.wait(max(1.0, end - time.monotonic()))
         codes = {n: self.procs[n].returncode for n in alive}
         return {"fault_at": fault_at, "target": target, "codes": codes, "seconds": time.monotonic() - began}
 
@@ -200,20 +204,22 @@ class Trial:
             tmp.write_text(json.dumps([{"kind": "xid", "gpu": 0, "detail": "79"}]))
             tmp.rename(path)
 
-    def recovery(self, fault_at: float) -> tuple[str, float | None]:
-        """How the job recovered (live or restart) and how long after the fault, from events.jsonl."""
+    def recovery(self, fault_at: float) -> tuple[str, float | None, bool]:
+        """How the job recovered (live or restart), how long after the fault, and whether a
+        survivor rolled the step forward, from events.jsonl."""
         path = self.work / "logs" / self.job / "events.jsonl"
         events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         events = [e for e in events if e["time"] >= fault_at]
+        rolled = any(e["kind"] == "recovered" and e["data"].get("rolled_forward") for e in events)
         for kind, how in (("recovered", "live"), ("workers_started", "restart")):
             times = [e["time"] for e in events if e["kind"] == kind]
             if times:
-                return how, round(min(times) - fault_at, 3)
-        return "none", None
+                return how, round(min(times) - fault_at, 3), rolled
+        return "none", None, rolled
 
     def close(self) -> list[str]:
         """End every process of the trial; name any that had to be killed or was left over."""
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *([self.drain] if self.drain else [])]:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -262,8 +268,9 @@ def main() -> None:
             try:
                 ran = trial.run()
                 got = finals("".join(trial.output(n) for n in trial.procs))
-                how, recovery_s = trial.recovery(ran["fault_at"])
-                row.update(target=ran["target"], seconds=round(ran["seconds"], 1), path=how, recovery_s=recovery_s)
+                how, recovery_s, rolled = trial.recovery(ran["fault_at"])
+                row.update(target=ran["target"], seconds=round(ran["seconds"], 1), path=how, recovery_s=recovery_s,
+                           rolled_forward=rolled)  # fmt: skip
                 if any(code != 0 for code in ran["codes"].values()):
                     why = f"agents exited with {ran['codes']}"
                 elif got != ref:
@@ -291,6 +298,7 @@ def main() -> None:
             "max": round(max(times), 3) if times else None,
             "live": sum(r.get("path") == "live" for r in results),
             "restart": sum(r.get("path") == "restart" for r in results),
+            "rolled_forward": sum(bool(r.get("rolled_forward")) for r in results),
         },
         "results": results,
         "wall_s": round(time.monotonic() - began, 1),

@@ -299,7 +299,7 @@ class Agent:
                 await self._publish(NodeState.FAILED, gen.number)
             return None
         if (
-            gen.kind == "migrate"
+            gen.kind != "replace"  # (a replacement's leavers failed; they stay in the job as spares)
             and self.node_id in gen.leavers
             and (self._worker_gen or self._leaving)
             and not self._move_failed
@@ -560,7 +560,7 @@ class Agent:
             self._compute_at = time.monotonic()
             await self._publish(self._record.state, self._record.generation)
         if self._settling and self._settling == self._worker_gen and self._workers is not None:
-            done = state.joined | state.recovered.get(self._settling, set())
+            done = state.joined.get(self._settling, set()) | state.recovered.get(self._settling, set())
             if len(done) >= self.cfg.nproc_per_node:
                 self._settling = 0
                 await self._publish(NodeState.RUNNING, self._worker_gen)

@@ -58,7 +58,7 @@ class LaunchConfig:
     #: how long a live replacement of a lost node waits for a standby before a full restart
     standby_wait: float = 30.0
     #: floor of the hang timeout (the timeout grows with the job's own step time)
-    hang_timeout: float = 60.0
+    hang_timeout: float = 300.0
     #: seconds a node must stay slow before it is moved to a standby (0: no straggler detection)
     straggler_window: float = 60.0
 
@@ -197,7 +197,7 @@ def build_config(
     local_addr: str | None,
     sandbox_steps: int = 3,
     standby_wait: float = 30.0,
-    hang_timeout: float = 60.0,
+    hang_timeout: float = 300.0,
     straggler_window: float = 60.0,
 ) -> LaunchConfig:
     if module and no_python:

@@ -35,7 +35,7 @@ class LinkState:
     warm: set[int] = dataclasses.field(default_factory=set)
     prepared: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     left: set[int] = dataclasses.field(default_factory=set)
-    joined: set[int] = dataclasses.field(default_factory=set)
+    joined: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     #: when a local worker last reported a failed collective (wall clock, for the node record)
     peer_lost_at: float = 0.0
@@ -82,7 +82,8 @@ class WorkerLink:
     def register(self, server: ControlServer) -> None:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
-            "heartbeat", "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
+            "heartbeat", "replica_sent",
+            "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
         )  # fmt: skip
         for op in ops:
             server.register(op, getattr(self, "_" + op))
@@ -154,9 +155,14 @@ class WorkerLink:
         return {}
 
     async def _joined(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.state.joined.add(int(req["local_rank"]))
+        self.state.joined.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
         self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"])
         self._wake()
+        return {}
+
+    async def _replica_sent(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._emit("replica_sent", int(req["generation"]), local_rank=req["local_rank"], ranks=req["ranks"],
+                   bytes=req["bytes"], seconds=round(req["seconds"], 3))  # fmt: skip
         return {}
 
     async def _heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +182,7 @@ class WorkerLink:
     async def _recovered(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.recovered.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
         self._wake()
-        fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sent_to", "bytes")
+        fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sends_to")
         self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
                    **{k: req[k] for k in fields})  # fmt: skip
         return {}

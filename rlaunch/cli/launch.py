@@ -87,7 +87,7 @@ def run(
         env=False,
     ),
     hang_timeout: float = _opt(
-        60.0,
+        300.0,
         "--hang-timeout",
         help="Floor, in seconds, of the hang timeout: a worker without step progress for longer is killed.",
         env=False,

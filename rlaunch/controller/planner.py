@@ -182,11 +182,15 @@ def _replace(
         return None  # nobody holds a replica, or the script does not use the runtime: torchrun's restart
     if not all(records[n].state is NodeState.RUNNING and records[n].generation == gen.number for n in survivors):
         return None  # a move is still in flight: only a restart is safe
+    if any(n in records and records[n].state is NodeState.RESTARTING for n in gen.joiners):
+        return None  # a joiner of the current move has not joined: survivors may be mid-preparation
     if failed and gen.restart_count >= view.spec.max_restarts:
         return None  # the restart rules fail the job
     ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, True)])
+    # Standbys go to lost and faulty nodes first: a node whose workers failed can restart in place.
+    leavers = sorted(out, key=lambda n: (n in failed, gen.assignment[n]))
     joiners: list[str] = []
-    for node in sorted(out, key=lambda n: gen.assignment[n]):
+    for node in leavers:
         if ready:
             joiners.append(ready.pop(0))
         elif node in failed:
@@ -198,7 +202,6 @@ def _replace(
                 return None, f"waiting for a standby to replace {node} live"
             reason = f"node {node} lost and no standby is ready; waiting up to {cfg.standby_wait:.0f} s for one"
             return dataclasses.replace(gen, deadline=now + cfg.standby_wait, reason=reason), reason
-    leavers = sorted(out, key=lambda n: gen.assignment[n])
     assignment = {n: gen.assignment[n] for n in survivors}
     moves = []
     for leaver, joiner in zip(leavers, joiners, strict=True):

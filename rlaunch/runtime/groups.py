@@ -213,7 +213,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     is rebuilt, which is how tests see that an untouched group was kept.
     """
 
-    def __init__(self, name: str, members: Sequence[int], my_rank: int, comm: Any, version: int) -> None:
+    def __init__(
+        self, name: str, members: Sequence[int], my_rank: int, comm: Any, version: int, guarded: bool = True
+    ) -> None:
         self.members = sorted(members)
         self.group_rank = self.members.index(my_rank) if my_rank in self.members else -1
         super().__init__(max(self.group_rank, 0), len(self.members))
@@ -226,6 +228,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.failed = ""
         #: perf_counter() when this rank last issued a collective here (its compute was done by then)
         self.last_issue = 0.0
+        #: guard collectives (under rlaunch); without an agent to recover, errors reach the caller
+        self.guarded = guarded
         self._pending: dict[int, tuple[Future[Any], list[torch.Tensor]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -253,7 +257,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         outer: Future[Any] = Future()
         key = next(self._ids)
         with self._lock:
-            self._pending[key] = (outer, tensors)
+            abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
+            if not abandoned:
+                self._pending[key] = (outer, tensors)
+        if abandoned:
+            outer.set_result(tensors)
 
         def finished(inner: Future[Any]) -> None:
             try:
@@ -265,7 +273,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                     return  # abandoned: the caller already has its inputs back
                 if error and not self.failed:
                     self.failed = error
-                    log.warning("group %s: a collective failed (%s); this step will be recovered", self.label, error)
+                    log.warning(
+                        "group %s (rank %d of it): a collective failed (%s); this step will be recovered",
+                        self.label, self.group_rank, error,
+                    )  # fmt: skip
             outer.set_result(value)
 
         work.get_future().add_done_callback(finished)
@@ -291,7 +302,7 @@ def _forward(name: str) -> Any:
         if self.failed:
             return _done(_flat(args))
         work = getattr(self.comm, name)(*args, **kwargs)
-        if name in _UNGUARDED or isinstance(self.comm, SandboxComm):
+        if name in _UNGUARDED or not self.guarded or isinstance(self.comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
         return self._guard(work, _flat(args))

@@ -56,7 +56,7 @@ from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.runtime.agent_link import AgentLink
+from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
@@ -92,7 +92,9 @@ class Runtime:
         self._store = store
         self._timeout = timeout
         self._sandbox_steps = sandbox_steps
-        self.group = SwitchableGroup(WORLD, range(world_size), max(rank, 0), world_comm, generation)
+        self.group = SwitchableGroup(
+            WORLD, range(world_size), max(rank, 0), world_comm, generation, guarded=link is not None
+        )
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -110,6 +112,8 @@ class Runtime:
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
         self._recovering = False
+        self._pending_sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
+        self._stopped = threading.Event()
         self.step = 0
         if link is not None:
             _register(self.group, store, {i: i for i in range(world_size)}, default=True)
@@ -140,7 +144,7 @@ class Runtime:
             comm = SandboxComm(0, len(members))
         elif self.rank in members:
             comm = self._group_comm(name, members, self.rank, self.generation)
-        group = SwitchableGroup(name, members, self.rank, comm, self.generation)
+        group = SwitchableGroup(name, members, self.rank, comm, self.generation, guarded=self._link is not None)
         self._groups[name] = group
         if self._link is not None and self.rank in members:
             _register(group, self._store, {g: i for i, g in enumerate(members)})
@@ -163,6 +167,7 @@ class Runtime:
             now = time.perf_counter()
             self._after_step(now - last)
             if self._resume_at is not None:
+                self._send_replicas(self._resume_at)
                 step, self._resume_at = self._resume_at, None
                 if step == self.step and self._rng is not None:
                     torch.set_rng_state(self._rng[0])  # the step is redone: as if never run
@@ -174,19 +179,20 @@ class Runtime:
             last = time.perf_counter()
             step += 1
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Join the per-step vote, then step ``optimizer``.
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Join the per-step vote, then step ``optimizer``; return whether the step was applied.
 
         The vote is a one-scalar allreduce after gradient sync; it also carries "ready for the
         next generation", so every rank decides to switch at the same boundary. A rank steps only
         if its vote completed; after a fault, this is where the step is rolled forward or
-        discarded (see the module docstring).
+        discarded (see the module docstring). Step schedulers and the like only when it returns
+        True: a discarded step is redone, and its scheduler step must not happen twice.
         """
         if self.group.sandboxed:
             optimizer.step()
-            return
+            return True
         if not self.step_failed:
-            issued = max(g.last_issue for g in self._groups.values())
+            issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
             ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
@@ -199,8 +205,8 @@ class Runtime:
                 if vote[1].item() == self.world_size and not self.step_failed:
                     self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
                 optimizer.step()
-                return
-        self._recover(optimizer)
+                return True
+        return self._recover(optimizer)
 
     @property
     def step_failed(self) -> bool:
@@ -209,7 +215,11 @@ class Runtime:
         The step will be rolled forward or redone in ``optimizer_step``; until then, code should
         not act on collective results (``rt.steps()`` yields the step again if it is redone).
         """
-        return not self._recoveries.empty() or any(g.failed for g in self._groups.values())
+        return not self._recoveries.empty() or any(g.failed for g in self._mine())
+
+    def _mine(self) -> list[SwitchableGroup]:
+        """The groups this rank is a member of (a snapshot: safe from other threads)."""
+        return [g for g in list(self._groups.values()) if g.group_rank >= 0]
 
     def group_version(self, name: str) -> int:
         """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""
@@ -222,6 +232,7 @@ class Runtime:
         after Python has gone, which can abort the process ("terminate called without an
         active exception").
         """
+        self._stopped.set()
         for group in self._groups.values():
             _unregister(group)
             group.comm = None
@@ -280,17 +291,17 @@ class Runtime:
     def _heartbeat(self) -> None:
         """Tell the agent, about once a second, how far this rank got and whether it waits on peers."""
         assert self._link is not None
-        while True:
-            time.sleep(HEARTBEAT_S)
+        while not self._stopped.wait(HEARTBEAT_S):
             durations, compute = tuple(self._durations), tuple(self._compute)  # one C call each: thread-safe
-            waiting = self._recovering or any(g.busy for g in self._groups.values())
+            waiting = self._recovering or any(g.busy for g in self._mine())
             try:
                 self._link.call(
                     "heartbeat", steps=self._completed, waiting=waiting,
                     step_s=statistics.median(durations) if durations else 0.0,
                     compute_s=statistics.median(compute) if compute else 0.0,
                 )  # fmt: skip
-            except (OSError, RuntimeError):
+            except (OSError, AgentLinkError) as exc:
+                log.warning("rank %d: heartbeats to the agent stopped: %s", self.rank, exc)
                 return  # the agent is gone; it stops this worker anyway
 
     def _listen(self) -> None:
@@ -327,13 +338,17 @@ class Runtime:
         """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
         moved = set(plan["moved_ranks"])
         why = f"ranks {sorted(moved)} are being replaced (generation {plan['generation']})"
-        for group in self._groups.values():
+        for group in self._mine():
             if moved & set(group.members):
                 group.abandon(why)
         self._recoveries.put(plan)
 
-    def _recover(self, optimizer: torch.optim.Optimizer) -> None:
-        """(main thread) Agree on the last applied step, rebuild groups, send replicas' state."""
+    def _recover(self, optimizer: torch.optim.Optimizer) -> bool:
+        """(main thread) Agree on the last applied step and rebuild groups; True if this step applies.
+
+        The state is sent to the replaced ranks at the end of the step (``_send_replicas``), after
+        the script's own per-step code (a scheduler step) ran, as a migration's leaver does.
+        """
         assert self._link is not None and self._store is not None
         began = time.perf_counter()
         self._recovering = True
@@ -347,7 +362,7 @@ class Runtime:
             ) from None
         gen, moved = int(plan["generation"]), set(plan["moved_ranks"])
         survivors = [r for r in range(self.world_size) if r not in moved]
-        dirty = sorted(n for n, g in self._groups.items() if g.failed and not moved & set(g.members))
+        dirty = sorted(g.label for g in self._mine() if g.failed and not moved & set(g.members))
         self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
         reports = [json.loads(self._store.get(f"g{gen}/recover/{r}")) for r in survivors]
         agreed = max(int(r["applied"]) for r in reports)
@@ -363,16 +378,29 @@ class Runtime:
             if self.rank in group.members and (moved & set(group.members) or name in dirty_names)
         }
         sources = {int(m): int(src) for m, src in plan["sources"].items()}
-        channels = {m: self._channel(gen, 0, m) for m, src in sorted(sources.items()) if src == self.rank}
+        mine = sorted(m for m, src in sources.items() if src == self.rank)
+        self._pending_sends = {m: self._channel(gen, 0, m) for m in mine}
         for name, comm in comms.items():
             self._groups[name].swap(comm, gen)
-        sent = sum(send_state(channel, self._tracked, agreed + 1) for channel in channels.values())
         self.generation = gen
         self._resume_at = agreed + 1
         self._recovering = False
         self._link.call(
             "recovered", generation=gen, rank=self.rank, step=self.step, resume_at=agreed + 1,
-            rolled_forward=rolled, rebuilt=sorted(comms), sent_to=sorted(channels), bytes=sent,
+            rolled_forward=rolled, rebuilt=sorted(comms), sends_to=mine, seconds=time.perf_counter() - began,
+        )  # fmt: skip
+        return self._applied == self.step
+
+    def _send_replicas(self, next_step: int) -> None:
+        """At the step boundary after a recovery: send this replica's state to the ranks it serves."""
+        if not self._pending_sends:
+            return
+        assert self._link is not None
+        began = time.perf_counter()
+        channels, self._pending_sends = self._pending_sends, {}
+        sent = sum(send_state(channel, self._tracked, next_step) for channel in channels.values())
+        self._link.call(
+            "replica_sent", generation=self.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
 

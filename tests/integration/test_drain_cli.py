@@ -145,3 +145,15 @@ def test_events_of_a_short_job_as_json_and_as_text(cluster: Cluster) -> None:
     assert len(text) == len(lines), "one line per event"
     assert any("generation" in line and "status=running" in line for line in text), res.stdout
     assert any("node_joined" in line for line in text), res.stdout
+
+
+def test_drain_of_a_script_without_the_runtime_restarts_every_worker_and_drains_the_node(cluster: Cluster) -> None:
+    args = ("--steps", "300", "--step-time", "0.05")
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], TRAIN, *args)
+    wait_for(lambda: state(cluster, "c") == "standby", 60, "standby c to join")
+    wait_for(lambda: "step 10/" in a.output(), 90, "training to make progress")
+    res = cluster.cli("drain", "b", *job_flags(cluster), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "by restarting every worker" in a.output(), "a plain DDP script cannot move live"
+    assert b.wait(60) == 0 and "event drained" in b.output()
+    assert a.wait(180) == 0 and c.wait(180) == 0

@@ -8,6 +8,7 @@ ranks got their state from a replica.
 
 from __future__ import annotations
 
+import json
 import re
 
 from psutil import Process as psutil_process
@@ -39,7 +40,7 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_live(cluster: Cluster) 
     assert a.wait(180) == 0 and c.wait(180) == 0 and b.wait(60) == 0, (a.output()[-3000:], c.output()[-3000:])
     assert _finals(a, b, c) == _reference_run(), "the job must end as if uninterrupted"
     assert _starts(a) == 1 and f"pids': [{survivor}]" in a.output(), "the survivor's worker must never restart"
-    assert "event recovered" in a.output() and "'sent_to': [1]" in a.output(), "rank 0 sends rank 1 its state"
+    assert "event recovered" in a.output() and "'sends_to': [1]" in a.output(), "rank 0 sends rank 1 its state"
     assert "event joined" in c.output() and "'plan': 'replace'" in a.output()
 
 
@@ -105,3 +106,20 @@ def test_a_hung_worker_is_killed_by_its_agent_and_replaced_while_its_peer_waits(
     assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
     assert "event worker_hung" in b.output() and "sent no heartbeat" in b.output()
     assert "worker_hung" not in a.output() and _starts(a) == 1, "the survivor waited on its peer; it is not hung"
+
+
+def test_a_replacement_rebuilds_only_the_groups_that_touch_the_replaced_ranks(cluster: Cluster) -> None:
+    # 2 nodes x 2 ranks; b (ranks 2, 3) is replaced. sub0 = {0, 1} lies on a only: kept. sub1 =
+    # {1, 2} touches b: rebuilt on rank 1; rank 0 is not in it and must not be held up by it.
+    extra = ("--subgroup", "0,1", "--subgroup", "1,2")
+    flags = ("--nproc-per-node", "2", "--max-restarts", "1")
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, *extra, flags=flags)
+    wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
+    wait_for(lambda: "step 30/" in a.output(), 90, "training to make progress")
+    b.workers()[1].kill()
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    got = {int(m.group(1)): json.loads(m.group(4)) for x in (a, c) for m in FINAL.finditer(x.output())}
+    digests = {r: d for r, d in _finals(a, c).items()}
+    assert digests == _reference(4, ("--steps", "120", "--step-time", "0", *extra))
+    assert got[0] == {"world": 2, "sub0": 1, "sub1": 1} and got[1] == {"world": 2, "sub0": 1, "sub1": 2}
+    assert _starts(a) == 1
