@@ -12,7 +12,9 @@ If the communicator fails (a peer died) or the runtime abandons the group (its a
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
 own inputs and the group is marked ``failed``: later collectives return at once, so the step
 runs to ``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
-flight (``abort()`` does not wake it), hence the outer future.
+flight (``abort()`` does not wake it), hence the outer future. The inner operation stays in
+flight on the caller's tensors until its peers end or its timeout: a frozen peer that resumed
+before being fenced could still complete it (see the README's limits).
 """
 
 from __future__ import annotations
