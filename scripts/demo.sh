@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The rlaunch demo: a 2-node DDP job plus a warm standby on one machine, against an embedded
+# The rlaunch demo: a 2-node DDP job plus two warm standbys on one machine, against an embedded
 # etcd. Partway through, node-b is drained for maintenance: its rank moves live to the warm
-# standby node-c while node-a keeps its process, and the measured downtime is printed.
-# `rlaunch status` is printed before and after. Sets up a virtualenv first if needed.
+# standby node-c while node-a keeps its process, and the measured downtime is printed. Then
+# node-a's worker is SIGKILLed: node-d takes its rank live, with its state from node-c's
+# replica, and node-c keeps its process. `rlaunch status` is printed along the way. Sets up a
+# virtualenv first if needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -44,34 +46,41 @@ running_active() { [ "$(node_field "$1" role)" = active ] && [ "$(node_field "$1
 warm_standby() { [ "$(node_field "$1" state)" = standby ] && [ "$(node_field "$1" runtime)" = True ]; }
 
 declare -A agent
-for node in node-a node-b node-c; do
+for node in node-a node-b node-c node-d; do
   rlaunch --nnodes 2 --nproc-per-node 1 --rdzv-endpoint "$EP" --rdzv-id "$JOB" --node-id "$node" \
     --max-restarts 3 --lease-ttl 3 \
-    examples/train_resilient.py --steps 200 --step-time 0.05 --width 256 \
+    examples/train_resilient.py --steps 300 --step-time 0.05 --width 256 \
     >"$work/$node.log" 2>&1 &
   agent[$node]=$!
   pids+=($!)
   wait_until 60 "$node to join" registered "$node"
 done
 
-say "3 agents joined: node-a and node-b are active, node-c is a standby warming up in its sandbox"
+say "4 agents joined: node-a and node-b are active, node-c and node-d are standbys warming up in a sandbox"
 wait_until 120 "training to start" running_active node-b
 wait_until 120 "node-c to be a warm standby" warm_standby node-c
+wait_until 120 "node-d to be a warm standby" warm_standby node-d
 rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB"
 
 say "draining node-b live: its rank moves to node-c; node-a keeps its process"
 rlaunch drain node-b --rdzv-endpoint "$EP" --rdzv-id "$JOB"
 rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB"
 
+say "a crash: SIGKILL of node-a's worker; node-d takes rank 0 live, node-c keeps its process"
+pkill -KILL -P "${agent[node-a]}"
+wait_until 60 "node-d to take rank 0" running_active node-d
+rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB"
+
 say "waiting for the job to finish"
 rc=()
-for node in node-a node-b node-c; do
+for node in node-a node-b node-c node-d; do
   code=0; wait "${agent[$node]}" || code=$?; rc+=("$node exited $code")
 done
 printf '%s\n' "${rc[@]}"
-grep -h "final:" "$work/node-a.log" "$work/node-c.log" || true
-rlaunch events --rdzv-endpoint "$EP" --rdzv-id "$JOB" | grep -E "drain_requested|plan=migrate|state_sent|switched|drained" || true
+grep -h "final:" "$work/node-c.log" "$work/node-d.log" || true
+rlaunch events --rdzv-endpoint "$EP" --rdzv-id "$JOB" \
+  | grep -E "drain_requested|plan=migrate|state_sent|switched|drained|workers_failed|plan=replace|recovered|joined" || true
 for line in "${rc[@]}"; do
   case "$line" in *"exited 0") ;; *) echo "demo: the job failed; logs in $work" >&2; exit 1 ;; esac
 done
-say "node-b was drained live and the job completed; node-a and node-c end with the same weights; logs in $work"
+say "node-b was drained and node-a's crash recovered, both live; node-c and node-d end with the same weights; logs in $work"
