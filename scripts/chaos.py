@@ -8,8 +8,8 @@ etcd), runs scripts/chaos_train.py and injects one fault kind at one moment:
            worker_stop (SIGSTOP of a worker: a hang), xid (a critical XID through the fake NVML
            file), controller_kill (SIGKILL of the agent that runs the controller)
   moments  forward, grad_sync, vote, optimizer (the faulted rank is paused there, see
-           chaos_train.py, and the fault lands during the pause), drain_prepare (a drain of an
-           active node was just planned and is being prepared)
+           chaos_train.py, and the fault lands during the pause), drain_prepare (a drain of the
+           faulted node was just planned and is being prepared)
 
 Kinds and moments are dealt from seeded shuffles, so any 5 consecutive trials cover every kind
 and every moment. A trial passes when the job completed, the final parameters and optimizer
@@ -158,7 +158,9 @@ class Trial:
         target = controller if self.kind == "controller_kill" else holder[target_rank]
         if self.moment == "drain_prepare":
             wait_until(lambda: f"step {fault_step // 10 * 10}/" in self.output(holder[0]), 90, "training to progress")
-            drained = holder[self.rng.choice([0, 1])]
+            # The faulted node is the one being drained: a fault on the other active node would need
+            # a second spare once the drain has taken the only standby (the job would rightly fail).
+            drained = target
             self.drain = subprocess.Popen(
                 [sys.executable, "-m", "rlaunch", "drain", drained, "--rdzv-endpoint", self.endpoint,
                  "--rdzv-id", self.job, "--timeout", "30"],
