@@ -365,8 +365,7 @@ class Runtime:
         dirty = sorted(g.label for g in self._mine() if g.failed and not moved & set(g.members))
         self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
         reports = [json.loads(self._store.get(f"g{gen}/recover/{r}")) for r in survivors]
-        agreed = max(int(r["applied"]) for r in reports)
-        rolled = agreed > self._applied
+        agreed, rolled = commit_point(self._applied, self.step, [int(r["applied"]) for r in reports])
         if rolled:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.
             optimizer.step()
@@ -466,6 +465,24 @@ class Runtime:
                 )  # fmt: skip
             return
         self._durations.append(seconds)
+
+
+def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, bool]:
+    """The commit rule: the last step every survivor must have applied, and whether this rank
+    applies ``step`` now (roll forward).
+
+    ``mine`` is the last step this rank applied, ``step`` the one it is in, ``applied`` every
+    survivor's last applied step (its own included). The vote for a step needs every rank, so
+    survivors are at most one step apart, and if any of them applied ``step``, every rank
+    finished its gradient sync for it: it is applied everywhere. Otherwise it is discarded.
+    """
+    agreed = max(applied)
+    if not mine <= agreed <= mine + 1 or agreed > step:
+        raise RuntimeError(
+            f"The survivors' last applied steps {sorted(set(applied))} are inconsistent with this rank's {mine} "
+            f"at step {step}; the recovery cannot be trusted, so this worker stops."
+        )
+    return agreed, agreed > mine
 
 
 def _unregister(group: SwitchableGroup) -> None:
