@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd  # noqa: E402
+from scripts.bench_migration import wait_until  # noqa: E402
 
 TRAIN = REPO / "scripts" / "chaos_train.py"
 KINDS = ("worker_kill", "node_kill", "worker_stop", "xid", "controller_kill")
@@ -57,16 +58,6 @@ DEFAULT_PAUSE_S = 1.5
 
 def log(msg: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def wait_until(pred: Any, timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def finals(text: str) -> dict[int, tuple[str, str]]:
