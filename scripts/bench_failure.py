@@ -37,9 +37,10 @@ rlaunch's recovery is split into phases, from the bench's clock at the kill and 
               agents of survivor a and joiner c saw it and handed the plan to their workers (a's
               worker had already seen its collective fail, the `recovering` event;
               survivor_noticed_s);
-  transfer_s  -> the last of the survivor's `recovered` and the joiner's `joined` events:
-              agreeing on the last applied step, building the new communicators through etcd,
-              sending the state from rank 0 to the joiner;
+  transfer_s  -> the last of the survivor's `recovered` and `replica_sent` and the joiner's
+              `joined` events: agreeing on the last applied step, building the new
+              communicators through etcd, finishing the interrupted step's own code, sending
+              the state from rank 0 to the joiner at the step boundary;
   resume_s    -> the end of rank 0's first step begun after its recovery.
 The phases add up to kill -> first step completed after recovery (phases_sum_s). That interval
 also holds the work of the interrupted step done before the kill, which is redone, so it exceeds
@@ -244,12 +245,15 @@ def phases(result: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
     of_gen = [e for e in events if e["generation"] == number]
     offers = [e["time"] for e in of_gen if e["kind"] == "replacement_offered"]
     recovered = [e for e in of_gen if e["kind"] == "recovered"]
+    sent = [e for e in of_gen if e["kind"] == "replica_sent"]
     joined = [e for e in of_gen if e["kind"] == "joined"]
-    if len(offers) < 2 or not recovered or not joined:
-        raise RuntimeError(f"generation {number}: offers at {offers}, recovered {recovered}, joined {joined}")
+    if len(offers) < 2 or not recovered or not sent or not joined:
+        seen = f"offers at {offers}, recovered {recovered}, sent {sent}, joined {joined}"
+        raise RuntimeError(f"generation {number}: {seen}")
     t_offer = max(offers)
-    t_done = max(e["time"] for e in recovered + joined)
-    t_rank0 = next(e["time"] for e in recovered if e["data"]["rank"] == 0)
+    t_done = max(e["time"] for e in recovered + sent + joined)
+    # rank 0 (node a) resumes after its recovery and, as the replica, after sending the state
+    t_rank0 = max(e["time"] for e in recovered + sent if e["node_id"] == "a")
     t_resume = next(end for _, start, end, _ in rows if start > t_rank0)
     noticed = first_event(events, "recovering", t_kill)
     started_a = [e for e in events if e["kind"] == "workers_started" and e["node_id"] == "a"]
@@ -263,7 +267,7 @@ def phases(result: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
         "survivor_noticed_s": noticed["time"] - t_kill,
         "survivor_recovered_s": recovered[0]["data"]["seconds"],
         "joiner_received_s": joined[0]["data"]["seconds"],
-        "state_bytes": sum(e["data"]["bytes"] for e in recovered),
+        "state_bytes": sum(e["data"]["bytes"] for e in sent),
         "resumed_at_step": recovered[0]["data"]["resume_at"],
         "plan_reason": gen["data"]["reason"],
         "survivor_kept_its_process": len(started_a) == 1,
