@@ -12,9 +12,11 @@ If the communicator fails (a peer died) or the runtime abandons the group (its a
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
 own inputs and the group is marked ``failed``: later collectives return at once, so the step
 runs to ``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
-flight (``abort()`` does not wake it), hence the outer future. The inner operation stays in
-flight on the caller's tensors until its peers end or its timeout: a frozen peer that resumed
-before being fenced could still complete it (see the README's limits).
+flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
+connected sockets (found at build time): the inner operation then fails at once instead of
+staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
+could still complete it and write stale data into them (a DDP bucket of a later step). A failed
+communicator is cut the same way, and a cut one is destroyed without waiting for its timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -39,6 +42,8 @@ from torch.futures import Future
 log = logging.getLogger(__name__)
 #: How long a replaced communicator is kept before it is destroyed (see _Retirer).
 RETIRE_AFTER_S = 20.0
+#: How long abandon() waits for a cut operation to fail before handing the tensors back.
+ABANDON_WAIT_S = 1.0
 
 #: ProcessGroup methods that carry traffic; each is forwarded to the inner communicator.
 COLLECTIVES = (
@@ -49,11 +54,53 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
+#: Connected sockets of each communicator built here, by id(): what cut() shuts down.
+_SOCKETS: dict[int, set[int]] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+def _connected_inet_fds() -> set[int]:
+    """File descriptors of this process's connected (not listening) TCP sockets."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(int(name))) as s:
+                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                if s.family in (socket.AF_INET, socket.AF_INET6) and not listening:
+                    found.add(int(name))
+        except OSError:
+            continue  # closed meanwhile
+    return found
+
+
+def cut(comm: Any) -> None:
+    """Shut down ``comm``'s connections: its pending operations fail now, here and at every peer.
+
+    Never its listening socket: gloo's listener thread aborts the process if accept() fails.
+    """
+    for fd in _SOCKETS.pop(id(comm), ()):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by gloo
+
+
 def build_gloo(store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroup:
-    """A standalone gloo group of ``size`` ranks on ``prefix`` of ``store`` (no default group needed)."""
+    """A standalone gloo group of ``size`` ranks on ``prefix`` of ``store`` (no default group needed).
+
+    Gloo connects every pair while it is built, so the sockets that appear meanwhile are its own
+    (builds are serialized); they are remembered for cut().
+    """
     pstore = PrefixStore(prefix, store)
-    backend = ProcessGroupGloo(pstore, rank, size, timeout=timeout)
+    with _BUILD_LOCK:
+        before = _connected_inet_fds()
+        backend = ProcessGroupGloo(pstore, rank, size, timeout=timeout)
+        mine = _connected_inet_fds() - before
     pg = ProcessGroup(pstore, rank, size)
+    _SOCKETS[id(pg)] = mine
     pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
     pg._set_default_backend(ProcessGroup.BackendType.GLOO)
     pg._set_group_name(prefix.strip("/").replace("/", "."))
@@ -232,7 +279,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.last_issue = 0.0
         #: guard collectives (under rlaunch); without an agent to recover, errors reach the caller
         self.guarded = guarded
-        self._pending: dict[int, tuple[Future[Any], list[torch.Tensor]]] = {}
+        self._pending: dict[int, tuple[Future[Any], list[torch.Tensor], threading.Event]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -240,6 +287,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             old, self.comm, self.version = self.comm, comm, version
             self.failed = ""
+        _SOCKETS.pop(id(old), None)  # from now on its fds may be reused: never cut them
         retire(old)
 
     @property
@@ -252,16 +300,19 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
-        for fut, tensors in pending.values():
+        cut(self.comm)
+        for fut, tensors, ended in pending.values():
+            ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
             fut.set_result(tensors)
 
-    def _guard(self, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
+    def _guard(self, comm: Any, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
         outer: Future[Any] = Future()
         key = next(self._ids)
+        ended = threading.Event()
         with self._lock:
             abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
             if not abandoned:
-                self._pending[key] = (outer, tensors)
+                self._pending[key] = (outer, tensors, ended)
         if abandoned:
             outer.set_result(tensors)
 
@@ -270,9 +321,12 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 value, error = inner.value(), ""
             except Exception as exc:  # noqa: BLE001 - any failure of the communicator
                 value, error = tensors, str(exc).splitlines()[0]
+            ended.set()
+            if error:
+                cut(comm)  # its other operations must fail too, not complete later (no-op once swapped out)
             with self._lock:
                 if self._pending.pop(key, None) is None:
-                    return  # abandoned: the caller already has its inputs back
+                    return  # abandoned: the caller gets its inputs back
                 if error and not self.failed:
                     self.failed = error
                     log.warning(
@@ -303,11 +357,12 @@ def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
         if self.failed:
             return _done(_flat(args))
-        work = getattr(self.comm, name)(*args, **kwargs)
-        if name in _UNGUARDED or not self.guarded or isinstance(self.comm, SandboxComm):
+        comm = self.comm
+        work = getattr(comm, name)(*args, **kwargs)
+        if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
-        return self._guard(work, _flat(args))
+        return self._guard(comm, work, _flat(args))
 
     method.__name__ = name
     return method
