@@ -75,12 +75,13 @@ def _connected_inet_fds() -> set[int]:
     return found
 
 
-def cut(comm: Any) -> None:
-    """Shut down ``comm``'s connections: its pending operations fail now, here and at every peer.
-
-    Never its listening socket: gloo's listener thread aborts the process if accept() fails.
+def cut(comm_id: int) -> None:
+    """Shut down the connections of the communicator ``id(comm)``: its pending operations fail
+    now, here and at every peer. Never its listening socket: gloo's listener thread aborts the
+    process if accept() fails. (By id: a callback on gloo's thread must not hold the communicator,
+    or dropping the last reference there would make it join its own thread.)
     """
-    for fd in _SOCKETS.pop(id(comm), ()):
+    for fd in _SOCKETS.pop(comm_id, ()):
         try:
             with socket.socket(fileno=os.dup(fd)) as s:
                 s.shutdown(socket.SHUT_RDWR)
@@ -300,12 +301,12 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
-        cut(self.comm)
+        cut(id(self.comm))
         for fut, tensors, ended in pending.values():
             ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
             fut.set_result(tensors)
 
-    def _guard(self, comm: Any, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
+    def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
         outer: Future[Any] = Future()
         key = next(self._ids)
         ended = threading.Event()
@@ -323,7 +324,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 value, error = tensors, str(exc).splitlines()[0]
             ended.set()
             if error:
-                cut(comm)  # its other operations must fail too, not complete later (no-op once swapped out)
+                cut(comm_id)  # its other operations must fail too, not complete later (no-op once swapped out)
             with self._lock:
                 if self._pending.pop(key, None) is None:
                     return  # abandoned: the caller gets its inputs back
@@ -362,7 +363,7 @@ def _forward(name: str) -> Any:
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
-        return self._guard(comm, work, _flat(args))
+        return self._guard(id(comm), work, _flat(args))
 
     method.__name__ = name
     return method
