@@ -5,6 +5,8 @@
 - ``wait_plan``: a long wait for the next migration or replacement this worker takes part in.
 - ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched`` / ``recovering`` / ``recovered``:
   progress reports, which the agent turns into node states and events.
+- ``unrecoverable``: a survivor found no replica of a replaced rank's shards; it exits next, and
+  the node's failure says why (the job falls back to a restart).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class LinkState:
     peer_lost_at: float = 0.0
     #: each local worker's median compute time per step (from its heartbeats)
     compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: why a live replacement could not be done ("" if none was refused): a sharded rank had no replica
+    unrecoverable: str = ""
 
 
 def replica_sources(gen: Generation) -> dict[str, int]:
@@ -82,7 +86,7 @@ class WorkerLink:
     def register(self, server: ControlServer) -> None:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
-            "heartbeat", "replica_sent",
+            "heartbeat", "replica_sent", "unrecoverable",
             "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
         )  # fmt: skip
         for op in ops:
@@ -185,6 +189,11 @@ class WorkerLink:
         fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sends_to")
         self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
                    **{k: req[k] for k in fields})  # fmt: skip
+        return {}
+
+    async def _unrecoverable(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.unrecoverable = str(req["reason"])
+        self._emit("replacement_refused", int(req["generation"]), local_rank=req["local_rank"], reason=req["reason"])
         return {}
 
     async def _left(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
 
     records = {n: view.nodes[n].record for n in gen.assignment}
     if failed:
-        what = ", ".join(f"{n} (exit codes {records[n].exit_codes})" for n in failed)
+        what = ", ".join(f"{n} ({_failure(records[n])})" for n in failed)
         if gen.restart_count >= view.spec.max_restarts:
             reason = f"workers failed on {what} and all {view.spec.max_restarts} restarts are used; the job failed"
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
@@ -133,6 +133,13 @@ def _stalled_move(view: ClusterView, gen: Generation) -> str:
         if gone and not joined:
             return f"{leaver} was lost or failed before handing its state to {joiner}"
     return ""
+
+
+def _failure(record: NodeRecord) -> str:
+    """A failed node's failure, as the restart reason names it."""
+    if record.failure == "no_replica":  # a live replacement was refused: say why a restart is needed
+        return f"live replacement refused: {record.message}"
+    return f"exit codes {record.exit_codes}"
 
 
 def _failed_in(record: NodeRecord, gen: Generation) -> bool:

@@ -30,7 +30,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,9 @@ COLLECTIVES = (
     "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall",
     "barrier", "send", "recv", "reduce", "gather", "scatter",
+    # torch >= 2.13 names, which FSDP2 and functional collectives call
+    "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "all_to_all_single",
 )  # fmt: skip
 
 
@@ -200,6 +203,14 @@ class SandboxComm:
             _fill(o, i)
         return _done(outputs)
 
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
+        return self.alltoall_base(output, inp)
+
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
         return self.allgather(outputs, inputs)
 
@@ -283,6 +294,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self._pending: dict[int, tuple[Future[Any], list[torch.Tensor], threading.Event]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._waits: queue.Queue[Any] | None = None
 
     def swap(self, comm: Any, version: int) -> None:
         with self._lock:
@@ -317,9 +329,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         if abandoned:
             outer.set_result(tensors)
 
-        def finished(inner: Future[Any]) -> None:
+        def finished(outcome: Callable[[], Any]) -> None:
             try:
-                value, error = inner.value(), ""
+                value, error = outcome(), ""
             except Exception as exc:  # noqa: BLE001 - any failure of the communicator
                 value, error = tensors, str(exc).splitlines()[0]
             ended.set()
@@ -336,8 +348,22 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                     )  # fmt: skip
             outer.set_result(value)
 
-        work.get_future().add_done_callback(finished)
+        try:
+            inner = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatters give no future: a waiter thread stands in
+            self._waiter().put((work, tensors, finished))
+        else:
+            inner.add_done_callback(lambda f: finished(f.value))
         return torch._C._distributed_c10d._create_work_from_future(outer)
+
+    def _waiter(self) -> queue.Queue[tuple[dist.Work, list[torch.Tensor], Callable[[Callable[[], Any]], None]]]:
+        """Operations without a future, waited for in issue order on one thread per group."""
+        if self._waits is None:
+            self._waits = queue.Queue()
+            threading.Thread(
+                target=_wait_each, args=(self._waits,), name=f"rlaunch-wait-{self.label}", daemon=True
+            ).start()
+        return self._waits
 
     def rank(self) -> int:
         return self.group_rank
@@ -348,6 +374,19 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     @property
     def sandboxed(self) -> bool:
         return isinstance(self.comm, SandboxComm)
+
+
+def _wait_each(works: queue.Queue[tuple[dist.Work, list[torch.Tensor], Callable[[Callable[[], Any]], None]]]) -> None:
+    """Wait for each queued operation, then report it as a future's callback would."""
+    while True:
+        work, tensors, finished = works.get()
+
+        def outcome(w: dist.Work = work, t: list[torch.Tensor] = tensors) -> list[torch.Tensor]:
+            w.wait()
+            return t
+
+        finished(outcome)
+        del work, tensors, finished  # hold no communicator's work while idle
 
 
 #: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.

@@ -54,10 +54,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from rlaunch.errors import RlaunchError
+from rlaunch.runtime import shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
+from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
 
@@ -68,6 +72,10 @@ WORLD = "world"
 DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
+
+
+class ReplicaError(RlaunchError):
+    """A replaced rank's shards are held by no survivor: the job must restart instead."""
 
 
 class Runtime:
@@ -114,6 +122,7 @@ class Runtime:
         self._recovering = False
         self._pending_sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
         self._stopped = threading.Event()
+        self._mesh: RuntimeMesh | None = None
         self.step = 0
         if link is not None:
             _register(self.group, store, {i: i for i in range(world_size)}, default=True)
@@ -149,6 +158,66 @@ class Runtime:
         if self._link is not None and self.rank in members:
             _register(group, self._store, {g: i for i, g in enumerate(members)})
         return group
+
+    def device_mesh(
+        self, shape: Sequence[int], names: Sequence[str] | None = None, device_type: str = "cpu"
+    ) -> DeviceMesh:
+        """A ``DeviceMesh`` of the whole job, as ``init_device_mesh(device_type, shape, mesh_dim_names=names)``.
+
+        Under rlaunch each dimension group is a runtime group (swapped in place, guarded, served
+        by the sandbox on a standby, rebuilt only when a moved rank is in it): FSDP2, HSDP and
+        tensor parallelism on this mesh take part in live drains and replacements. Slice it as
+        usual (``mesh["shard"]``). Every rank calls it once, with the same arguments.
+        """
+        chosen = check_shape(shape, names, self.world_size)
+        if self._link is None:
+            return init_device_mesh(device_type, tuple(shape), mesh_dim_names=chosen)
+        if self._mesh is not None:
+            raise ValueError(
+                "rt.device_mesh() was already called; build one mesh for the job and slice it (mesh['dp'])."
+            )
+        # A standby lays its model out as rank 0 would (see rlaunch.runtime.mesh), until it joins.
+        rank = 0 if self.standby else self.rank
+        mesh = RuntimeMesh(shape, chosen, rank)
+        groups = []
+        for name, members in mesh.lines(rank):
+            if name in self._groups:
+                raise ValueError(f"A group named {name!r} already exists; mesh groups are named mesh.<dim>.<line>.")
+            if self.standby:
+                comm: Any = SandboxComm(members.index(rank), len(members))
+            else:
+                comm = self._group_comm(name, members, rank, self.generation)
+            group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True)
+            self._groups[name] = group
+            _register(group, self._store, {g: i for i, g in enumerate(members)})
+            groups.append(group)
+        self._mesh = mesh
+        return mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
+
+    def _rebind_mesh(self, rank: int) -> None:
+        """(joiner) Move the mesh's dimension groups to the lines of ``rank``, before they are rebuilt."""
+        if self._mesh is None:
+            return
+        for old, group, new in self._mesh.rebind(rank):
+            del self._groups[old]
+            self._groups[new] = group
+            _register(group, self._store, {g: i for i, g in enumerate(group.members)})
+
+    def _replica_sources(self, plan: dict[str, Any], survivors: list[int]) -> dict[int, int]:
+        """Who sends each replaced rank its state: a rank holding the same shards (any rank without a mesh)."""
+        moved = [int(m) for m in plan["sources"]]
+        if self._mesh is None:
+            return {int(m): int(src) for m, src in plan["sources"].items()}
+        sharded = shards.sharded_dims(self._tracked, self._mesh.names)
+        sources, why = shards.replica_sources(self._mesh.ranks, self._mesh.names, sharded, moved, survivors)
+        if why:
+            assert self._link is not None
+            self._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
+            raise ReplicaError(
+                f"rank {self.rank}: the live replacement of generation {plan['generation']} is refused: {why}. "
+                "The job falls back to a restart of every worker (resume from your checkpoint)."
+            )
+        return sources
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""
@@ -267,6 +336,7 @@ class Runtime:
         plan = self._wait_plan(0)
         began = time.perf_counter()
         self.rank = int(plan["rank"])
+        self._rebind_mesh(self.rank)
         comms = self._prepare(plan)
         self.standby = False
         for name, group in self._groups.items():
@@ -376,7 +446,7 @@ class Runtime:
             for name, group in self._groups.items()
             if self.rank in group.members and (moved & set(group.members) or name in dirty_names)
         }
-        sources = {int(m): int(src) for m, src in plan["sources"].items()}
+        sources = self._replica_sources(plan, survivors)
         mine = sorted(m for m, src in sources.items() if src == self.rank)
         self._pending_sends = {m: self._channel(gen, 0, m) for m in mine}
         for name, comm in comms.items():
@@ -504,7 +574,8 @@ def _unregister(group: SwitchableGroup) -> None:
 
 def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
     """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
-    name = f"rlaunch.{group.label}.{id(group)}"
+    name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
+    _unregister(group)  # registered before (a joiner's sandbox groups): the rank mapping changed
     c10d._register_pg_in_world(group, "gloo", store, name, "gloo", rank_mapping=ranks, add_to_default_tag=default)
     group.registered_name = name
     if default:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from rlaunch.runtime import shards
+
 _TAG = 7
 
 
@@ -51,7 +53,7 @@ def _tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]]
             header["objects"][name] = ("stateful", buf.getvalue())
         else:
             raise TransferError(f"The tracked object {name!r} ({type(obj).__name__}) has no state_dict().")
-    header["tensors"] = [(n, tuple(t.shape), str(t.dtype)) for n, t in pairs]
+    header["tensors"] = [(n, tuple(shards.local(t).shape), str(t.dtype), shards.describe(t)) for n, t in pairs]
     return pairs, header
 
 
@@ -65,8 +67,9 @@ def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int) -> int
     _send(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     total = 0
     for _, t in pairs:
-        _send(channel, t.detach().contiguous())
-        total += t.numel() * t.element_size()
+        data = shards.local(t).detach().contiguous()
+        _send(channel, data)
+        total += data.numel() * data.element_size()
     return total
 
 
@@ -91,10 +94,14 @@ def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tens
     mine, _ = _tensors_of(tracked)
     live = dict(mine)
     out = []
-    for name, shape, dtype in header["tensors"]:
+    for name, shape, dtype, shard in header["tensors"]:
         t = live.get(name)
         if t is None:
             t = _create_optimizer_state(tracked, name, shape, dtype)
+        why = shards.mismatch(name, shards.describe(t), shard)
+        if why:
+            raise TransferError(why)
+        t = shards.local(t)
         if tuple(t.shape) != tuple(shape) or str(t.dtype) != dtype:
             raise TransferError(
                 f"The joiner's {name} is {tuple(t.shape)} {t.dtype} but the leaver sends {shape} {dtype}; "

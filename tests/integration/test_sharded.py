@@ -1,0 +1,87 @@
+"""Sharded layouts on rt.device_mesh (FSDP2, HSDP, tensor x data parallel) through live moves.
+
+Each job runs 2 nodes x 2 ranks plus warm standbys and is compared, rank by rank, with an
+uninterrupted 4-rank run of the same script: the local shards of every parameter and of the
+optimizer state must be bit-identical. HSDP holds a replica of every shard, so a lost node is
+replaced live from it; pure FSDP holds none, so the replacement is refused with a sentence
+naming the rank and the job restarts instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
+from tests.integration.test_migration import drain, warm
+
+SHARDED = SCRIPTS / "sharded_train.py"
+FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+)")
+FLAGS = ("--nproc-per-node", "2")
+
+
+def _args(layout: str, step_time: str = "0.1") -> tuple[str, ...]:
+    return ("--layout", layout, "--steps", "300", "--step-time", step_time)
+
+
+def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
+    return {int(m.group(1)): (m.group(2), m.group(3)) for a in agents for m in FINAL.finditer(a.output())}
+
+
+def _reference(layout: str) -> dict[int, tuple[str, str]]:
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "4", str(SHARDED), *_args(layout, "0")],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
+    assert sorted(got) == [0, 1, 2, 3], res.stdout[-2000:]
+    return got
+
+
+def _start(cluster: Cluster, layout: str, names: list[str], flags: tuple[str, ...] = ()) -> list[AgentProc]:
+    agents = cluster.agents_in_order(names, SHARDED, *_args(layout), flags=(*FLAGS, *flags))
+    for standby in names[2:]:
+        wait_for(lambda s=standby: warm(cluster, s), 180, f"standby {standby} to be warm")
+    wait_for(lambda: "step 10/" in agents[0].output(), 120, "training to make progress")
+    assert "final" not in agents[0].output(), "the job must still run when its standbys are warm"
+    return agents
+
+
+def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cluster) -> None:
+    a, b, c, d = _start(cluster, "hsdp", ["a", "b", "c", "d"])
+    assert "drained" in drain(cluster, "a")
+    wait_for(lambda: "event joined" in c.output(), 60, "c to take a's ranks")
+    b.kill_with_workers()
+    for agent in (a, c, d):
+        assert agent.wait(240) == 0, agent.output()[-3000:]
+    assert _finals(c, d) == _reference("hsdp"), "every shard must end as in an uninterrupted run"
+    # ranks 2 and 3 (replicate row 1) get their shards from ranks 0 and 1 (row 0), now on c
+    assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), c.output()[-3000:]
+    assert "event replica_sent" in c.output() and "'plan': 'replace'" in c.output()
+
+
+def test_tensor_x_data_parallel_drain_is_bit_identical(cluster: Cluster) -> None:
+    a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"])
+    assert "drained" in drain(cluster, "b")
+    for agent in (a, b, c):
+        assert agent.wait(240) == 0, agent.output()[-3000:]
+    assert _finals(a, c) == _reference("tp_dp"), "every shard must end as in an uninterrupted run"
+    assert "event state_sent" in b.output() and "event joined" in c.output()
+
+
+def test_fsdp_drain_is_live_and_a_loss_without_replica_restarts_with_a_reason(cluster: Cluster) -> None:
+    a, b, c, d = _start(cluster, "fsdp", ["a", "b", "c", "d"], flags=("--max-restarts", "1"))
+    assert "drained" in drain(cluster, "a")
+    wait_for(lambda: "event joined" in c.output(), 60, "c to take a's ranks")
+    assert "rank 0 final" not in a.output()
+    b.kill_with_workers()
+    for agent in (c, d):
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    refused = "has no surviving replica of its shards"
+    assert "event replacement_refused" in c.output() and refused in c.output(), c.output()[-3000:]
+    assert "live replacement refused: rank" in c.output(), "the restart's reason says why"
+    # the restart starts over from step 0 (the script keeps no checkpoint) and ends as the reference
+    assert _finals(c, d) == _reference("fsdp")
