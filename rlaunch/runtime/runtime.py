@@ -57,7 +57,6 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.errors import RlaunchError
 from rlaunch.runtime import shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
@@ -72,10 +71,6 @@ WORLD = "world"
 DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
-
-
-class ReplicaError(RlaunchError):
-    """A replaced rank's shards are held by no survivor: the job must restart instead."""
 
 
 class Runtime:
@@ -213,7 +208,8 @@ class Runtime:
         if why:
             assert self._link is not None
             self._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
-            raise ReplicaError(
+            # Not a bug to trace back through the script: the sentence is the whole story.
+            raise SystemExit(
                 f"rank {self.rank}: the live replacement of generation {plan['generation']} is refused: {why}. "
                 "The job falls back to a restart of every worker (resume from your checkpoint)."
             )
