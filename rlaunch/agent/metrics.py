@@ -21,6 +21,7 @@ Updates happen on the agent's event loop; the HTTP server reads on its own threa
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,22 +43,27 @@ FINDINGS = {"worker_hung": "hang", "gpu_fault": "gpu_fault", "straggler": "strag
 
 
 class Goodput:
-    """One rank's useful time against wall time (pure: the clock is passed in)."""
+    """One rank's useful time against wall time (pure: the clock is passed in).
+
+    The ratio covers the time from the first report to the latest one, so it does not sag
+    between reports; it is NaN (unknown) until a second report came.
+    """
 
     def __init__(self, now: float, applied: int) -> None:
-        self.began = now
+        self.began = self.latest = now
         self.highest = applied  # the highest step applied so far (-1: none)
         self.useful_s = 0.0
 
-    def progress(self, applied: int, step_s: float) -> None:
-        """The rank's last applied step is ``applied``; its median step takes ``step_s``."""
+    def progress(self, now: float, applied: int, step_s: float) -> None:
+        """At ``now`` the rank's last applied step is ``applied``; its median step takes ``step_s``."""
+        self.latest = max(self.latest, now)
         if applied > self.highest:
             self.useful_s += (applied - self.highest) * step_s
             self.highest = applied
 
-    def ratio(self, now: float) -> float:
-        wall = now - self.began
-        return min(1.0, self.useful_s / wall) if wall > 0 else 0.0
+    def ratio(self) -> float:
+        wall = self.latest - self.began
+        return min(1.0, self.useful_s / wall) if wall > 0 else math.nan
 
 
 class _Rank:
@@ -171,7 +177,7 @@ class AgentMetrics:
         if held is None:
             held = self._ranks[rank] = _Rank(now, applied)
             labels = (self.node_id, str(rank))
-            self.goodput.labels(*labels).set_function(lambda: held.goodput.ratio(self._clock()))
+            self.goodput.labels(*labels).set_function(held.goodput.ratio)
             self.steps.labels(*labels)
         done = steps - held.steps if steps >= held.steps else steps  # fewer: a new process
         held.steps, held.step_s = steps, step_s
@@ -180,7 +186,7 @@ class AgentMetrics:
             self.steps.labels(*labels).inc(done)
             self.node_steps.labels(self.node_id).inc(done)
         if step_s > 0:
-            held.goodput.progress(applied, step_s)
+            held.goodput.progress(now, applied, step_s)
             self.step_seconds.labels(*labels).set(step_s)
         if compute_s > 0:
             self.compute_seconds.labels(*labels).set(compute_s)
@@ -193,9 +199,9 @@ class AgentMetrics:
                 self._restarting = None
 
     def _node_goodput(self) -> float:
-        held = list(self._ranks.values())
-        now = self._clock()
-        return statistics.fmean(r.goodput.ratio(now) for r in held) if held else 0.0
+        ratios = [r.goodput.ratio() for r in list(self._ranks.values())]
+        known = [r for r in ratios if not math.isnan(r)]
+        return statistics.fmean(known) if known else math.nan
 
     def _node_step_s(self) -> float:
         times = [r.step_s for r in list(self._ranks.values()) if r.step_s > 0]
@@ -242,13 +248,16 @@ class AgentMetrics:
         elif kind == "recovered":
             self._downtime("replace", gen, int(data["rank"]), float(data["seconds"]))
         elif kind == "joined" and self._offered.get(gen) == "replace":
-            # A replacement's joiner waited, without training, from the plan until it had its state.
+            # The joiner's rank was down from its own workers' failure (restarted in place), or
+            # else (a standby) from the plan until it had its state.
             ranks = self._gen.ranks_of(node) if self._gen is not None and self._gen.number == gen else []
             local = int(data["local_rank"])
+            since = self._down_since
+            seconds = self._clock() - since if since is not None else float(data["seconds"])
             if local < len(ranks):
-                self._downtime("replace", gen, ranks[local], float(data["seconds"]))
-        elif kind == "sandbox_started":
-            self._down_since = None  # new workers, but no restart: they wait to be given ranks
+                self._downtime("replace", gen, ranks[local], seconds)
+            if ("replace", gen) not in self._pending:
+                self._down_since = None  # every local rank joined (the node's downtime was observed)
         elif kind in ("workers_stopped", "workers_failed"):
             if self._down_since is None:
                 self._down_since = self._clock()
