@@ -8,6 +8,8 @@ real HTTP client and the Prometheus text parser, and checks that the values move
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlaunch.store.embedded import free_port
 from tests.cluster import Cluster, wait_for
-from tests.integration.test_migration import RESILIENT, drain, warm
+from tests.integration.test_migration import RESILIENT, warm
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -67,7 +69,20 @@ def test_metrics_follow_a_drain_and_a_killed_worker(cluster: Cluster) -> None:
     assert get(before["c"], "rlaunch_rank_steps_completed_total", node="c", rank="0") == 0, "a standby has no rank"
 
     # -- a planned migration: a's rank 0 moves to c; b survives ----------------------------------
-    drain(cluster, "a")
+    draining = subprocess.Popen(
+        [sys.executable, "-m", "rlaunch", "drain", "a", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id",
+         cluster.job_id], env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # while the drain runs: the survivor counts the migration as soon as it is offered
+        wait_for(lambda: get(scrape(ports["b"]), "rlaunch_migrations_total", node="b", role="survivor") == 1, 90,
+                 "b to count the migration it survives")  # fmt: skip
+        out, _ = draining.communicate(timeout=120)
+    finally:
+        if draining.poll() is None:
+            draining.kill()
+            draining.wait(10)
+    assert draining.returncode == 0 and "node a drained" in out, out
     assert a.wait(60) == 0, a.output()[-3000:]
     wait_for(lambda: get(scrape(ports["c"]), "rlaunch_rank_steps_completed_total", node="c", rank="0") > 0, 60,
              "c to report steps of rank 0")  # fmt: skip
