@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import socket
 import urllib.request
 from pathlib import Path
@@ -190,3 +192,21 @@ def test_metrics_port_is_off_by_default_and_checked(tmp_path: Path) -> None:
     assert config(script, metrics_port=9400).metrics_port == 9400
     with pytest.raises(UsageError, match="--metrics-port 70000 is not valid"):
         config(script, metrics_port=70000)
+
+
+def test_the_grafana_dashboard_uses_only_exported_names() -> None:
+    board = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-dashboard.json").read_text())
+    m = AgentMetrics("a", 1, Clock())
+    m.heartbeat(0, steps=1, applied=0, step_s=0.1, compute_s=0.1)
+    m.on_event(event("switched", 2, rank=0, downtime_ms=1.0, step_ms=1.0, median_ms=1.0))
+    m.on_event(event("migration_offered", 2, role="survivor"))
+    m.on_event(event("replacement_offered", 3, role="survivor"))
+    m.watch_controller(lambda: True, lambda: 0)
+    m.on_generation(gen(3, {"a": 0}))
+    m.on_event(event("node_state", 3, state="running", previous="restarting"))
+    exported = {s.name for family in m.registry.collect() for s in family.samples}
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"rlaunch_\w+", e)}
+    assert len(exprs) >= 10 and used, board
+    assert used <= exported, f"the dashboard queries names no agent exports: {sorted(used - exported)}"
+    assert {"rlaunch_node_goodput_ratio", "rlaunch_etcd_request_seconds_bucket"} <= used
