@@ -171,7 +171,16 @@ class AgentMetrics:
     # -- heartbeats ---------------------------------------------------------------------------
 
     def heartbeat(self, rank: int, steps: int, applied: int, step_s: float, compute_s: float) -> None:
-        """A worker holding ``rank`` reported: ``steps`` completed by its process, ``applied`` its last step."""
+        """A worker holding ``rank`` reported: ``steps`` completed by its process, ``applied`` its last step.
+
+        Never raises: a failed heartbeat reply would stop the worker's heartbeats (and look like a hang).
+        """
+        try:
+            self._heartbeat(rank, steps, applied, step_s, compute_s)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("[%s] a heartbeat of rank %d could not be counted in the metrics: %r", self.node_id, rank, exc)
+
+    def _heartbeat(self, rank: int, steps: int, applied: int, step_s: float, compute_s: float) -> None:
         now = self._clock()
         held = self._ranks.get(rank)
         if held is None:
