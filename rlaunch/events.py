@@ -42,6 +42,8 @@ class EventLog:
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None
+        #: called with every event as it is emitted (the agent's metrics count them); must not raise
+        self.observers: list[Callable[[Event], None]] = []
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._writer())
@@ -54,6 +56,8 @@ class EventLog:
             with self._jsonl.open("a") as f:
                 f.write(json.dumps({**event.__dict__}) + "\n")
         self._queue.put_nowait(event)
+        for observe in self.observers:
+            observe(event)
 
     async def _writer(self) -> None:
         while True:

@@ -30,6 +30,7 @@ from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.logs import LogPolicy
+from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
@@ -132,14 +133,19 @@ class Agent:
         jsonl = self._log_root / self.cfg.job_id / "events.jsonl" if self._log_root else None
         self.events = EventLog(self.store, self.keys, self.node_id, jsonl, self._clock)
         self.events.start()
+        self.metrics = AgentMetrics(self.node_id, self.cfg.nproc_per_node)
+        self.events.observers.append(self.metrics.on_event)
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
         self.link.node_id = self.node_id
         self.link.sandbox_steps = self.cfg.sandbox_steps
         self.link.hangs.floor_s = self.cfg.hang_timeout
+        self.link.metrics = self.metrics
         tasks: list[asyncio.Task[Any]] = []
         try:
+            if self.cfg.metrics_port:
+                self.metrics.serve(self.addr, self.cfg.metrics_port)
             self._lease = await self.store.grant_lease(self.cfg.lease_ttl)
             await self._join()
             self.control.register("info", self._info)
@@ -150,6 +156,7 @@ class Agent:
                 PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port, self.cfg.standby_wait),
                 self._lease, self.events, self._clock, self.cfg.straggler_window,
             )  # fmt: skip
+            self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
             tasks = [
                 loop.create_task(self._watch_gpus()),
@@ -169,6 +176,7 @@ class Agent:
                 if pending:
                     log.warning("[%s] %d background task(s) did not stop in time", self.node_id, len(pending))
             await self.events.close()
+            self.metrics.close()
             if self._lease:
                 try:
                     await self.store.revoke_lease(self._lease)
@@ -657,6 +665,7 @@ class Agent:
             return
         if self._generation is None or gen.number >= self._generation.number:
             self._generation = gen
+            self.metrics.on_generation(gen)
 
     async def _sleep(self, seconds: float) -> None:
         await wait_event(self._stop, seconds)

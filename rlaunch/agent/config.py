@@ -61,6 +61,8 @@ class LaunchConfig:
     hang_timeout: float = 300.0
     #: seconds a node must stay slow before it is moved to a standby (0: no straggler detection)
     straggler_window: float = 60.0
+    #: port of the Prometheus endpoint, served on the agent's address (0: no endpoint)
+    metrics_port: int = 0
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -199,6 +201,7 @@ def build_config(
     standby_wait: float = 30.0,
     hang_timeout: float = 300.0,
     straggler_window: float = 60.0,
+    metrics_port: int = 0,
 ) -> LaunchConfig:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
@@ -218,6 +221,8 @@ def build_config(
         raise UsageError(f"--straggler-window {straggler_window} is not valid: give 0 (off) or more seconds.")
     if not hang_timeout > 0:
         raise UsageError(f"--hang-timeout {hang_timeout} is not valid: give a positive number of seconds.")
+    if not 0 <= metrics_port < 65536:
+        raise UsageError(f"--metrics-port {metrics_port} is not valid: give a port between 1 and 65535, or 0 (off).")
     if master_port is not None and not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is not valid: give a port between 1 and 65535.")
     n = parse_nnodes(nnodes)
@@ -261,6 +266,7 @@ def build_config(
         standby_wait=standby_wait,
         hang_timeout=hang_timeout,
         straggler_window=straggler_window,
+        metrics_port=metrics_port,
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
+from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.detectors.hang import HangDetector
 from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
@@ -82,6 +83,7 @@ class WorkerLink:
         self._plans: dict[int, dict[str, Any]] = {}
         self._plan_changed = asyncio.Event()
         self.hangs = HangDetector(60.0)
+        self.metrics: AgentMetrics | None = None
 
     def register(self, server: ControlServer) -> None:
         ops = (
@@ -174,6 +176,9 @@ class WorkerLink:
             self.state.compute_s[int(req["local_rank"])] = float(req["compute_s"])
         self.hangs.heartbeat(int(req["local_rank"]), time.monotonic(), int(req["steps"]), float(req["step_s"]),
                              bool(req["waiting"]))  # fmt: skip
+        if self.metrics is not None and "applied" in req and int(req.get("rank", -1)) >= 0:
+            self.metrics.heartbeat(int(req["rank"]), int(req["steps"]), int(req["applied"]), float(req["step_s"]),
+                                   float(req.get("compute_s", 0.0)))  # fmt: skip
         return {}
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -92,6 +92,13 @@ def run(
         help="Floor, in seconds, of the hang timeout: a worker without step progress for longer is killed.",
         env=False,
     ),
+    metrics_port: int = _opt(
+        0,
+        "--metrics-port",
+        help="Serve Prometheus metrics on this port, on the agent's address (--local-addr, or the route to etcd); "
+        "0: off.",
+        env=False,
+    ),
 ) -> None:
     """Launch SCRIPT on this node as one agent of the job (torchrun's flags and semantics)."""
     setup_logging()
@@ -104,6 +111,7 @@ def run(
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
             standby_wait=standby_wait, hang_timeout=hang_timeout, straggler_window=straggler_window,
+            metrics_port=metrics_port,
         )  # fmt: skip
         if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
             log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)

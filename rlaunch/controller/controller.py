@@ -65,6 +65,11 @@ class Controller:
     def node_id(self) -> str:
         return self._cfg.controller
 
+    @property
+    def stragglers_watched(self) -> int:
+        """Slow nodes this controller is watching (for the metrics)."""
+        return self._stragglers.watched
+
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         """Campaign for leadership and tick while leading, until ``stop`` is set.
 

@@ -36,6 +36,11 @@ class StragglerWatch:
         return sorted(n for n, since in self._slow_since.items() if now - since >= self.window_s)
 
     @property
+    def watched(self) -> int:
+        """How many nodes are slow and being watched (their window may or may not have run out)."""
+        return len(self._slow_since)
+
+    @property
     def pending(self) -> bool:
         """Some node is slow but its window has not run out: check again soon."""
         return bool(self._slow_since)

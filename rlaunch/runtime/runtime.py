@@ -362,7 +362,7 @@ class Runtime:
             waiting = self._recovering or any(g.busy for g in self._mine())
             try:
                 self._link.call(
-                    "heartbeat", steps=self._completed, waiting=waiting,
+                    "heartbeat", steps=self._completed, waiting=waiting, rank=self.rank, applied=self._applied,
                     step_s=statistics.median(durations) if durations else 0.0,
                     compute_s=statistics.median(compute) if compute else 0.0,
                 )  # fmt: skip
