@@ -10,19 +10,23 @@ contain a moved rank (the runtime's usual rule) and the others keep their commun
 
 A standby builds the mesh in its sandbox as if it held rank 0 (torch needs a coordinate to
 shard parameters; the shapes of an evenly sharded model are the same at every coordinate) while
-``dist.get_rank()`` stays a rank no active worker holds. When it is given rank ``r``,
-:meth:`RuntimeMesh.rebind` moves each of its dimension groups to ``r``'s line, in place, so the
-group objects FSDP and DTensor captured stay valid, and the mesh's coordinate becomes ``r``'s.
+``dist.get_rank()`` stays a rank no active worker holds: until it joins, torch's mesh module
+alone (slicing ``mesh["tp"]`` asks it for the global rank) is shown the mesh's rank. When it is
+given rank ``r``, :meth:`RuntimeMesh.rebind` moves each of its dimension groups to ``r``'s line,
+in place, so the group objects FSDP and DTensor captured stay valid, and every mesh object sliced
+from this one (DTensors, FSDP and tensor-parallel hooks hold them) takes ``r``'s coordinate.
 
 This module is pure bookkeeping over torch's objects; building communicators is the runtime's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed.device_mesh as torch_mesh
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlaunch.runtime.groups import SwitchableGroup
@@ -78,6 +82,17 @@ class RuntimeMesh:
         self.rank = rank
         self.groups: list[SwitchableGroup] = []
         self.device_mesh: DeviceMesh | None = None
+        self._global_rank: Callable[..., int] | None = None  # torch's, while a sandbox shows ours
+
+    def show_rank_to_torch(self) -> None:
+        """(standby) Until :meth:`rebind`, torch's mesh module sees this mesh's rank as the global rank."""
+        original = torch_mesh.get_rank  # type: ignore[attr-defined]
+
+        def mesh_rank(group: Any = None) -> int:
+            return self.rank if group is None else int(original(group))
+
+        self._global_rank = original
+        torch_mesh.get_rank = mesh_rank  # type: ignore[attr-defined]
 
     def lines(self, rank: int) -> list[tuple[str, list[int]]]:
         """For each dimension, the name and members of ``rank``'s line."""
@@ -109,10 +124,20 @@ class RuntimeMesh:
             group.label, group.members = name, members
             group.group_rank = members.index(rank)
             moved.append((old, group, name))
-        if self.device_mesh is not None:
-            self.device_mesh._rank = rank
-            self.device_mesh._coordinate_on_dim = coordinate(self.ranks, rank)
+        for view in self._views():
+            view._rank = rank
+            view._coordinate_on_dim = view._compute_coordinate_on_dim()
+        if self._global_rank is not None:
+            torch_mesh.get_rank = self._global_rank  # type: ignore[attr-defined]
+            self._global_rank = None
         return moved
+
+    def _views(self) -> list[DeviceMesh]:
+        """This mesh and every mesh sliced or flattened from it (found once, when a joiner rebinds)."""
+        root = self.device_mesh
+        if root is None:
+            return []
+        return [o for o in gc.get_objects() if isinstance(o, DeviceMesh) and (o is root or o._root_mesh is root)]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return coordinate(self.ranks, rank)

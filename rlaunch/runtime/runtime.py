@@ -187,6 +187,8 @@ class Runtime:
             _register(group, self._store, {g: i for i, g in enumerate(members)})
             groups.append(group)
         self._mesh = mesh
+        if self.standby:
+            mesh.show_rank_to_torch()
         return mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
 
     def _rebind_mesh(self, rank: int) -> None:
