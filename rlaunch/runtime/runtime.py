@@ -133,6 +133,9 @@ class Runtime:
             if not hasattr(obj, "state_dict"):
                 raise TypeError(f"rt.track({name}=...) needs an object with state_dict(); got {type(obj).__name__}.")
             self._tracked[name] = obj
+        why = shards.uneven(objects) if self._link is not None else ""
+        if why:
+            raise ValueError(f"rt.track(): {why}.")
 
     def new_group(self, name: str, ranks: Sequence[int]) -> SwitchableGroup:
         """A named subgroup of global ``ranks``; every rank calls it (non-members get a non-member)."""

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
@@ -78,6 +78,33 @@ def tensors(tracked: dict[str, Any]) -> Iterable[torch.Tensor]:
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def uneven(tracked: dict[str, Any]) -> str:
+    """A sentence naming the first tracked DTensor that is sharded unevenly ("" if none is).
+
+    A standby lays its model out as rank 0 before it knows its rank; with uneven shards another
+    rank's local shapes differ from rank 0's, so the standby could not take that rank live.
+    """
+    for name, obj in tracked.items():
+        items: Iterable[tuple[str, torch.Tensor]] = ()
+        if isinstance(obj, torch.nn.Module):
+            items = obj.state_dict(keep_vars=True).items()
+        for key, t in items:
+            if not isinstance(t, DTensor):
+                continue
+            ways: dict[int, int] = {}
+            for dim, placement in enumerate(t.placements):
+                if isinstance(placement, Shard):
+                    ways[placement.dim] = ways.get(placement.dim, 1) * t.device_mesh.size(dim)
+            for tdim, n in ways.items():
+                if t.shape[tdim] % n:
+                    return (
+                        f"{name}.{key} of global shape {tuple(t.shape)} is sharded {n} ways on its dimension "
+                        f"{tdim}, which does not divide evenly; a standby lays shards out before it knows its rank, "
+                        f"so it could not take such a shard live. Make that dimension a multiple of {n}"
+                    )
+    return ""
 
 
 def sharded_dims(tracked: dict[str, Any], names: Sequence[str]) -> list[str]:
