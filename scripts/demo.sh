@@ -31,10 +31,14 @@ JOB=demo
 echo "etcd at $EP, job id $JOB, logs in $work"
 
 node_field() {  # node_field NODE FIELD: one field of a node in `rlaunch status --json`
+  # Prints "" (never a traceback) while the job or the node does not exist yet.
   rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB" --json 2>/dev/null | python -c '
 import json, sys
-s = json.load(sys.stdin)
-print(next((n[sys.argv[2]] for n in s["nodes"] if n["node_id"] == sys.argv[1]), ""))' "$1" "$2" || true
+try:
+    s = json.loads(sys.stdin.read() or "{}")
+except ValueError:
+    s = {}
+print(next((n.get(sys.argv[2], "") for n in s.get("nodes", []) if n.get("node_id") == sys.argv[1]), ""))' "$1" "$2" || true
 }
 wait_until() {  # wait_until SECONDS DESCRIPTION COMMAND...
   local t=$1 what=$2; shift 2
