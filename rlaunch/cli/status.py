@@ -10,8 +10,9 @@ from typing import Any
 
 import typer
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from rlaunch.cli.options import ENDPOINT, JOB_ID, TIMEOUT, fail
 from rlaunch.controller.view import JobSnapshot, read_snapshot
@@ -107,23 +108,20 @@ def _short_host(host: str) -> str:
     return host.split(".", 1)[0]
 
 
-def render_table(status: dict[str, Any]) -> Table:
-    """The nodes as a table that fits 80 columns; the reason and problems go below it."""
+def render_table(status: dict[str, Any]) -> Group:
+    """A heading, the nodes as a table that fits 80 columns, then the reason and node problems.
+
+    The heading and the sentences are printed at the terminal's width, not the table's.
+    """
     notes = [f"{n['node_id']}: {_problem(n)}" for n in status["nodes"] if _problem(n)]
     if status["reason"]:
         notes.insert(0, status["reason"])
-    table = Table(
-        title=(
-            f"job {status['job']} · generation {status['generation']} ({status['status']}) · "
-            f"controller {status['controller'] or '-'} · restarts {status['restart_count']}"
-        ),
-        caption="\n".join(notes) or None,
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        collapse_padding=True,
+    heading = Text(
+        f"job {status['job']} · generation {status['generation']} ({status['status']}) · "
+        f"controller {status['controller'] or '-'} · restarts {status['restart_count']}",
+        style="bold",
     )
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for header, no_wrap in _COLUMNS:
         table.add_column(header, no_wrap=no_wrap, overflow="fold")
     for n in status["nodes"]:
@@ -135,7 +133,7 @@ def render_table(status: dict[str, Any]) -> Table:
             str(n["restarts"]),
             "-" if n["last_seen_s"] is None else f"{n['last_seen_s']}s ago",
         )  # fmt: skip
-    return table
+    return Group(heading, table, *(Text(note) for note in notes))
 
 
 def status(
