@@ -27,9 +27,8 @@ def _opt(default: object, *names: str, help: str, env: bool | str = True) -> Any
     as ``-`` in every option name (see :mod:`rlaunch.cli`).
     """
     long = next(n for n in names if n.startswith("--"))
-    envvar: list[str] | None = ["PET_" + long[2:].replace("-", "_").upper()] if env else None
-    if isinstance(env, str) and envvar is not None:
-        envvar.append(env)
+    pet = "PET_" + long[2:].replace("-", "_").upper()
+    envvar: str | list[str] | None = ([pet, env] if isinstance(env, str) else pet) if env else None
     return typer.Option(default, *names, envvar=envvar, help=help)
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 from rlaunch.agent.agent import Agent
 from rlaunch.agent.config import LaunchConfig, etcd_listen_host
 from rlaunch.controller.view import read_snapshot
-from rlaunch.errors import JoinError, StoreError
+from rlaunch.errors import EmbeddedEtcdError, JoinError, StoreError
 from rlaunch.store.client import Store
 from rlaunch.store.embedded import EmbeddedEtcd
 from rlaunch.store.keys import JobKeys
@@ -121,6 +122,16 @@ async def _run(cfg: LaunchConfig, keep_pids: tuple[int, ...]) -> int:
     return code
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as etcd binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def launch_static(cfg: LaunchConfig) -> int:
     """Run one agent of a static-rendezvous job (node rank 0 runs etcd); return its exit code."""
     static = cfg.static
@@ -133,7 +144,19 @@ def launch_static(cfg: LaunchConfig) -> int:
         )
         return asyncio.run(_run(cfg, ()))
     host = etcd_listen_host(static.master_addr)
-    with EmbeddedEtcd(host=host, port=static.etcd_port) as etcd:
+    hint = (
+        f"As node rank 0 (the default --node-rank), this agent runs the job's etcd on port {static.etcd_port}: "
+        "is another node rank 0 running? Give every other node its --node-rank, or pick another --master-port."
+    )
+    if not _port_free(host, static.etcd_port):
+        # Checked first: a server already listening there would look like our etcd starting.
+        raise EmbeddedEtcdError(f"Port {static.etcd_port} on {host} is already in use. {hint}")
+    etcd = EmbeddedEtcd(host=host, port=static.etcd_port)
+    try:
+        etcd.start()
+    except EmbeddedEtcdError as exc:
+        raise EmbeddedEtcdError(f"{exc} {hint}") from exc
+    try:
         log.info(
             "node rank 0 runs the job's etcd on %s:%d for the other nodes (--master-addr %s "
             "--master-port %d). Losing this node ends the job, as under torchrun: give --rdzv-endpoint "
@@ -142,3 +165,5 @@ def launch_static(cfg: LaunchConfig) -> int:
         )  # fmt: skip
         assert etcd.proc is not None
         return asyncio.run(_run(cfg, (etcd.proc.pid,)))
+    finally:
+        etcd.stop()

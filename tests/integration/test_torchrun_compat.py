@@ -166,6 +166,13 @@ def test_torchrun_refusals_and_failures_exit_as_torchrun_does(cluster: Cluster, 
     # test_launch_with_env_vars: PET_NO_PYTHON and PET_MODULE together
     res = launch(cluster, *etcd, BASH, str(tmp_path), env={"PET_NO_PYTHON": "1", "PET_MODULE": "1"})
     assert res.returncode == 2 and "cannot be used together" in res.stderr, res.stderr
+    # two agents both node rank 0 (the default): the second finds etcd's port taken and says why
+    port = two_free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        res = launch(cluster, "--nnodes=2", f"--master_port={port}", SCRIPT)
+    assert res.returncode == 1 and "is another node rank 0 running?" in res.stderr, res.stderr
     # test_launch_elastic_worker_raise_exception: the worker raises, no restart is left, exit 1
     res = launch(cluster, *etcd, "--nproc_per_node=2", "--max_restarts=0", SCRIPT, "--fail")
     assert res.returncode == 1, res.stderr[-3000:]
