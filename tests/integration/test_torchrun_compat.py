@@ -188,9 +188,10 @@ def test_static_rendezvous_keeps_given_node_ranks(cluster: Cluster, tmp_path: Pa
     dump.mkdir()
     template = "${role_name}:${rank}:${local_rank}> "
 
-    def start(rank: int) -> AgentProc:
+    def start(rank: int | None) -> AgentProc:
+        where = [f"--node_rank={rank}"] if rank is not None else ["--standby", "--node-id=spare"]
         argv = [
-            sys.executable, "-m", "rlaunch", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={rank}",
+            sys.executable, "-m", "rlaunch", "--nnodes=2", "--nproc_per_node=2", *where,
             "--master_addr=127.0.0.1", f"--master_port={port}", "--role=trainer", "--lease_ttl=3",
             f"--log_line_prefix_template={template}", "--rdzv_timeout=60", str(SCRIPTS / "env_dump.py"),
         ]  # fmt: skip
@@ -198,11 +199,14 @@ def test_static_rendezvous_keeps_given_node_ranks(cluster: Cluster, tmp_path: Pa
         cluster.agents[agent.name] = agent
         return agent
 
+    spare = start(None)  # a standby joins at once, and takes no node rank
     one = start(1)
     wait_for(lambda: "waiting for node rank 0" in one.output(), 60, "node rank 1 to wait for node rank 0's etcd")
     zero = start(0)
     assert zero.wait(120) == 0, zero.output()[-3000:]
     assert one.wait(60) == 0, one.output()[-3000:]
+    assert spare.wait(60) == 0, spare.output()[-3000:]
+    assert "dumped its environment" not in spare.output()
     envs = {int(p.stem): json.loads(p.read_text()) for p in dump.glob("*.json")}
     assert sorted(envs) == [0, 1, 2, 3]
     for rank, env in envs.items():
