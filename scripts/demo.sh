@@ -31,10 +31,14 @@ JOB=demo
 echo "etcd at $EP, job id $JOB, logs in $work"
 
 node_field() {  # node_field NODE FIELD: one field of a node in `rlaunch status --json`
+  # Prints "" (never a traceback) while the job or the node does not exist yet.
   rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB" --json 2>/dev/null | python -c '
 import json, sys
-s = json.load(sys.stdin)
-print(next((n[sys.argv[2]] for n in s["nodes"] if n["node_id"] == sys.argv[1]), ""))' "$1" "$2" || true
+try:
+    s = json.loads(sys.stdin.read() or "{}")
+except ValueError:
+    s = {}
+print(next((n.get(sys.argv[2], "") for n in s.get("nodes", []) if n.get("node_id") == sys.argv[1]), ""))' "$1" "$2" || true
 }
 wait_until() {  # wait_until SECONDS DESCRIPTION COMMAND...
   local t=$1 what=$2; shift 2
@@ -49,14 +53,14 @@ declare -A agent
 for node in node-a node-b node-c node-d; do
   rlaunch --nnodes 2 --nproc-per-node 1 --rdzv-endpoint "$EP" --rdzv-id "$JOB" --node-id "$node" \
     --max-restarts 3 --lease-ttl 3 \
-    examples/train_resilient.py --steps 300 --step-time 0.05 --width 256 \
+    examples/train_resilient.py --steps 600 --step-time 0.05 --width 256 \
     >"$work/$node.log" 2>&1 &
   agent[$node]=$!
   pids+=($!)
   wait_until 60 "$node to join" registered "$node"
 done
 
-say "4 agents joined: node-a and node-b are active, node-c and node-d are standbys warming up in a sandbox"
+say "4 agents joined: node-a, node-b active; node-c, node-d warm up as standbys"
 wait_until 120 "training to start" running_active node-b
 wait_until 120 "node-c to be a warm standby" warm_standby node-c
 wait_until 120 "node-d to be a warm standby" warm_standby node-d
@@ -66,7 +70,7 @@ say "draining node-b live: its rank moves to node-c; node-a keeps its process"
 rlaunch drain node-b --rdzv-endpoint "$EP" --rdzv-id "$JOB"
 rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB"
 
-say "a crash: SIGKILL of node-a's worker; node-d takes rank 0 live, node-c keeps its process"
+say "a crash: SIGKILL node-a's worker; node-d takes rank 0 live, node-c keeps on"
 pkill -KILL -P "${agent[node-a]}"
 wait_until 60 "node-d to take rank 0" running_active node-d
 rlaunch status --rdzv-endpoint "$EP" --rdzv-id "$JOB"
@@ -83,4 +87,5 @@ rlaunch events --rdzv-endpoint "$EP" --rdzv-id "$JOB" \
 for line in "${rc[@]}"; do
   case "$line" in *"exited 0") ;; *) echo "demo: the job failed; logs in $work" >&2; exit 1 ;; esac
 done
-say "node-b was drained and node-a's crash recovered, both live; node-c and node-d end with the same weights; logs in $work"
+say "node-b drained, node-a's crash recovered, both live; node-c and node-d end"
+echo "   with the same weights. Logs: $work"

@@ -451,6 +451,7 @@ class Agent:
                 job_id=self.cfg.job_id,
                 max_restarts=self.cfg.max_restarts,
                 agent_addr=self.control.path,
+                role=self.cfg.role,
             )  # fmt: skip
             for i in range(gen.nproc_per_node)
         ]
@@ -474,6 +475,7 @@ class Agent:
                 local_rank=i,
                 job_id=self.cfg.job_id,
                 agent_addr=self.control.path,
+                role=self.cfg.role,
             )  # fmt: skip
             for i in range(gen.nproc_per_node)
         ]
@@ -486,7 +488,10 @@ class Agent:
     ) -> WorkerGroup:
         """Start a worker group whose files (if any) go to ``<log root>/<job>/<node>/<log_name>/``."""
         attempt_dir = self._log_root / self.cfg.job_id / self.node_id / log_name if self._log_root else None
-        policy = LogPolicy(self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir)
+        policy = LogPolicy(
+            self.node_id, self.cfg.redirects, self.cfg.tee, self.cfg.local_ranks_filter, attempt_dir,
+            self.cfg.log_line_prefix_template, self.cfg.role,
+        )  # fmt: skip
         self.link.reset(role, gen)
         group = WorkerGroup(self.cfg.command(self._python), envs, list(labels), policy)
         group.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -27,6 +28,36 @@ class Std(enum.IntFlag):
     OUT = 1
     ERR = 2
     ALL = 3
+
+
+#: torchrun's default --master-port (the workers' MASTER_PORT in the static rendezvous)
+DEFAULT_MASTER_PORT = 29500
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRendezvous:
+    """torchrun's static rendezvous: node rank 0 runs the job's etcd at ``master_addr:etcd_port``.
+
+    The workers get torchrun's ``MASTER_PORT`` (``--master-port``), so etcd takes the port after
+    it unless ``--rdzv-conf etcd_port=N`` says otherwise. ``node_rank`` is None for a
+    ``--standby`` agent, which joins without a node rank. Node ranks are kept by joining in
+    their order (see :mod:`rlaunch.cli.static`).
+    """
+
+    node_rank: int | None
+    master_addr: str
+    master_port: int
+    etcd_port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.master_addr}:{self.etcd_port}"
+
+    @property
+    def hosts_etcd(self) -> bool:
+        return self.node_rank == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +94,14 @@ class LaunchConfig:
     straggler_window: float = 60.0
     #: port of the Prometheus endpoint, served on the agent's address (0: no endpoint)
     metrics_port: int = 0
+    #: torchrun's static rendezvous (--node-rank/--master-addr without --rdzv-endpoint); None: etcd
+    static: StaticRendezvous | None = None
+    #: ROLE_NAME of the workers (torchrun's --role)
+    role: str = "default"
+    #: console prefix of worker lines, with ${role_name} ${rank} ${local_rank}; None: ``[node/rank] ``
+    log_line_prefix_template: str | None = None
+    #: accepted for torchrun compatibility: every worker is a fresh ``python`` process anyway
+    start_method: str = "spawn"
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -202,7 +241,16 @@ def build_config(
     hang_timeout: float = 300.0,
     straggler_window: float = 60.0,
     metrics_port: int = 0,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    rdzv_backend: str = "",
+    role: str = "default",
+    log_line_prefix_template: str | None = None,
+    start_method: str = "spawn",
+    run_path: bool = False,
 ) -> LaunchConfig:
+    if run_path:  # as in torchrun, --run-path runs the script with Python, over -m and --no-python
+        module = no_python = False
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
     if not module and not no_python and not Path(script).is_file():
@@ -240,6 +288,21 @@ def build_config(
     if not rdzv_timeout > 0:
         raise UsageError(f"--rdzv-timeout {rdzv_timeout} is not valid: give a positive number of seconds.")
     endpoints = None if standalone or not rdzv_endpoint else parse_endpoints(rdzv_endpoint)
+    static = static_rendezvous(n, rdzv_endpoint, rdzv_backend, standalone, standby, node_rank, master_addr, master_port)
+    if static is not None:
+        endpoints = parse_endpoints(static.endpoint)
+        master_port = static.master_port  # MASTER_PORT, as torchrun gives it
+        if "etcd_port" in conf:
+            static = dataclasses.replace(static, etcd_port=parse_port("--rdzv-conf etcd_port", conf["etcd_port"]))
+            endpoints = parse_endpoints(static.endpoint)
+        if static.hosts_etcd and local_addr is None:
+            local_addr = static.master_addr  # the address the other nodes know node rank 0 by
+        if node_id is None and static.node_rank is not None:
+            node_id = f"node{static.node_rank}"
+    if start_method not in START_METHODS:
+        raise UsageError(f"--start-method {start_method!r} is not valid: give {', '.join(START_METHODS)}.")
+    if not role or role.strip() != role:
+        raise UsageError(f"--role {role!r} is not valid: give a name without surrounding spaces.")
     return LaunchConfig(
         entrypoint=script,
         args=list(script_args),
@@ -267,7 +330,102 @@ def build_config(
         hang_timeout=hang_timeout,
         straggler_window=straggler_window,
         metrics_port=metrics_port,
+        static=static,
+        role=role,
+        log_line_prefix_template=log_line_prefix_template or None,
+        start_method=start_method,
     )
+
+
+def static_rendezvous(
+    nnodes: int,
+    rdzv_endpoint: str,
+    rdzv_backend: str,
+    standalone: bool,
+    standby: bool,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+) -> StaticRendezvous | None:
+    """torchrun's choice of rendezvous, made for rlaunch (None: etcd at the endpoint, or embedded).
+
+    As in torchrun, the static rendezvous is the default without ``--rdzv-endpoint`` when there
+    is more than one node, or when ``--node-rank``, ``--master-addr`` or ``--rdzv-backend static``
+    is given; ``--rdzv-backend static`` with an endpoint takes the endpoint as the master.
+    ``--standalone`` is one node with a private etcd. With an etcd endpoint, node ranks follow
+    join order and ``--node-rank`` is not used (see :func:`launch_notes`).
+    """
+    if rdzv_backend and rdzv_backend not in RDZV_BACKENDS:
+        raise UsageError(
+            f"--rdzv-backend {rdzv_backend!r} is not valid: give one of {', '.join(RDZV_BACKENDS)}; "
+            "rlaunch always keeps the job's state in etcd v3."
+        )
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise UsageError(
+            f"--node-rank {node_rank} is not valid: give a node rank from 0 to {nnodes - 1} (--nnodes {nnodes})."
+        )
+    if standalone:
+        if node_rank:
+            raise UsageError(f"--standalone runs a single node, so --node-rank {node_rank} cannot be used with it.")
+        return None
+    if rdzv_endpoint and rdzv_backend != "static":
+        return None
+    wanted = rdzv_backend == "static" or node_rank is not None or master_addr is not None
+    if not rdzv_endpoint and not wanted and nnodes == 1:
+        return None  # one node: an embedded etcd on a free port, as --standalone
+    if standby and node_rank is not None:
+        raise UsageError(
+            f"--standby and --node-rank {node_rank} cannot be used together: a standby holds no node rank "
+            "until it replaces a node."
+        )
+    if rdzv_endpoint:
+        eps = parse_endpoints(rdzv_endpoint)
+        if len(eps) != 1:
+            raise UsageError(f"--rdzv-backend static takes one --rdzv-endpoint (the master), not {rdzv_endpoint!r}.")
+        master_addr, master_port = eps[0].host, eps[0].port
+    port = master_port or DEFAULT_MASTER_PORT
+    return StaticRendezvous(
+        node_rank=None if standby else (node_rank or 0),
+        master_addr=master_addr or "127.0.0.1",
+        master_port=port,
+        etcd_port=port + 1 if port < 65535 else port - 1,
+    )
+
+
+def parse_port(flag: str, text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UsageError(f"{flag}={text!r} is not valid: give a port between 1 and 65535.")
+    return int(text)
+
+
+def launch_notes(rdzv_endpoint: str, rdzv_backend: str, node_rank: int | None, master_addr: str | None) -> list[str]:
+    """Sentences about flags that were given but have no effect (torchrun warns about the same)."""
+    notes = []
+    static = rdzv_backend == "static"
+    if rdzv_endpoint and not static and node_rank is not None:
+        notes.append(
+            f"--node-rank {node_rank} is not used with an etcd --rdzv-endpoint: node ranks follow the "
+            "order in which nodes join (use --rdzv-backend static to keep given node ranks)."
+        )
+    if rdzv_endpoint and not static and master_addr is not None:
+        notes.append(f"--master-addr {master_addr} is not used with an etcd --rdzv-endpoint.")
+    return notes
+
+
+def etcd_listen_host(master_addr: str) -> str:
+    """Where node rank 0's etcd listens: a loopback master address as is, else every interface.
+
+    A host name may resolve to a loopback address on its own machine (Debian maps it to
+    127.0.1.1) and to another address elsewhere, so only a loopback literal is taken as is.
+    """
+    if master_addr == "localhost":
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(master_addr).is_loopback:
+            return master_addr
+    except ValueError:
+        pass
+    return "0.0.0.0"  # noqa: S104 - the other nodes reach node rank 0's etcd, as torchrun's store
 
 
 def route_addr(ep: Endpoint) -> str:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from rlaunch.store.records import Generation
 
+#: torchrun's default ROLE_NAME (``--role`` changes it)
 ROLE_NAME = "default"
 
 
@@ -18,6 +19,7 @@ def worker_env(
     job_id: str,
     max_restarts: int,
     agent_addr: str,
+    role: str = ROLE_NAME,
 ) -> dict[str, str]:
     node_rank = gen.assignment[node_id]
     nproc = gen.nproc_per_node
@@ -32,7 +34,7 @@ def worker_env(
         GROUP_WORLD_SIZE=str(gen.nnodes),
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(gen.world_size),
-        ROLE_NAME=ROLE_NAME,
+        ROLE_NAME=role,
         MASTER_ADDR=gen.master_addr,
         MASTER_PORT=str(gen.master_port),
         TORCHELASTIC_RESTART_COUNT=str(gen.restart_count),
@@ -57,6 +59,7 @@ def standby_env(
     local_rank: int,
     job_id: str,
     agent_addr: str,
+    role: str = ROLE_NAME,
 ) -> dict[str, str]:
     """A standby's sandbox worker: no rank yet (the runtime learns it when given one)."""
     env = {k: v for k, v in base.items() if k not in ("RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -66,7 +69,7 @@ def standby_env(
         LOCAL_WORLD_SIZE=str(gen.nproc_per_node),
         GROUP_WORLD_SIZE=str(gen.nnodes),
         ROLE_WORLD_SIZE=str(gen.world_size),
-        ROLE_NAME=ROLE_NAME,
+        ROLE_NAME=role,
         TORCHELASTIC_RUN_ID=job_id,
         RLAUNCH_AGENT_ADDR=agent_addr,
         RLAUNCH_NODE_ID=node_id,

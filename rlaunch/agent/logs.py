@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import threading
 from pathlib import Path
+from string import Template
 from typing import IO
 
 from rlaunch.agent.config import Std
@@ -24,6 +25,15 @@ class LogPolicy:
     local_ranks_filter: frozenset[int] | None
     #: None: no files
     attempt_dir: Path | None
+    #: torchrun's --log-line-prefix-template (${role_name} ${rank} ${local_rank}); None: [node/rank]
+    prefix_template: str | None = None
+    role: str = "default"
+
+    def prefix(self, label: int | str, local_rank: int) -> str:
+        """The console prefix of a worker's lines; ``label`` is its rank, or ``s<i>`` on a standby."""
+        if self.prefix_template is None:
+            return f"[{self.node_id}/{label}] "
+        return Template(self.prefix_template).safe_substitute(role_name=self.role, rank=label, local_rank=local_rank)
 
     def targets(self, local_rank: int, stream: Std) -> tuple[bool, Path | None]:
         """``(to_console, file_path)`` for one stream of one local rank."""

@@ -68,7 +68,7 @@ class WorkerGroup:
                 preexec_fn=_child_setup,  # noqa: PLW1509 - only calls prctl
             )
             self.procs.append(proc)
-            prefix = self._prefix(label)
+            prefix = self._policy.prefix(label, local_rank)
             pumps = []
             for stream, pipe, console in ((Std.OUT, proc.stdout, out), (Std.ERR, proc.stderr, err)):
                 to_console, path = self._policy.targets(local_rank, stream)
@@ -76,14 +76,11 @@ class WorkerGroup:
                 pumps.append(StreamPump(pipe, prefix, console if to_console else None, path))
             self._pumps.append(pumps)
 
-    def _prefix(self, label: int | str) -> str:
-        return f"[{self._policy.node_id}/{label}] "
-
     def relabel(self, labels: Sequence[int | str]) -> None:
         """New console labels (a standby's workers took ranks ``labels``)."""
-        for pumps, label in zip(self._pumps, labels, strict=True):
+        for local_rank, (pumps, label) in enumerate(zip(self._pumps, labels, strict=True)):
             for pump in pumps:
-                pump.prefix = self._prefix(label).encode()
+                pump.prefix = self._policy.prefix(label, local_rank).encode()
 
     @property
     def pids(self) -> list[int]:

@@ -1,7 +1,9 @@
 """The ``rlaunch`` command line: one typer command per verb, thin bodies over library code.
 
 ``rlaunch SCRIPT ...`` launches (as torchrun does); the first word picks a subcommand when it
-names one, so a script called like a subcommand is launched with ``rlaunch run SCRIPT``.
+names one, so a script called like a subcommand is launched with ``rlaunch run SCRIPT``. Every
+flag takes its dash and its underscore spelling (``--nproc-per-node``, ``--nproc_per_node``), as
+torchrun's do: the context normalizes ``_`` to ``-`` in option names before matching them.
 """
 
 from __future__ import annotations
@@ -17,10 +19,32 @@ from rlaunch.cli.events import events
 from rlaunch.cli.launch import run
 from rlaunch.cli.status import status
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0] if __doc__ else None)
+#: What ``rlaunch --help`` tells a user about the tool.
+HELP = (
+    "Launch PyTorch distributed training as torchrun does, and keep it running through machine "
+    "faults and maintenance.\n\n"
+    "Start one rlaunch per machine, with torchrun's flags:\n"
+    "  rlaunch --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:2379 train.py\n\n"
+    "Machines that join beyond --nnodes wait as warm standbys. When a machine fails, or is drained "
+    "with `rlaunch drain`, a standby takes its ranks. A script that calls rlaunch.init() moves live "
+    "while the other ranks keep running; other scripts restart every worker, as under torchrun.\n\n"
+    "Without --rdzv-endpoint, rlaunch starts its own etcd: with --standalone on one machine, or on "
+    "node rank 0 at --master-addr:--master-port (torchrun's static rendezvous). Every flag takes "
+    "its dash or underscore spelling. `rlaunch run --help` lists the launch flags."
+)
+
+
+def _dashes(token: str) -> str:
+    """Option names are matched with ``_`` read as ``-``: ``--node_rank`` is ``--node-rank``."""
+    return token.replace("_", "-")
+
+
+CONTEXT = {"token_normalize_func": _dashes, "help_option_names": ["-h", "--help"]}
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, context_settings=CONTEXT)
 app.command(
     "run", context_settings={"allow_interspersed_args": False},
-    help="Launch SCRIPT on this node (the default when the first word is no subcommand).",
+    help="Launch SCRIPT on this node as one agent of the job (the default when the first word is no subcommand).",
 )(run)  # fmt: skip
 app.command("status")(status)
 app.command("drain")(drain)

@@ -15,9 +15,23 @@ from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
 
 
+def human(value: object) -> str:
+    """A data value as people read it: floats to at most 3 decimals, containers element-wise."""
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.001:
+            return f"{value:.2g}"
+        return f"{value:.3f}".rstrip("0").rstrip(".")
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {human(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(human(v) for v in value) + "]"
+    return str(value)
+
+
 def format_event(ev: Event) -> str:
+    """One line for people (``--json`` prints the exact record instead)."""
     when = datetime.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
-    data = " ".join(f"{k}={v}" for k, v in ev.data.items())
+    data = " ".join(f"{k}={human(v)}" for k, v in ev.data.items())
     return f"{when} gen {ev.generation:<3} {ev.node_id:<12} {ev.kind:<20} {data}"
 
 

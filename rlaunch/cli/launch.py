@@ -10,8 +10,9 @@ from typing import Any
 import typer
 
 from rlaunch.agent.agent import Agent
-from rlaunch.agent.config import LaunchConfig, build_config
+from rlaunch.agent.config import LaunchConfig, build_config, launch_notes
 from rlaunch.cli.options import fail, setup_logging
+from rlaunch.cli.static import launch_static
 from rlaunch.errors import RlaunchError
 from rlaunch.store.client import parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd
@@ -19,14 +20,16 @@ from rlaunch.store.embedded import EmbeddedEtcd
 log = logging.getLogger(__name__)
 
 
-def _opt(default: object, *names: str, help: str, env: bool = True) -> Any:  # noqa: A002
-    """An option under torchrun's names (dash and underscore spellings) and PET_* variable."""
-    flags = list(names)
+def _opt(default: object, *names: str, help: str, env: bool | str = True) -> Any:  # noqa: A002
+    """An option under torchrun's name and PET_* variable (``env``: also this variable, or none).
+
+    The underscore spelling (``--nproc_per_node``) needs no alias: the app's context reads ``_``
+    as ``-`` in every option name (see :mod:`rlaunch.cli`).
+    """
     long = next(n for n in names if n.startswith("--"))
-    if "-" in long[2:]:
-        flags.append("--" + long[2:].replace("-", "_"))
-    envvar = "PET_" + long[2:].replace("-", "_").upper() if env else None
-    return typer.Option(default, *flags, envvar=envvar, help=help)
+    pet = "PET_" + long[2:].replace("-", "_").upper()
+    envvar: str | list[str] | None = ([pet, env] if isinstance(env, str) else pet) if env else None
+    return typer.Option(default, *names, envvar=envvar, help=help)
 
 
 def run(
@@ -38,7 +41,11 @@ def run(
     rdzv_id: str = _opt("none", "--rdzv-id", help="The job id; every key of the job lives under it."),
     rdzv_conf: str = _opt("", "--rdzv-conf", help="key=value,...; join_timeout overrides --rdzv-timeout."),
     rdzv_backend: str = _opt(
-        "etcd-v3", "--rdzv-backend", help="Accepted for torchrun compatibility; rlaunch always uses etcd v3."
+        "",
+        "--rdzv-backend",
+        help="static: node rank 0 runs the job's etcd (the default without --rdzv-endpoint for more than one "
+        "node); c10d, etcd, etcd-v2, etcd-v3: --rdzv-endpoint names an etcd server (v3 API), or none for an "
+        "embedded one.",
     ),
     standalone: bool = _opt(False, "--standalone", help="Single node: start an embedded etcd on a free port."),
     max_restarts: int = _opt(0, "--max-restarts", help="Restarts of all workers allowed after worker failures."),
@@ -54,7 +61,34 @@ def run(
     module: bool = _opt(False, "-m", "--module", help="Run SCRIPT as a Python module (python -m)."),
     no_python: bool = _opt(False, "--no-python", help="Run SCRIPT as a program, without the Python interpreter."),
     master_port: int = _opt(
-        None, "--master-port", help="Fixed MASTER_PORT; default: a free port on the node holding rank 0."
+        None,
+        "--master-port",
+        help="A fixed MASTER_PORT. Static rendezvous: default 29500, and node rank 0's etcd takes the next port "
+        "(or --rdzv-conf etcd_port=N). Otherwise: default a free port on the node holding rank 0.",
+    ),
+    node_rank: int = _opt(
+        None, "--node-rank", help="Static rendezvous: this node's rank, 0 to --nnodes minus 1 (default 0)."
+    ),
+    master_addr: str = _opt(
+        None,
+        "--master-addr",
+        help="Static rendezvous: the address of node rank 0, where it runs the job's etcd (default 127.0.0.1).",
+    ),
+    role: str = _opt("default", "--role", help="The workers' ROLE_NAME."),
+    log_line_prefix_template: str = _opt(
+        None,
+        "--log-line-prefix-template",
+        help="Prefix of worker lines on the console, with ${role_name}, ${rank} and ${local_rank}; "
+        "default: \\[node/rank].",
+        env="TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+    ),
+    start_method: str = _opt(
+        "spawn",
+        "--start-method",
+        help="spawn, fork or forkserver. Accepted for torchrun compatibility: every worker is a new process.",
+    ),
+    run_path: bool = _opt(
+        False, "--run-path", help="Run SCRIPT with Python, as a path (over -m and --no-python), as torchrun does."
     ),
     local_addr: str = _opt(
         None, "--local-addr", help="Address other nodes use to reach this one; default: the route to etcd."
@@ -112,9 +146,11 @@ def run(
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
             standby_wait=standby_wait, hang_timeout=hang_timeout, straggler_window=straggler_window,
             metrics_port=metrics_port,
+            node_rank=node_rank, master_addr=master_addr, rdzv_backend=rdzv_backend, role=role,
+            log_line_prefix_template=log_line_prefix_template, start_method=start_method, run_path=run_path,
         )  # fmt: skip
-        if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
-            log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)
+        for note in launch_notes(rdzv_endpoint, rdzv_backend, node_rank, master_addr):
+            log.warning("%s", note)
         code = launch(cfg)
     except RlaunchError as exc:
         fail(exc)
@@ -123,6 +159,8 @@ def run(
 
 def launch(cfg: LaunchConfig) -> int:
     """Run one agent, with an embedded etcd when no endpoint was given; return its exit code."""
+    if cfg.static is not None:
+        return launch_static(cfg)
     if cfg.endpoints is not None:
         return asyncio.run(Agent(cfg, cfg.endpoints).run())
     with EmbeddedEtcd() as etcd:

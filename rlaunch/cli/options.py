@@ -13,11 +13,10 @@ from rlaunch.errors import RlaunchError
 ENDPOINT = typer.Option(
     ...,
     "--rdzv-endpoint",
-    "--rdzv_endpoint",
     envvar="PET_RDZV_ENDPOINT",
     help="etcd client endpoint(s), host:port[,host:port...].",
 )
-JOB_ID = typer.Option("none", "--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", help="The job id.")
+JOB_ID = typer.Option("none", "--rdzv-id", envvar="PET_RDZV_ID", help="The job id.")
 TIMEOUT = typer.Option(10.0, "--timeout", help="Seconds to wait for etcd.")
 
 

@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from rlaunch.cli.options import ENDPOINT, JOB_ID, TIMEOUT, fail
 from rlaunch.controller.view import JobSnapshot, read_snapshot
@@ -82,27 +84,56 @@ async def fetch_status(endpoint: str, job_id: str, timeout: float) -> dict[str, 
         await store.close()
 
 
-def render_table(status: dict[str, Any]) -> Table:
-    table = Table(
-        title=(
-            f"job {status['job']} · generation {status['generation']} ({status['status']}) · "
-            f"controller {status['controller'] or '-'} · restarts {status['restart_count']}"
-        ),
-        caption=status["reason"] or None,
+#: The columns of the table, each ``(header, no_wrap)``. Words that name a role or a state never
+#: wrap or get cut; problem sentences go below the table, so the table fits 80 columns.
+_COLUMNS = (
+    ("node", True), ("host", False), ("role", True), ("state", True), ("node\nrank", True),
+    ("ranks", True), ("restarts", True), ("seen", True),
+)  # fmt: skip
+
+
+def _problem(node: dict[str, Any]) -> str:
+    """A sentence about a node's fault or failure ("" when it has none)."""
+    if node.get("fault"):
+        return str(node["fault"])
+    if node.get("failure"):
+        return str(node.get("message") or node["failure"])
+    return ""
+
+
+def _short_host(host: str) -> str:
+    """A host name without its domain (an IP address stays whole), as people say it."""
+    if not host or host.replace(".", "").isdigit() or ":" in host:
+        return host
+    return host.split(".", 1)[0]
+
+
+def render_table(status: dict[str, Any]) -> Group:
+    """A heading, the nodes as a table that fits 80 columns, then the reason and node problems.
+
+    The heading and the sentences are printed at the terminal's width, not the table's.
+    """
+    notes = [f"{n['node_id']}: {_problem(n)}" for n in status["nodes"] if _problem(n)]
+    if status["reason"]:
+        notes.insert(0, status["reason"])
+    heading = Text(
+        f"job {status['job']} · generation {status['generation']} ({status['status']}) · "
+        f"controller {status['controller'] or '-'} · restarts {status['restart_count']}",
+        style="bold",
     )
-    for col in ("node", "host", "role", "state", "node rank", "ranks", "restarts", "last seen", "problem"):
-        table.add_column(col)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for header, no_wrap in _COLUMNS:
+        table.add_column(header, no_wrap=no_wrap, overflow="fold")
     for n in status["nodes"]:
         ranks = n["ranks"]
         table.add_row(
-            n["node_id"], n["host"], n["role"], n["state"],
+            n["node_id"], _short_host(n["host"]), n["role"], n["state"],
             "-" if n["node_rank"] is None else str(n["node_rank"]),
             f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else ",".join(map(str, ranks)) or "-",
             str(n["restarts"]),
-            "-" if n["last_seen_s"] is None else f"{n['last_seen_s']} s ago",
-            n["fault"] or (f"{n['failure']}: {n['message']}" if n["failure"] else ""),
+            "-" if n["last_seen_s"] is None else f"{n['last_seen_s']}s ago",
         )  # fmt: skip
-    return table
+    return Group(heading, table, *(Text(note) for note in notes))
 
 
 def status(

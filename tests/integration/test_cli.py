@@ -39,12 +39,16 @@ def test_status_table_and_json_while_running(cluster: Cluster) -> None:
     assert (nodes["b"]["role"], nodes["b"]["node_rank"], nodes["b"]["ranks"]) == ("active", 1, [1])
     assert (nodes["c"]["role"], nodes["c"]["node_rank"], nodes["c"]["state"]) == ("standby", None, "standby")
 
-    res = cluster.cli(*base)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", *base], env={**cluster.env(), "COLUMNS": "80"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     table = res.stdout
     assert f"job {cluster.job_id}" in table and "generation 1" in table
-    for word in ("node rank", "standby", "active", "running"):
+    for word in ("node", "rank", " standby ", " active ", " running "):
         assert word in table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80, table
     for agent in agents:
         agent.close()
 

@@ -22,3 +22,4 @@ env["argv"] = sys.argv[1:]
 with open(os.path.join(os.environ["DUMP_DIR"], f"{os.environ['RANK']}.json"), "w") as f:
     json.dump(env, f)
 dist.destroy_process_group()
+print(f"rank {env['RANK']} dumped its environment", flush=True)
