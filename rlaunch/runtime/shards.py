@@ -16,23 +16,32 @@ from the survivors: :func:`replica_sources` says so, and the job falls back to a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing DTensor (40 MB) into scripts that never use it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes move: a DTensor's local shard (a view of its live storage)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def describe(t: torch.Tensor) -> dict[str, Any] | None:
     """What identifies ``t``'s shard (None for a plain tensor): JSON-ready."""
-    if not isinstance(t, DTensor):
+    if not _is_dtensor(t):
         return None
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    assert isinstance(t, torch.distributed.tensor.DTensor)
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
@@ -91,8 +100,10 @@ def uneven(tracked: dict[str, Any]) -> str:
         if isinstance(obj, torch.nn.Module):
             items = obj.state_dict(keep_vars=True).items()
         for key, t in items:
-            if not isinstance(t, DTensor):
+            if not _is_dtensor(t):
                 continue
+            from torch.distributed.tensor import Shard
+
             ways: dict[int, int] = {}
             for dim, placement in enumerate(t.placements):
                 if isinstance(placement, Shard):
@@ -116,8 +127,10 @@ def sharded_dims(tracked: dict[str, Any], names: Sequence[str]) -> list[str]:
     """
     found: set[str] = set()
     for t in tensors(tracked):
-        if not isinstance(t, DTensor):
+        if not _is_dtensor(t):
             continue
+        from torch.distributed.tensor import Replicate
+
         dims = t.device_mesh.mesh_dim_names or ()
         for dim, placement in zip(dims, t.placements, strict=False):
             if not isinstance(placement, Replicate):
