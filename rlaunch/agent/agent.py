@@ -102,7 +102,10 @@ class Agent:
         self._sandbox_failed = False
         self._nodes_changed = True
         self._leaving = False
-        self._move_failed = False  # a move this node was leaving in failed; it is an ordinary node again
+        #: the generation whose move this node was leaving in failed or was outrun by the job's end (0: none);
+        #: in that generation it is an ordinary node again, never offered as its leaver twice
+        self._move_ended_in = 0
+        self._finished = False  # a leaver's workers exited 0 without handing their state over
         self._prepared_reported: set[int] = set()
         self._settling = 0  # a move's generation whose local workers have not all joined or recovered
         self._fault = ""  # a hardware fault sentence, once a detector found one
@@ -310,14 +313,20 @@ class Agent:
             gen.kind != "replace"  # (a replacement's leavers failed; they stay in the job as spares)
             and self.node_id in gen.leavers
             and (self._worker_gen or self._leaving)
-            and not self._move_failed
+            and self._move_ended_in != gen.number
         ):
             return await self._leave(gen)  # (a fresh agent named as an old leaver is just a standby)
         # A newer generation abandoned (or never had) a move of this node: it is a node again.
         if self._leaving:
             log.warning("[%s] generation %d abandoned the move this node was leaving in", self.node_id, gen.number)
             self.events.emit("migration_abandoned", gen.number)
-        self._leaving = self._move_failed = False
+        self._leaving = False
+        if (
+            self._record is not None
+            and self._record.state is NodeState.SUCCEEDED
+            and self._record.generation == gen.number
+        ):
+            return None  # this node's workers finished the job (a moot move's leaver): the controller ends it
         node_rank = gen.node_rank(self.node_id)
         if gen.status is GenerationStatus.WAITING or node_rank is None:
             await self._stand_by(gen, holds_ranks=node_rank is not None)
@@ -424,10 +433,18 @@ class Agent:
                 return None  # the workers exit 0 once they have sent their state
             # Every local worker sent its state: the drain is done; their teardown need not be waited for.
             await self._stop_workers()
+        if gen.kind == "migrate" and len(self.link.state.left) < self.cfg.nproc_per_node and self._finished:
+            # Every worker exited 0 without handing its state over: they finished the job before the
+            # switch. The move is moot; the controller ends the job once the other nodes finish.
+            self._move_ended_in = gen.number
+            self._leaving = False
+            self.events.emit("migration_moot", gen.number, reason="the workers finished the job before the switch")
+            await self._publish(NodeState.SUCCEEDED, gen.number)
+            return None
         if gen.kind == "migrate" and len(self.link.state.left) < self.cfg.nproc_per_node:
             # The workers ended before handing their state over: this node is not drained. Its
             # failure is on its record; it stays in the job as a node without ranks.
-            self._move_failed = True
+            self._move_ended_in = gen.number
             self._leaving = False
             log.error("[%s] the move to generation %d failed before the state was sent", self.node_id, gen.number)
             self.events.emit("migration_failed", gen.number, sent=sorted(self.link.state.left))
@@ -531,7 +548,8 @@ class Agent:
             await self._publish(NodeState.FAILED, self._generation.number if self._generation else 0, exit_codes)
             return
         if self._leaving and all(c == 0 for c in codes):
-            self._workers = None  # they handed their state over; _leave finishes the drain
+            self._workers = None  # they handed their state over (or finished the job); _leave decides
+            self._finished = len(self.link.state.left) < len(codes)
             return
         if any(c is not None and c != 0 for c in codes):
             self._workers = None

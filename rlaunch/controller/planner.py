@@ -113,7 +113,9 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
             _generation(now, view, cfg, gen.number + 1, dict(gen.assignment), gen.restart_count + 1, reason),
             reason,
         )
-    if all(r.state is NodeState.SUCCEEDED and r.generation == gen.number for r in records.values()):
+    if all(r.state is NodeState.SUCCEEDED and r.generation == gen.number for r in records.values()) or _moot(
+        view, gen, records
+    ):
         reason = f"every node finished generation {gen.number}; the job succeeded"
         return dataclasses.replace(gen, status=GenerationStatus.SUCCEEDED, reason=reason), reason
     if view.drains or view.stragglers:
@@ -140,6 +142,21 @@ def _failure(record: NodeRecord) -> str:
     if record.failure == "no_replica":  # a live replacement was refused: say why a restart is needed
         return f"live replacement refused: {record.message}"
     return f"exit codes {record.exit_codes}"
+
+
+def _moot(view: ClusterView, gen: Generation, records: dict[str, NodeRecord]) -> bool:
+    """A move the job outran: every leaver's workers finished the job instead of handing their
+    state over (all ranks run the same number of steps), and every other node finished too.
+    The joiners have nothing left to take."""
+    if gen.kind != "migrate":
+        return False
+    finished = {n for n, r in records.items() if r.state is NodeState.SUCCEEDED and r.generation == gen.number}
+    for leaver, joiner in zip(gen.leavers, gen.joiners, strict=True):
+        record = view.nodes[leaver].record if leaver in view.nodes else None
+        if record is None or record.state is not NodeState.SUCCEEDED or record.generation != gen.number:
+            return False
+        finished.add(joiner)
+    return finished >= set(records)
 
 
 def _failed_in(record: NodeRecord, gen: Generation) -> bool:

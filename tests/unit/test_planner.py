@@ -448,3 +448,14 @@ def test_a_node_whose_workers_failed_may_fill_a_lost_rank_in_a_restart() -> None
     new, _ = plan(NOW, view(rec("c", NodeState.RUNNING, generation=2), rec("b", NodeState.FAILED, generation=1),
                             generation=current), CFG)  # fmt: skip
     assert new is not None and new.assignment == {"b": 0, "c": 1} and new.status is GenerationStatus.RUNNING
+
+
+def test_a_move_the_job_outran_ends_in_success() -> None:
+    """The leaver's workers finished every step before the switch: nothing is left to move."""
+    g = dataclasses.replace(gen(4, {"a": 0, "c": 1}), kind="migrate", leavers=["b"], joiners=["c"])
+    done = (rec("a", NodeState.SUCCEEDED, generation=4), rec("b", NodeState.SUCCEEDED, generation=4))
+    new, reason = plan(NOW, view(*done, rec("c", NodeState.RESTARTING, generation=4), generation=g), CFG)
+    assert new is not None and new.status is GenerationStatus.SUCCEEDED, reason
+    running = (rec("a", NodeState.RUNNING, generation=4), done[1], rec("c", NodeState.RESTARTING, generation=4))
+    new, _ = plan(NOW, view(*running, generation=g), CFG)
+    assert new is None or new.status is not GenerationStatus.SUCCEEDED, "a still trains: the job has not ended"
