@@ -18,6 +18,7 @@ from rlaunch import __version__
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
 from rlaunch.store.records import JobSpec
+from rlaunch.store.security import EtcdSecurity, resolve_security
 
 
 class Std(enum.IntFlag):
@@ -61,6 +62,9 @@ class LaunchConfig:
     hang_timeout: float = 300.0
     #: seconds a node must stay slow before it is moved to a standby (0: no straggler detection)
     straggler_window: float = 60.0
+    # -- security toward etcd (--cacert, --cert, --key, --user; ETCDCTL_* variables) --
+    #: TLS and credentials of the external etcd (the embedded one makes its own)
+    etcd_security: EtcdSecurity = EtcdSecurity()
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -199,6 +203,11 @@ def build_config(
     standby_wait: float = 30.0,
     hang_timeout: float = 300.0,
     straggler_window: float = 60.0,
+    # -- security toward etcd --
+    etcd_cacert: str | None = None,
+    etcd_cert: str | None = None,
+    etcd_key: str | None = None,
+    etcd_user: str | None = None,
 ) -> LaunchConfig:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
@@ -235,6 +244,11 @@ def build_config(
     if not rdzv_timeout > 0:
         raise UsageError(f"--rdzv-timeout {rdzv_timeout} is not valid: give a positive number of seconds.")
     endpoints = None if standalone or not rdzv_endpoint else parse_endpoints(rdzv_endpoint)
+    security = (
+        EtcdSecurity()
+        if endpoints is None
+        else resolve_security(endpoints, cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, user=etcd_user)
+    )
     return LaunchConfig(
         entrypoint=script,
         args=list(script_args),
@@ -261,6 +275,7 @@ def build_config(
         standby_wait=standby_wait,
         hang_timeout=hang_timeout,
         straggler_window=straggler_window,
+        etcd_security=security,
     )
 
 

@@ -11,7 +11,7 @@ import typer
 
 from rlaunch.agent.agent import Agent
 from rlaunch.agent.config import LaunchConfig, build_config
-from rlaunch.cli.options import fail, setup_logging
+from rlaunch.cli.options import CACERT, CERT, KEY, USER, fail, setup_logging
 from rlaunch.errors import RlaunchError
 from rlaunch.store.client import parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd
@@ -19,14 +19,15 @@ from rlaunch.store.embedded import EmbeddedEtcd
 log = logging.getLogger(__name__)
 
 
-def _opt(default: object, *names: str, help: str, env: bool = True) -> Any:  # noqa: A002
-    """An option under torchrun's names (dash and underscore spellings) and PET_* variable."""
+def _opt(default: object, *names: str, help: str, env: bool = True, also_env: str = "") -> Any:  # noqa: A002
+    """An option under torchrun's names (dash and underscore spellings) and PET_* variable (then ``also_env``)."""
     flags = list(names)
     long = next(n for n in names if n.startswith("--"))
     if "-" in long[2:]:
         flags.append("--" + long[2:].replace("-", "_"))
-    envvar = "PET_" + long[2:].replace("-", "_").upper() if env else None
-    return typer.Option(default, *flags, envvar=envvar, help=help)
+    envvar = ["PET_" + long[2:].replace("-", "_").upper()] if env else []
+    envvar += [also_env] if also_env else []
+    return typer.Option(default, *flags, envvar=envvar or None, help=help)
 
 
 def run(
@@ -34,7 +35,12 @@ def run(
     script_args: list[str] = typer.Argument(None, help="Arguments passed to the script."),
     nnodes: str = _opt("1", "--nnodes", help="Number of active nodes; nodes beyond it join as warm standbys."),
     nproc_per_node: str = _opt("1", "--nproc-per-node", help="Workers per node: a number, or cpu, gpu, auto."),
-    rdzv_endpoint: str = _opt("", "--rdzv-endpoint", help="etcd endpoint(s) host:port[,...]; none: an embedded etcd."),
+    rdzv_endpoint: str = _opt(
+        "",
+        "--rdzv-endpoint",
+        also_env="ETCDCTL_ENDPOINTS",
+        help="etcd endpoint(s) [https://]host:port[,...] (or ETCDCTL_ENDPOINTS); none: an embedded etcd.",
+    ),  # fmt: skip
     rdzv_id: str = _opt("none", "--rdzv-id", help="The job id; every key of the job lives under it."),
     rdzv_conf: str = _opt("", "--rdzv-conf", help="key=value,...; join_timeout overrides --rdzv-timeout."),
     rdzv_backend: str = _opt(
@@ -92,6 +98,10 @@ def run(
         help="Floor, in seconds, of the hang timeout: a worker without step progress for longer is killed.",
         env=False,
     ),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Launch SCRIPT on this node as one agent of the job (torchrun's flags and semantics)."""
     setup_logging()
@@ -104,6 +114,7 @@ def run(
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
             standby_wait=standby_wait, hang_timeout=hang_timeout, straggler_window=straggler_window,
+            etcd_cacert=cacert, etcd_cert=cert, etcd_key=key, etcd_user=user,
         )  # fmt: skip
         if rdzv_backend not in ("etcd-v3", "etcd", "c10d", "static"):
             log.warning("--rdzv-backend %s is ignored: rlaunch always rendezvouses through etcd v3", rdzv_backend)
@@ -117,12 +128,14 @@ def launch(cfg: LaunchConfig) -> int:
     """Run one agent, with an embedded etcd when no endpoint was given; return its exit code."""
     if cfg.endpoints is not None:
         return asyncio.run(Agent(cfg, cfg.endpoints).run())
-    with EmbeddedEtcd() as etcd:
+    with EmbeddedEtcd(secure=True) as etcd:
         log.info(
-            "started an embedded etcd at %s; other nodes join with --rdzv-endpoint %s --rdzv-id %s",
-            etcd.endpoint,
-            etcd.endpoint,
+            "started an embedded etcd at %s (mutual TLS: only this user can read its certificates); "
+            "agents of this user on this machine join with %s --rdzv-id %s",
+            etcd.url,
+            etcd.join_flags(),
             cfg.job_id,
         )
         assert etcd.proc is not None
-        return asyncio.run(Agent(cfg, parse_endpoints(etcd.endpoint), keep_pids=(etcd.proc.pid,)).run())
+        agent = Agent(cfg, parse_endpoints(etcd.url), keep_pids=(etcd.proc.pid,), security=etcd.security)
+        return asyncio.run(agent.run())
