@@ -10,6 +10,7 @@ ends the command with a sentence naming the problem, a non-zero exit and no trac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from rlaunch.store.certs import CertificateAuthority, write_private
+from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import find_etcd_binary, free_port
+from rlaunch.store.security import resolve_security
 from tests.cluster import TAG_VAR, AgentProc, leftovers, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,8 +54,7 @@ class SecureEtcd:
         self.etcdctl = str(Path(binary).parent / "etcdctl")
         assert os.access(self.etcdctl, os.X_OK), f"no etcdctl next to {binary}"
         self.log = (tmp / "etcd.log").open("wb")
-        self.proc = subprocess.Popen(
-            [
+        self.cmd = [
                 binary, "--name", "tls", "--data-dir", str(tmp / "data"),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
@@ -60,13 +62,22 @@ class SecureEtcd:
                 "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
                 "--cert-file", str(self.files["server"]), "--key-file", str(self.files["server-key"]),
                 "--trusted-ca-file", str(self.ca), "--client-cert-auth", "--log-level", "error",
-            ],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        ]  # fmt: skip
+        self.proc = self._start()
         wait_for(lambda: self.ctl("endpoint", "health").returncode == 0, 60, "the TLS etcd to be healthy")
         for args in (("user", "add", "root", "--new-user-password", PASSWORD), ("auth", "enable")):
             out = self.ctl(*args)
             assert out.returncode == 0, out.stderr
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart(self) -> None:
+        """Stop etcd and start it again on the same port and data: it forgets every auth token."""
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.proc = self._start()
+        wait_for(lambda: self.ctl("endpoint", "health").returncode == 0, 60, "the TLS etcd to be back")
 
     def flags(self) -> list[str]:
         return ["--cacert", str(self.ca), "--cert", str(self.files["client"]), "--key", str(self.files["client-key"])]
@@ -213,3 +224,28 @@ def test_http_with_tls_flags_is_refused(etcd: SecureEtcd, tag: str) -> None:
     out = cli(tag, "status", "--rdzv-endpoint", f"http://127.0.0.1:{etcd.port}", *etcd.flags())
     check_refused(out, "are http:// (plaintext), but --cacert and --cert and --key asks for TLS")
     assert out.returncode == 2
+
+
+def test_the_client_logs_in_again_after_etcd_restarts(etcd: SecureEtcd) -> None:
+    """etcd keeps auth tokens in memory: after a restart the store must renew its token by itself."""
+    endpoints = parse_endpoints(etcd.url)
+    security = resolve_security(
+        endpoints, cacert=str(etcd.ca), cert=str(etcd.files["client"]), key=str(etcd.files["client-key"]),
+        user=f"root:{PASSWORD}", environ={},
+    )  # fmt: skip
+    key = f"/rlaunch/tls-restart-{uuid.uuid4().hex}"
+
+    async def go() -> None:
+        store = Store(endpoints, timeout=2.0, security=security)
+        try:
+            await store.connect(30)
+            await store.put(key, b"1")
+            etcd.restart()
+            await store.connect(30)
+            kv = await store.get(key)
+            assert kv is not None and kv.value == b"1"
+            await store.put(key, b"2")
+        finally:
+            await store.close()
+
+    asyncio.run(go())
