@@ -81,6 +81,19 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _server_names(host: str) -> list[str]:
+    """Names and addresses the server certificate must be valid for: ``host``, loopback, and every
+    local address and the host name when ``host`` is a wildcard."""
+    names = {host, "127.0.0.1", "localhost"}
+    if host in ("0.0.0.0", "::", ""):
+        import psutil
+
+        names.add(socket.gethostname())
+        for addrs in psutil.net_if_addrs().values():
+            names.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    return sorted(n for n in names if n not in ("0.0.0.0", "::", ""))
+
+
 def _die_with_parent() -> None:  # runs in the etcd child between fork and exec
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -174,7 +187,7 @@ class EmbeddedEtcd:
 
             pki_dir = Path(self.private_dir) / "pki"
             pki_dir.mkdir(mode=0o700)
-            self.pki = write_pki(pki_dir, sorted({self.host, "127.0.0.1", "localhost"}))
+            self.pki = write_pki(pki_dir, _server_names(self.host))
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(

@@ -118,3 +118,28 @@ def test_a_clean_stop_removes_the_files_and_ends_the_janitor(tag: str) -> None:
     server.stop()
     assert not private.exists()
     assert janitor.poll() == 0
+
+
+def test_rlaunch_etcd_is_private_and_prints_how_to_reach_it(tag: str, tmp_path: Path) -> None:
+    log = tmp_path / "etcd.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "rlaunch", "etcd"], env=env(tag), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        line = wait_for(lambda: re.search(r"^export (.*)$", log.read_text(), re.M), 60, "rlaunch etcd to start")
+        variables = dict(part.split("=", 1) for part in shlex.split(line.group(1)))
+        assert variables["ETCDCTL_ENDPOINTS"].startswith("https://127.0.0.1:")
+        private = Path(variables["ETCDCTL_KEY"]).parent.parent
+        job = "etcd-" + uuid.uuid4().hex[:8]
+        cmd = [sys.executable, "-m", "rlaunch", "status", "--rdzv-id", job]
+        with_vars = subprocess.run(cmd, env={**env(tag), **variables}, capture_output=True, text=True, timeout=60)
+        assert with_vars.returncode == 1 and f"no job {job!r} exists" in with_vars.stderr, with_vars.stderr
+        no_cert = {k: v for k, v in variables.items() if k not in ("ETCDCTL_CERT", "ETCDCTL_KEY")}
+        refused = subprocess.run(cmd, env={**env(tag), **no_cert}, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "requires a TLS client certificate" in refused.stderr, refused.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    wait_for(lambda: not private.exists(), 30, "rlaunch etcd to remove its files")
