@@ -136,6 +136,5 @@ def launch(cfg: LaunchConfig) -> int:
             etcd.join_flags(),
             cfg.job_id,
         )
-        assert etcd.proc is not None
-        agent = Agent(cfg, parse_endpoints(etcd.url), keep_pids=(etcd.proc.pid,), security=etcd.security)
+        agent = Agent(cfg, parse_endpoints(etcd.url), keep_pids=etcd.pids, security=etcd.security)
         return asyncio.run(agent.run())

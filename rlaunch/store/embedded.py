@@ -141,6 +141,11 @@ class EmbeddedEtcd:
         return f"{self.host}:{self.port}"
 
     @property
+    def pids(self) -> tuple[int, ...]:
+        """The processes this object owns and waits for (etcd, its janitor): never reap them elsewhere."""
+        return tuple(p.pid for p in (self.proc, self._janitor) if p is not None)
+
+    @property
     def url(self) -> str:
         return f"{'https' if self.secure else 'http'}://{self.host}:{self.port}"
 
