@@ -31,6 +31,13 @@ class StoreUnavailableError(StoreError):
     """No etcd endpoint answered within the allowed time."""
 
 
+class StoreAccessError(StoreError):
+    """etcd refused this client: a TLS handshake failed, or the user or its rights were refused.
+
+    Retrying cannot help, so nobody retries it.
+    """
+
+
 class RecordError(StoreError):
     """A value read from etcd is not a valid record of the expected type."""
 

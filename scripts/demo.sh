@@ -27,6 +27,8 @@ pids+=($!)
 for _ in $(seq 100); do grep -q "listening on" "$work/etcd.log" && break; sleep 0.1; done
 EP=$(sed -n 's/^etcd listening on //p' "$work/etcd.log")
 [ -n "$EP" ] || { echo "demo: etcd did not start; see $work/etcd.log" >&2; exit 1; }
+# its TLS client certificate, for every rlaunch command below (etcdctl's variables)
+eval "$(grep '^export ETCDCTL_' "$work/etcd.log")"
 JOB=demo
 echo "etcd at $EP, job id $JOB, logs in $work"
 

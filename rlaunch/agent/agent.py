@@ -54,6 +54,7 @@ from rlaunch.store.records import (
     decode,
     encode,
 )
+from rlaunch.store.security import EtcdSecurity
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,16 @@ class Agent:
         endpoints: list[Endpoint],
         *,
         keep_pids: tuple[int, ...] = (),
+        security: EtcdSecurity | None = None,
         clock: Callable[[], float] = time.time,
         python: str = sys.executable,
     ) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
         self.keys = JobKeys(cfg.job_id)
-        self.store = Store(endpoints, timeout=min(5.0, max(1.0, cfg.lease_ttl / 2)))
+        self.store = Store(
+            endpoints, timeout=min(5.0, max(1.0, cfg.lease_ttl / 2)), security=security or cfg.etcd_security
+        )
         self._keep_pids = keep_pids
         self._clock = clock
         self._python = python

@@ -19,6 +19,7 @@ from rlaunch import __version__
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
 from rlaunch.store.records import JobSpec
+from rlaunch.store.security import EtcdSecurity, resolve_security
 
 
 class Std(enum.IntFlag):
@@ -102,6 +103,9 @@ class LaunchConfig:
     log_line_prefix_template: str | None = None
     #: accepted for torchrun compatibility: every worker is a fresh ``python`` process anyway
     start_method: str = "spawn"
+    # -- security toward etcd (--cacert, --cert, --key, --user; ETCDCTL_* variables) --
+    #: TLS and credentials of the external etcd (the embedded one makes its own)
+    etcd_security: EtcdSecurity = EtcdSecurity()
 
     def command(self, python: str) -> list[str]:
         """The worker command line, as torchrun builds it (``python -u`` unless --no-python)."""
@@ -248,6 +252,11 @@ def build_config(
     log_line_prefix_template: str | None = None,
     start_method: str = "spawn",
     run_path: bool = False,
+    # -- security toward etcd --
+    etcd_cacert: str | None = None,
+    etcd_cert: str | None = None,
+    etcd_key: str | None = None,
+    etcd_user: str | None = None,
 ) -> LaunchConfig:
     if run_path:  # as in torchrun, --run-path runs the script with Python, over -m and --no-python
         module = no_python = False
@@ -303,6 +312,11 @@ def build_config(
         raise UsageError(f"--start-method {start_method!r} is not valid: give {', '.join(START_METHODS)}.")
     if not role or role.strip() != role:
         raise UsageError(f"--role {role!r} is not valid: give a name without surrounding spaces.")
+    security = (
+        EtcdSecurity()
+        if endpoints is None
+        else resolve_security(endpoints, cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, user=etcd_user)
+    )
     return LaunchConfig(
         entrypoint=script,
         args=list(script_args),
@@ -334,6 +348,7 @@ def build_config(
         role=role,
         log_line_prefix_template=log_line_prefix_template or None,
         start_method=start_method,
+        etcd_security=security,
     )
 
 

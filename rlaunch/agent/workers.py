@@ -4,6 +4,11 @@ Each worker starts in its own session (so its whole process group can be signall
 ``PR_SET_PDEATHSIG=SIGKILL`` (so it dies with its agent, leaving no orphan even when the agent
 is SIGKILLed). The agent is a child subreaper, so descendants that outlive their worker are
 reparented to it and reaped here: stopping a group leaves neither orphans nor zombies.
+
+Reaping orphans must never reap a worker: ``Popen.poll()`` on a pid someone else has waited for
+gets ECHILD and reports exit code 0, so a crashed worker would be recorded as a success. Every
+worker's ``Popen`` is therefore registered here from its spawn until it has collected its own
+status, and :func:`reap_orphans` leaves registered pids alone.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 
@@ -26,6 +32,28 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+#: pid -> the Popen that owns its exit status, from spawn until that Popen has collected it.
+_owned: dict[int, subprocess.Popen[bytes]] = {}
+_owned_lock = threading.Lock()
+
+
+def own(proc: subprocess.Popen[bytes]) -> None:
+    """Register ``proc``: its exit status is collected by its ``Popen``, never by :func:`reap_orphans`.
+
+    Call it on the thread that spawned ``proc``, before that thread can run :func:`reap_orphans`.
+    """
+    with _owned_lock:
+        _owned[proc.pid] = proc
+
+
+def _owned_pids() -> set[int]:
+    """Pids whose status a ``Popen`` has not collected yet (others are forgotten: the pid may be reused)."""
+    with _owned_lock:
+        for pid in [pid for pid, proc in _owned.items() if proc.returncode is not None]:
+            del _owned[pid]
+        return set(_owned)
 
 
 def become_subreaper() -> None:
@@ -67,6 +95,7 @@ class WorkerGroup:
                 start_new_session=True,
                 preexec_fn=_child_setup,  # noqa: PLW1509 - only calls prctl
             )
+            own(proc)
             self.procs.append(proc)
             prefix = self._policy.prefix(label, local_rank)
             pumps = []
@@ -135,20 +164,26 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-def reap_orphans(keep: Sequence[int] = ()) -> None:
-    """Reap zombie children that no ``Popen`` owns (descendants reparented to us).
+def reap_orphans(keep: Sequence[int] = ()) -> list[int]:
+    """Reap zombie children that no ``Popen`` owns (descendants reparented to us); return their pids.
 
-    ``keep``: pids owned by a ``Popen`` elsewhere (the embedded etcd), whose status is theirs.
+    Workers (registered with :func:`own`) are never reaped here, whatever their state.
+    ``keep``: further pids owned by a ``Popen`` elsewhere (the embedded etcd).
     """
     try:
         children = psutil.Process().children()
     except psutil.NoSuchProcess:
-        return
+        return []
+    # Workers are spawned on the thread that calls this (the event loop's), so none of them is
+    # between fork and own() while this runs.
+    skip = _owned_pids() | set(keep)
+    reaped = []
     for child in children:
-        if child.pid in keep:
+        if child.pid in skip:
             continue
         try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
+            if child.status() == psutil.STATUS_ZOMBIE and os.waitpid(child.pid, os.WNOHANG)[0] == child.pid:
+                reaped.append(child.pid)
         except (psutil.NoSuchProcess, ChildProcessError):
             pass
+    return reaped

@@ -14,13 +14,14 @@ from typing import Any
 
 import typer
 
-from rlaunch.cli.options import ENDPOINT, JOB_ID, fail
+from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, USER, connection, fail
 from rlaunch.controller.planner import is_ready
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import DrainRequest, Event, decode, encode
+from rlaunch.store.security import EtcdSecurity
 
 #: How often the command re-reads the job while it waits (bounded by --timeout).
 POLL_S = 0.2
@@ -52,9 +53,11 @@ def check_drain(snap: JobSnapshot, node_id: str, job_id: str, wait: bool) -> Non
         )
 
 
-async def _drain(endpoint: str, job_id: str, node_id: str, wait: bool, timeout: float) -> dict[str, Any]:
+async def _drain(
+    endpoint: str, job_id: str, node_id: str, wait: bool, timeout: float, security: EtcdSecurity | None = None
+) -> dict[str, Any]:
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     try:
         await store.connect(min(timeout, 10.0))
         snap = await read_snapshot(store, keys)
@@ -113,21 +116,26 @@ def drain(
     rdzv_id: str = JOB_ID,
     wait: bool = typer.Option(False, "--wait", help="Wait for a ready standby instead of refusing."),
     timeout: float = typer.Option(300.0, "--timeout", help="Longest wait, in seconds, for the node to be drained."),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Move NODE's ranks to a ready standby while the job keeps running, then retire NODE."""
     try:
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is not valid: give a positive number of seconds.")
-        result = asyncio.run(_drain(rdzv_endpoint, rdzv_id, node, wait, timeout))
+        _, security = connection(rdzv_endpoint, cacert, cert, key, user)
+        result = asyncio.run(_drain(rdzv_endpoint, rdzv_id, node, wait, timeout, security))
     except RlaunchError as exc:
         fail(exc)
     extra = f"; downtime {result['downtime_ms']:.0f} ms" if "downtime_ms" in result else ""
     print(f"node {node} drained: its ranks moved to {result['replaced_by']} (generation {result['generation']}){extra}")
 
 
-async def _undrain(endpoint: str, job_id: str, node_id: str) -> None:
+async def _undrain(endpoint: str, job_id: str, node_id: str, security: EtcdSecurity | None = None) -> None:
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     try:
         await store.connect(10.0)
         if await store.get(keys.drained(node_id)) is None:
@@ -141,10 +149,15 @@ def undrain(
     node: str = typer.Argument(..., help="The drained node."),
     rdzv_endpoint: str = ENDPOINT,
     rdzv_id: str = JOB_ID,
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Let a drained NODE rejoin the job; started again, its agent joins as a standby."""
     try:
-        asyncio.run(_undrain(rdzv_endpoint, rdzv_id, node))
+        _, security = connection(rdzv_endpoint, cacert, cert, key, user)
+        asyncio.run(_undrain(rdzv_endpoint, rdzv_id, node, security))
     except RlaunchError as exc:
         fail(exc)
     print(f"node {node} may rejoin job {rdzv_id} as a standby")

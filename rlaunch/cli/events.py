@@ -8,11 +8,12 @@ import json
 
 import typer
 
-from rlaunch.cli.options import ENDPOINT, JOB_ID, fail
+from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, USER, connection, fail
 from rlaunch.errors import RecordError, RlaunchError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
+from rlaunch.store.security import EtcdSecurity
 
 
 def human(value: object) -> str:
@@ -35,9 +36,11 @@ def format_event(ev: Event) -> str:
     return f"{when} gen {ev.generation:<3} {ev.node_id:<12} {ev.kind:<20} {data}"
 
 
-async def _events(endpoint: str, job_id: str, follow: bool, as_json: bool) -> None:
+async def _events(
+    endpoint: str, job_id: str, follow: bool, as_json: bool, security: EtcdSecurity | None = None
+) -> None:
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
 
     def show(raw: bytes, key: str) -> None:
         try:
@@ -65,10 +68,15 @@ def events(
     rdzv_id: str = JOB_ID,
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until interrupted."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Show a job's events: joins, generations, restarts, migrations (with their downtime)."""
     try:
-        asyncio.run(_events(rdzv_endpoint, rdzv_id, follow, as_json))
+        _, security = connection(rdzv_endpoint, cacert, cert, key, user)
+        asyncio.run(_events(rdzv_endpoint, rdzv_id, follow, as_json, security))
     except RlaunchError as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import typer
 
 from rlaunch.agent.agent import Agent
 from rlaunch.agent.config import LaunchConfig, build_config, launch_notes
-from rlaunch.cli.options import fail, setup_logging
+from rlaunch.cli.options import CACERT, CERT, KEY, USER, fail, setup_logging
 from rlaunch.cli.static import launch_static
 from rlaunch.errors import RlaunchError
 from rlaunch.store.client import parse_endpoints
@@ -37,7 +37,12 @@ def run(
     script_args: list[str] = typer.Argument(None, help="Arguments passed to the script."),
     nnodes: str = _opt("1", "--nnodes", help="Number of active nodes; nodes beyond it join as warm standbys."),
     nproc_per_node: str = _opt("1", "--nproc-per-node", help="Workers per node: a number, or cpu, gpu, auto."),
-    rdzv_endpoint: str = _opt("", "--rdzv-endpoint", help="etcd endpoint(s) host:port[,...]; none: an embedded etcd."),
+    rdzv_endpoint: str = _opt(
+        "",
+        "--rdzv-endpoint",
+        env="ETCDCTL_ENDPOINTS",
+        help="etcd endpoint(s) [https://]host:port[,...] (or ETCDCTL_ENDPOINTS); none: an embedded etcd.",
+    ),  # fmt: skip
     rdzv_id: str = _opt("none", "--rdzv-id", help="The job id; every key of the job lives under it."),
     rdzv_conf: str = _opt("", "--rdzv-conf", help="key=value,...; join_timeout overrides --rdzv-timeout."),
     rdzv_backend: str = _opt(
@@ -133,6 +138,10 @@ def run(
         "0: off.",
         env=False,
     ),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Launch SCRIPT on this node as one agent of the job (torchrun's flags and semantics)."""
     setup_logging()
@@ -148,6 +157,7 @@ def run(
             metrics_port=metrics_port,
             node_rank=node_rank, master_addr=master_addr, rdzv_backend=rdzv_backend, role=role,
             log_line_prefix_template=log_line_prefix_template, start_method=start_method, run_path=run_path,
+            etcd_cacert=cacert, etcd_cert=cert, etcd_key=key, etcd_user=user,
         )  # fmt: skip
         for note in launch_notes(rdzv_endpoint, rdzv_backend, node_rank, master_addr):
             log.warning("%s", note)
@@ -163,12 +173,13 @@ def launch(cfg: LaunchConfig) -> int:
         return launch_static(cfg)
     if cfg.endpoints is not None:
         return asyncio.run(Agent(cfg, cfg.endpoints).run())
-    with EmbeddedEtcd() as etcd:
+    with EmbeddedEtcd(secure=True) as etcd:
         log.info(
-            "started an embedded etcd at %s; other nodes join with --rdzv-endpoint %s --rdzv-id %s",
-            etcd.endpoint,
-            etcd.endpoint,
+            "started an embedded etcd at %s (mutual TLS: only this user can read its certificates); "
+            "agents of this user on this machine join with %s --rdzv-id %s",
+            etcd.url,
+            etcd.join_flags(),
             cfg.job_id,
         )
-        assert etcd.proc is not None
-        return asyncio.run(Agent(cfg, parse_endpoints(etcd.endpoint), keep_pids=(etcd.proc.pid,)).run())
+        agent = Agent(cfg, parse_endpoints(etcd.url), keep_pids=etcd.pids, security=etcd.security)
+        return asyncio.run(agent.run())

@@ -14,11 +14,12 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from rlaunch.cli.options import ENDPOINT, JOB_ID, TIMEOUT, fail
+from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, TIMEOUT, USER, connection, fail
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.errors import RlaunchError, StoreError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
+from rlaunch.store.security import EtcdSecurity
 
 
 def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]]) -> dict[str, Any]:
@@ -63,9 +64,11 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
     }
 
 
-async def fetch_status(endpoint: str, job_id: str, timeout: float) -> dict[str, Any] | None:
+async def fetch_status(
+    endpoint: str, job_id: str, timeout: float, security: EtcdSecurity | None = None
+) -> dict[str, Any] | None:
     """The status object, or None when etcd holds no such job."""
-    store = Store(parse_endpoints(endpoint), timeout=min(timeout, 5.0))
+    store = Store(parse_endpoints(endpoint), timeout=min(timeout, 5.0), security=security)
     keys = JobKeys(job_id)
     try:
         await store.connect(timeout)
@@ -142,12 +145,17 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     watch: bool = typer.Option(False, "--watch", help="Refresh every second until interrupted."),
     timeout: float = TIMEOUT,
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Show a job's generation, controller and nodes."""
     console = Console()
     try:
+        _, security = connection(rdzv_endpoint, cacert, cert, key, user)
         while True:
-            result = asyncio.run(fetch_status(rdzv_endpoint, rdzv_id, timeout))
+            result = asyncio.run(fetch_status(rdzv_endpoint, rdzv_id, timeout, security))
             if result is None:
                 print(
                     f"rlaunch: no job {rdzv_id!r} exists in etcd at {rdzv_endpoint}; check --rdzv-id.",

@@ -4,15 +4,27 @@ Only this module imports aetcd. Every call carries a timeout (a server that acce
 never answers would otherwise hang for 20 s), tries the next endpoint when one is unreachable,
 and translates client exceptions into :class:`~rlaunch.errors.StoreError` subclasses whose
 messages name the endpoint.
+
+The channel is TLS when :class:`~rlaunch.store.security.EtcdSecurity` says so (aetcd itself only
+opens plaintext channels, hence :class:`_Client`), and user credentials are sent once per
+connection; a token etcd no longer knows (it restarted) is renewed on the spot. A failed TLS
+handshake or a refused user is a :class:`~rlaunch.errors.StoreAccessError` at once, with a
+sentence naming the problem, not a retry until the deadline. A call that fails or times out
+never closes the connection that the other calls and the watches share: gRPC reconnects on its
+own (with short backoff, and keepalive pings that notice a dead peer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 # gRPC logs an INFO line on every fork() while a channel is open (each worker spawn).
@@ -21,9 +33,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd  # noqa: E402
 import aetcd.exceptions  # noqa: E402
+import aetcd.rpc  # noqa: E402
+import aetcd.watcher  # noqa: E402
+import grpc  # noqa: E402
 from prometheus_client import Histogram  # noqa: E402
 
-from rlaunch.errors import StoreError, StoreUnavailableError, UsageError
+from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
+from rlaunch.store.security import EtcdSecurity  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,32 +49,43 @@ REQUEST_SECONDS = Histogram(
     "rlaunch_etcd_request_seconds", "Latency of etcd requests (one try at one endpoint).", registry=None,
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )  # fmt: skip
+#: gRPC channel options: reconnect within a second once etcd is back (the default backoff grows
+#: to two minutes), and ping an idle connection so that a peer gone silent is noticed.
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
     host: str
     port: int
+    #: "http", "https", or "" when the endpoint was written without a scheme
+    scheme: str = dataclasses.field(default="", compare=False)
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
 
 
 def parse_endpoints(text: str) -> list[Endpoint]:
-    """Parse ``host:port[,host:port...]`` (an ``http://`` scheme is tolerated)."""
+    """Parse ``[scheme://]host:port[,...]``; the scheme (http or https) is kept on each endpoint."""
     out = []
     for part in text.split(","):
         part = part.strip()
-        for scheme in ("http://", "https://"):
-            if part.startswith(scheme):
-                part = part[len(scheme) :]
+        scheme = ""
+        for name in ("http", "https"):
+            if part.startswith(name + "://"):
+                scheme, part = name, part[len(name) + 3 :]
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(
                 f"The rendezvous endpoint {text!r} is not valid: write it as host:port, "
-                "several separated by commas (for example 127.0.0.1:2379)."
+                "several separated by commas (for example 127.0.0.1:2379, or https://etcd-a:2379 for TLS)."
             )
-        out.append(Endpoint(host.strip("[]"), int(port)))
+        out.append(Endpoint(host.strip("[]"), int(port), scheme))
     return out
 
 
@@ -91,6 +118,164 @@ def _kv(raw: Any) -> KV:
     )
 
 
+class _Client(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client, over a TLS channel when ``credentials`` are given, with token renewal."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: int,
+        credentials: grpc.ChannelCredentials | None,
+        username: str | None,
+        password: str | None,
+    ) -> None:
+        super().__init__(
+            host=host, port=port, username=username, password=password, timeout=timeout, options=CHANNEL_OPTIONS
+        )
+        self._credentials = credentials
+        self._is_connecting: bool = False
+        self._watcher: aetcd.watcher.Watcher | None = None
+
+    async def connect(self) -> None:
+        # aetcd's connect(), with the channel made secure when asked and auth errors translated.
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            options = list(self._options.items())
+            if self._credentials is not None:
+                self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+            else:
+                self.channel = grpc.aio.insecure_channel(target, options=options)
+            if self._username is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                await self.authenticate()
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self.reset_watcher()
+            self._connected.set()
+        except BaseException:
+            if self.channel is not None:
+                await self.channel.close()
+            self._init_channel_attrs()
+            raise
+        finally:
+            self._is_connecting = False
+
+    async def authenticate(self) -> None:
+        """Get a fresh token for the user (etcd forgets tokens when it restarts)."""
+        request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+        try:
+            reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+        except aetcd.rpc.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+        self.metadata = (("token", reply.token),)
+        if self._watcher is not None:
+            self._watcher._metadata = self.metadata
+
+    def reset_watcher(self) -> None:
+        """A new watch stream for later watches (after the old one broke), on the same channel."""
+        self._watcher = aetcd.watcher.Watcher(
+            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+
+
+def _credentials(security: EtcdSecurity) -> grpc.ChannelCredentials | None:
+    if not security.tls:
+        return None
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"The TLS file {path!r} could not be read ({exc.strerror}); check the path.") from exc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(security.cacert), private_key=read(security.key), certificate_chain=read(security.cert)
+    )
+
+
+def access_problem(ep: Endpoint, security: EtcdSecurity, error: str) -> str | None:
+    """The sentence for a client error that retrying cannot fix (TLS, credentials), else None."""
+    low = error.lower()
+    if "certificate_verify_failed" in low:
+        roots = f"the CA in --cacert {security.cacert}" if security.cacert else "the system's root certificates"
+        return (
+            f"etcd at {ep} presented a TLS certificate that {roots} cannot verify; pass --cacert with the CA "
+            "that signed etcd's certificate (etcd's --trusted-ca-file or the CA of its --cert-file)."
+        )
+    if "not in peer certificate" in low or "peer name" in low:
+        return (
+            f"etcd at {ep} presented a TLS certificate that is not valid for the host {ep.host!r}; "
+            "connect to a name or address listed in the certificate."
+        )
+    if "alert_bad_certificate" in low or "alert_unknown_ca" in low or "certificate_required" in low:
+        if security.cert:
+            return (
+                f"etcd at {ep} rejected this client's TLS certificate {security.cert}; give a --cert and --key "
+                "signed by a CA that etcd trusts (its --trusted-ca-file)."
+            )
+        return (
+            f"etcd at {ep} requires a TLS client certificate; pass --cert and --key (or ETCDCTL_CERT and ETCDCTL_KEY)."
+        )
+    if security.tls and "handshake" in low:
+        return (
+            f"etcd at {ep} did not complete a TLS handshake; it may serve plaintext: check the endpoint's "
+            "scheme (http:// or https://) and etcd's --listen-client-urls."
+        )
+    if "authentication failed" in low:
+        return (
+            f"etcd at {ep} rejected the user name or password of user {security.user!r}; check --user "
+            "USER:PASSWORD (or ETCDCTL_USER and ETCDCTL_PASSWORD)."
+        )
+    if "user name is empty" in low:
+        return f"etcd at {ep} has authentication enabled; pass --user USER:PASSWORD (or set ETCDCTL_USER)."
+    if "permission denied" in low and not security.user:
+        return (
+            f"etcd at {ep} refused this client access to rlaunch's keys: it has authentication enabled and "
+            "no user was given (etcd then takes a client certificate's common name as the user); pass --user "
+            "USER:PASSWORD (or set ETCDCTL_USER)."
+        )
+    if "permission denied" in low:
+        who = f"user {security.user!r}"
+        return (
+            f"etcd at {ep} denied {who} access to rlaunch's keys; grant its role read and write on the "
+            "prefix /rlaunch/ (etcdctl role grant-permission ROLE readwrite /rlaunch/ --prefix)."
+        )
+    if "authentication is not enabled" in low:
+        return f"etcd at {ep} has authentication disabled, so --user {security.user!r} cannot be used; drop --user."
+    return None
+
+
+def _speaks_tls(ep: Endpoint, timeout: float) -> bool:
+    """Whether ``ep`` answers a TLS client hello (asked only when a plaintext connection is closed on us)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout) as raw, ctx.wrap_socket(raw) as tls:
+            return tls.version() is not None
+    except ssl.SSLError as exc:
+        # A server that asks for a client certificate may end the handshake with an alert: still TLS.
+        return "alert" in str(exc).lower()
+    except OSError:
+        return False
+
+
+def _renews_token(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "invalid auth token" in text or "auth store is old" in text
+
+
 class Store:
     """An etcd v3 client for one job's agent, CLI command or test.
 
@@ -98,13 +283,23 @@ class Store:
     nothing from aetcd or grpc escapes.
     """
 
-    def __init__(self, endpoints: list[Endpoint], timeout: float = 5.0) -> None:
+    def __init__(self, endpoints: list[Endpoint], timeout: float = 5.0, security: EtcdSecurity | None = None) -> None:
         if not endpoints:
             raise UsageError("At least one etcd endpoint is needed.")
         self.endpoints = endpoints
         self.timeout = timeout
+        self.security = security or EtcdSecurity()
+        if self.security.tls and any(e.scheme == "http" for e in endpoints):
+            raise UsageError("TLS was asked for, but the etcd endpoints are http://; write them as https://.")
+        if self.security.user and not self.security.tls:
+            log.warning(
+                "the password of etcd user %r goes to etcd at %s in plaintext; use https:// endpoints",
+                self.security.user,
+                self._describe(),
+            )
+        self._credentials = _credentials(self.security)
         self._index = 0
-        self._client: aetcd.Client | None = None
+        self._clients: dict[int, _Client] = {}
 
     @property
     def endpoint(self) -> Endpoint:
@@ -114,16 +309,31 @@ class Store:
         return ", ".join(str(e) for e in self.endpoints)
 
     async def connect(self, deadline_s: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-        """Wait until some endpoint answers a status request, for at most ``deadline_s``."""
+        """Wait until some endpoint answers a status request, for at most ``deadline_s``.
+
+        A TLS or credentials problem ends the wait at once with :class:`StoreAccessError`.
+        """
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         last: Exception | None = None
+        probed = False
         while True:
             try:
                 await self._call(lambda c: c.status())
                 return
+            except StoreAccessError:
+                raise
             except StoreError as exc:
                 last = exc
+            if not self.security.tls and not probed and "socket closed" in str(last.__cause__).lower():
+                probed = True
+                ep = self.endpoint
+                if await asyncio.to_thread(_speaks_tls, ep, min(2.0, self.timeout)):
+                    raise StoreAccessError(
+                        f"etcd at {ep} serves TLS, but this client was set up for plaintext; write the endpoint "
+                        f"as https://{ep} and pass --cacert (and --cert and --key if etcd asks for a client "
+                        "certificate)."
+                    ) from last
             remaining = end - loop.time()
             if remaining <= 0:
                 break
@@ -136,38 +346,66 @@ class Store:
         ) from last
 
     async def close(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             try:
                 await asyncio.wait_for(client.close(), self.timeout)
             except Exception:  # noqa: BLE001 - closing a broken channel is best effort
                 log.debug("closing the etcd client failed", exc_info=True)
 
-    def _open(self) -> aetcd.Client:
-        if self._client is None:
+    def _open(self) -> _Client:
+        client = self._clients.get(self._index)
+        if client is None:
             ep = self.endpoint
             # aetcd takes whole seconds for its per-request timeout.
-            self._client = aetcd.Client(host=ep.host, port=ep.port, timeout=max(1, round(self.timeout)))
-        return self._client
+            client = _Client(
+                ep.host, ep.port, max(1, round(self.timeout)), self._credentials,
+                self.security.user, self.security.password,
+            )  # fmt: skip
+            self._clients[self._index] = client
+        return client
 
-    async def _call(self, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run ``fn`` against the current endpoint, moving on to the next when unreachable."""
+    def _next_endpoint(self, ep: Endpoint, exc: Exception) -> None:
+        if len(self.endpoints) > 1 and self.endpoint == ep:
+            self._index = (self._index + 1) % len(self.endpoints)
+            log.debug("etcd at %s failed (%r); trying the next endpoint", ep, exc)
+
+    async def _call(self, fn: Callable[[_Client], Awaitable[T]]) -> T:
+        """Run ``fn`` against the current endpoint, moving on to the next when unreachable.
+
+        A failure never closes a client: other tasks' calls and watches share it.
+        """
         last: Exception | None = None
-        for _ in range(len(self.endpoints)):
+        renewed = False
+        attempts = len(self.endpoints)
+        while attempts > 0:
+            attempts -= 1
             ep = self.endpoint
+            client = self._open()
             try:
                 with REQUEST_SECONDS.time():
-                    return await asyncio.wait_for(fn(self._open()), self.timeout + 1.0)
+                    return await asyncio.wait_for(fn(client), self.timeout + 1.0)
             except (
                 aetcd.exceptions.ConnectionFailedError,
                 aetcd.exceptions.ConnectionTimeoutError,
                 asyncio.TimeoutError,
             ) as exc:
+                problem = access_problem(ep, self.security, str(exc))
+                if problem:
+                    raise StoreAccessError(problem) from exc
                 last = exc
-                await self.close()
-                self._index = (self._index + 1) % len(self.endpoints)
-                log.debug("etcd at %s failed (%r); trying the next endpoint", ep, exc)
+                self._next_endpoint(ep, exc)
             except aetcd.exceptions.ClientError as exc:
+                if not renewed and self.security.user and _renews_token(exc):
+                    # etcd restarted and forgot the token: log in again and retry once.
+                    renewed = True
+                    attempts += 1
+                    with contextlib.suppress(aetcd.exceptions.ClientError, asyncio.TimeoutError):
+                        await asyncio.wait_for(client.authenticate(), self.timeout)
+                    continue
+                problem = access_problem(ep, self.security, str(exc))
+                if problem:
+                    raise StoreAccessError(problem) from exc
                 raise StoreError(f"etcd at {ep} refused the request: {exc}.") from exc
         reason = (
             "did not answer in time"
@@ -297,15 +535,19 @@ class Store:
     # -- watches ------------------------------------------------------------------------------
 
     async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield changes under ``prefix``; raises :class:`StoreError` when the stream breaks."""
+        """Yield changes under ``prefix``; raises :class:`StoreError` when the stream breaks.
+
+        A broken stream gets a new one at the next watch; the connection itself stays open.
+        """
+        ep = self.endpoint
+        client = self._open()
         try:
-            client = self._open()
             watch = await asyncio.wait_for(
                 client.watch_prefix(prefix.encode(), start_revision=start_revision), self.timeout
             )
         except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
-            await self.close()
-            raise StoreUnavailableError(f"etcd at {self.endpoint} refused a watch on {prefix}: {exc!r}.") from exc
+            self._watch_failed(client, ep, exc)
+            raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
             async for ev in watch:
                 yield WatchEvent(
@@ -315,10 +557,20 @@ class Store:
                     mod_revision=ev.kv.mod_revision,
                 )
         except aetcd.exceptions.ClientError as exc:
-            await self.close()
-            raise StoreUnavailableError(f"The watch on etcd at {self.endpoint} broke: {exc!r}.") from exc
+            self._watch_failed(client, ep, exc)
+            raise StoreUnavailableError(f"The watch on etcd at {ep} broke: {exc!r}.") from exc
         finally:
             try:
                 await asyncio.wait_for(watch.cancel(), 1.0)
             except Exception:  # noqa: BLE001 - the stream may already be gone
                 pass
+
+    def _watch_failed(self, client: _Client, ep: Endpoint, exc: BaseException) -> None:
+        problem = access_problem(ep, self.security, str(exc))
+        if problem:
+            raise StoreAccessError(problem) from exc
+        if client.channel is not None:
+            # aetcd's watcher may be left holding a dead stream task: later watches get a new one.
+            client.reset_watcher()
+        if isinstance(exc, (aetcd.exceptions.ConnectionFailedError, asyncio.TimeoutError)):
+            self._next_endpoint(ep, exc)

@@ -145,9 +145,16 @@ def test_rdzv_conf_without_join_timeout_keeps_rdzv_timeout(script: Path) -> None
 
 
 def test_endpoints_are_parsed(script: Path) -> None:
-    cfg = config(script, rdzv_endpoint="10.0.0.1:2379,http://etcd-b:2380, https://[::1]:2381")
+    cfg = config(script, rdzv_endpoint="10.0.0.1:2379,http://etcd-b:2380, http://[::1]:2381")
     assert cfg.endpoints == [Endpoint("10.0.0.1", 2379), Endpoint("etcd-b", 2380), Endpoint("::1", 2381)]
     assert [str(e) for e in cfg.endpoints] == ["10.0.0.1:2379", "etcd-b:2380", "::1:2381"]
+    assert [e.scheme for e in cfg.endpoints] == ["", "http", "http"]
+    assert not cfg.etcd_security.tls
+
+
+def test_https_endpoints_turn_tls_on(script: Path) -> None:
+    cfg = config(script, rdzv_endpoint="https://etcd-a:2379,https://etcd-b:2379")
+    assert cfg.etcd_security.tls and cfg.etcd_security.cacert is None
 
 
 def test_standalone_ignores_the_endpoint(script: Path) -> None:
