@@ -31,6 +31,7 @@ from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.metrics import AgentMetrics
+from rlaunch.agent.progress import ProgressReporter, progress_every_s
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
@@ -158,11 +159,13 @@ class Agent:
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
+            progress = ProgressReporter(self.metrics.registry, self.node_id, self.events.emit, progress_every_s())
             tasks = [
                 loop.create_task(self._watch_gpus()),
                 loop.create_task(self._keepalive()),
                 loop.create_task(self._watch()),
                 loop.create_task(controller.run(self._stop, self._ctl_wake)),
+                loop.create_task(progress.run(lambda: self._worker_gen, self._stop)),
             ]
             return await self._loop()
         finally:
