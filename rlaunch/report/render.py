@@ -103,25 +103,30 @@ def steps_figure(tl: Timeline) -> go.Figure:
         rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
         subplot_titles=("Step time (median of the node's ranks)", "Goodput (time in applied steps / wall time)"),
     )  # fmt: skip
+    usual = usual_interval(tl)
     for n, node in enumerate(tl.nodes):
         colour = NODE_COLOURS[n % len(NODE_COLOURS)]
         prog = [p for p in tl.points if p.node == node and p.source == "progress"]
         if prog:
-            custom = [[p.generation, p.steps, p.applied] for p in prog]
+            xs, ys = gapped([p.time - t0 for p in prog], [p.step_s * 1000 for p in prog], usual)
+            custom: list[list[int | None]] = [[p.generation, p.steps, p.applied] for p in prog]
+            for k, x in enumerate(xs):
+                if x is None:
+                    custom.insert(k, [None, None, None])
             fig.add_trace(
                 go.Scatter(
-                    name=f"{node}", legendgroup=node, mode="lines+markers", x=[p.time - t0 for p in prog],
-                    y=[p.step_s * 1000 for p in prog], line={"color": colour}, marker={"size": 5}, customdata=custom,
+                    name=f"{node}", legendgroup=node, mode="lines+markers", x=xs,
+                    y=ys, line={"color": colour}, marker={"size": 5}, customdata=custom,
                     hovertemplate=f"{node}: %{{y:.1f}} ms per step at %{{x:.1f}} s<br>generation %{{customdata[0]}}, "
                     "%{customdata[1]} steps since the last report, last applied step %{customdata[2]}<extra></extra>",
                 ),
                 row=1, col=1,
             )  # fmt: skip
             good = [p for p in prog if p.goodput is not None]
+            xs, ys = gapped([p.time - t0 for p in good], [(p.goodput or 0.0) * 100 for p in good], usual)
             fig.add_trace(
                 go.Scatter(
-                    name=f"{node} goodput", legendgroup=node, showlegend=False, mode="lines+markers",
-                    x=[p.time - t0 for p in good], y=[(p.goodput or 0.0) * 100 for p in good],
+                    name=f"{node} goodput", legendgroup=node, showlegend=False, mode="lines+markers", x=xs, y=ys,
                     line={"color": colour}, marker={"size": 5},
                     hovertemplate=f"{node}: goodput %{{y:.1f}} % at %{{x:.1f}} s<extra></extra>",
                 ),
@@ -149,6 +154,29 @@ def steps_figure(tl: Timeline) -> go.Figure:
         legend={"orientation": "h", "y": -0.14, "title": {"text": "node "}}, hovermode="closest",
     )  # fmt: skip
     return fig
+
+
+def usual_interval(tl: Timeline) -> float:
+    """The median time between two progress reports of one node (0 if unknown)."""
+    gaps: list[float] = []
+    for node in tl.nodes:
+        times = [p.time for p in tl.points if p.node == node and p.source == "progress"]
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    return sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+
+
+def gapped(xs: list[float], ys: list[float], usual: float) -> tuple[list[float | None], list[float | None]]:
+    """The points with a break (None) where the reports stopped for a while (more than 2.5 times the
+    ``usual`` interval: a recovery, a restart), so that no line is drawn across the outage."""
+    out_x: list[float | None] = []
+    out_y: list[float | None] = []
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i and usual > 0 and x - xs[i - 1] > 2.5 * usual:
+            out_x.append(None)
+            out_y.append(None)
+        out_x.append(x)
+        out_y.append(y)
+    return out_x, out_y
 
 
 def _x_range(tl: Timeline) -> list[float]:

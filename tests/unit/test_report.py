@@ -171,6 +171,13 @@ def test_a_page_without_step_times_says_so() -> None:
     assert 'id="rlaunch-steps"' in page and "No step times in these events" in page
 
 
+def test_lines_break_where_the_reports_stopped(tl: timeline.Timeline) -> None:
+    xs, ys = render.gapped([0.0, 1.0, 2.0, 3.0, 10.0, 11.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], usual=1.0)
+    assert xs == [0.0, 1.0, 2.0, 3.0, None, 10.0, 11.0] and ys == [1.0, 2.0, 3.0, 4.0, None, 5.0, 6.0]
+    assert render.gapped([0.0, 9.0], [1.0, 2.0], usual=0.0) == ([0.0, 9.0], [1.0, 2.0])
+    assert render.usual_interval(tl) == 0.0  # one report per node: no interval known
+
+
 def test_durations_read_as_people_write_them() -> None:
     assert [render.duration(s) for s in (None, 0.0241, 9.582, 200.0, 7500.0)] == [
         "n/a", "24 ms", "9.58 s", "3 min 20 s", "2 h 05 min",
