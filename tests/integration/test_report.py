@@ -77,6 +77,9 @@ def test_report_of_a_real_job_with_a_drain_and_a_fault(job: Cluster, tmp_path: P
     assert {"a", "b", "c"} <= by_node, by_node  # b before its drain, c after it
     assert all(float(p["step_s"]) > 0 for p in progress)
     assert any(p["source"] == "switched" for p in progress)
+    for node in by_node:  # a few records a minute, never one per step (here every second, as asked)
+        times = [float(p["time_unix"]) for p in progress if p["node"] == node and p["source"] == "progress"]
+        assert all(b - a >= 0.9 for a, b in zip(times, times[1:], strict=False)), (node, times)
     rows = list(csv.DictReader((out / "csv" / "r-events.csv").open()))
     assert sum(e["kind"] == "progress" for e in rows) == len([p for p in progress if p["source"] == "progress"])
 
