@@ -19,6 +19,8 @@ from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
 from tests.cluster import REPO, Cluster, run_store, wait_for
 
+pytestmark = pytest.mark.timeout(480)  # a real job with a warm-up, a drain and a fault, on a shared machine
+
 RESILIENT = REPO / "examples" / "train_resilient.py"
 ARGS = ("--steps", "100000", "--step-time", "0.05")  # runs until the test has what it needs
 
