@@ -136,6 +136,7 @@ class Agent:
         self.events.start()
         self.metrics = AgentMetrics(self.node_id, self.cfg.nproc_per_node)
         self.events.observers.append(self.metrics.on_event)
+        progress = ProgressReporter(self.metrics.registry, self.node_id, self.events.emit, progress_every_s())
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
@@ -159,7 +160,6 @@ class Agent:
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
-            progress = ProgressReporter(self.metrics.registry, self.node_id, self.events.emit, progress_every_s())
             tasks = [
                 loop.create_task(self._watch_gpus()),
                 loop.create_task(self._keepalive()),
