@@ -171,6 +171,13 @@ def test_a_page_without_step_times_says_so() -> None:
     assert 'id="rlaunch-steps"' in page and "No step times in these events" in page
 
 
+def test_a_job_that_never_started_still_has_a_page() -> None:
+    tl = timeline.build("j", [ev(0.0, "a", "node_joined")])
+    assert (tl.outcome, tl.generations, tl.incidents, tl.summary()["goodput"]) == ("unknown", (), (), None)
+    assert [(s.node, s.state) for s in tl.segments] == [("a", "waiting")]
+    assert 'id="rlaunch-timeline"' in render.render_html(tl)
+
+
 def test_lines_break_where_the_reports_stopped(tl: timeline.Timeline) -> None:
     xs, ys = render.gapped([0.0, 1.0, 2.0, 3.0, 10.0, 11.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], usual=1.0)
     assert xs == [0.0, 1.0, 2.0, 3.0, None, 10.0, 11.0] and ys == [1.0, 2.0, 3.0, 4.0, None, 5.0, 6.0]
