@@ -30,7 +30,7 @@ STATE_COLOURS = {
     "failed": "#e53935",
     "stopping": "#616161",
 }
-INCIDENT_COLOURS = {"drain": "#8e24aa", "recovery": "#e53935", "restart": "#fb8c00"}
+INCIDENT_COLOURS = {"drain": "#8e24aa", "migration": "#5e35b1", "recovery": "#e53935", "restart": "#fb8c00"}
 #: Node colours for the step-time and goodput lines.
 NODE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 CONFIG = {"displaylogo": False, "responsive": True}
@@ -217,9 +217,10 @@ def _cards(tl: Timeline) -> str:
     step = "n/a" if s["median_step_s"] is None else f"{s['median_step_s'] * 1000:.1f} ms"
     cards: list[tuple[str, Any]] = [
         ("outcome", s["outcome"]), ("wall time", duration(s["wall_s"])), ("nodes", s["nodes"]),
-        ("generations", s["generations"]), ("drains", s["drains"]), ("recoveries", s["recoveries"]),
-        ("restarts", s["restarts"]), ("findings", s["findings"]), ("total downtime", duration(s["downtime_s"])),
-        ("median downtime", duration(s["median_downtime_s"])), ("median step", step), ("goodput (last)", goodput),
+        ("generations", s["generations"]), ("drains", s["drains"]), ("straggler moves", s["migrations"]),
+        ("recoveries", s["recoveries"]), ("restarts", s["restarts"]), ("findings", s["findings"]),
+        ("total downtime", duration(s["downtime_s"])), ("median downtime", duration(s["median_downtime_s"])),
+        ("median step", step), ("goodput (last)", goodput),
     ]  # fmt: skip
     return "".join(
         f'<div class="card"><div class="v">{html.escape(str(v))}</div><div class="k">{html.escape(k)}</div></div>'
@@ -255,7 +256,8 @@ text-align: left; vertical-align: top; }} th {{ background: #f5f5f5; }}
 <div class="cards" id="rlaunch-summary">{cards}</div>
 <h2>Timeline</h2>
 <div class="sub">Each node's state over time; dotted lines mark generations; shaded bands are drains (purple),
-recoveries (red) and restarts (orange), labelled with their downtime; ✕ marks a fault or finding.</div>
+straggler moves (indigo), recoveries (red) and restarts (orange), labelled with their downtime;
+✕ marks a fault or finding.</div>
 {timeline}
 <h2>Step time and goodput</h2>
 <div class="sub">From each agent's periodic <code>progress</code> event; diamonds are the step in which a

@@ -5,8 +5,8 @@ What the events say, arranged for a picture and for a table:
 - **generations**: each new generation the controller wrote (its plan, status and reason);
 - **segments**: each node's state over time, from its ``node_state`` events (the role follows
   from the state: active, standby, leaving, gone);
-- **incidents**: every drain (a ``migrate`` generation), live replacement after a fault
-  (``replace``) and restart (a ``restart`` generation after the first), with the downtime the
+- **incidents**: every drain (live, or by a restart for a script without the runtime), straggler
+  migration, live replacement after a fault (``replace``) and restart, with the downtime the
   workers measured when they reported one (``switched``'s ``downtime_ms``, ``recovered``'s
   ``seconds``), otherwise the time from the fault until the nodes ran again;
 - **findings**: the detectors' and agents' alarms (a failed worker, a lost node, a hang, a GPU fault,
@@ -156,6 +156,7 @@ class Timeline:
             "nodes": len(self.nodes),
             "generations": len(self.generations),
             "drains": sum(i.kind == "drain" for i in self.incidents),
+            "migrations": sum(i.kind == "migration" for i in self.incidents),
             "recoveries": sum(i.kind == "recovery" for i in self.incidents),
             "restarts": sum(i.kind == "restart" for i in self.incidents),
             "findings": len(self.findings),
@@ -253,12 +254,21 @@ def _incidents(events: list[Event], gens: list[GenerationMark]) -> list[Incident
         if first and g.plan == "restart" and g.restart_count == 0:
             previous_time = g.time
             continue
-        kind = INCIDENTS.get(g.plan, g.plan or "change")
+        kind = incident_kind(g)
         mine = [e for e in events if e.generation == g.number]
         before = [e for e in events if previous_time <= e.time <= g.time]
         out.append(_incident(kind, g, mine, before, events))
         previous_time = g.time
     return out
+
+
+def incident_kind(g: GenerationMark) -> str:
+    """What a new generation was for: a ``drain`` (asked for: live, or by restarting every worker
+    when the script does not use the runtime), a ``migration`` (a straggler moved), a ``recovery``
+    (failed ranks replaced live) or a ``restart``."""
+    if g.plan in ("migrate", "restart") and g.reason.startswith(("draining ", "straggler ")):
+        return "drain" if g.reason.startswith("draining ") else "migration"
+    return INCIDENTS.get(g.plan, g.plan or "change")
 
 
 def _incident(kind: str, g: GenerationMark, mine: list[Event], before: list[Event], events: list[Event]) -> Incident:
@@ -269,8 +279,9 @@ def _incident(kind: str, g: GenerationMark, mine: list[Event], before: list[Even
     joiners = sorted(
         {n for e in mine if e.kind in ("migration_offered", "replacement_offered") for n in e.data.get("joiners", [])}
     )
-    if kind == "drain":
-        requests = [e for e in before if e.kind == "drain_requested" and e.data.get("node") in leavers]
+    asked = [e for e in before if e.kind == "drain_requested"]
+    if g.plan == "migrate":
+        requests = [e for e in asked if e.data.get("node") in leavers]
         start = requests[-1].time if requests else g.time
         done = [e.time for e in mine if e.kind in ("drained", "switched", "joined")]
         end = max(done) if done else g.time
@@ -279,7 +290,8 @@ def _incident(kind: str, g: GenerationMark, mine: list[Event], before: list[Even
         ]
         sent = [e for e in mine if e.kind == "state_sent"]
         moved = sum(int(e.data.get("bytes", 0)) for e in sent)
-        detail = f"{', '.join(leavers) or '?'} → {', '.join(joiners) or '?'}"
+        detail = "straggler " if kind == "migration" else ""
+        detail += f"{', '.join(leavers) or '?'} → {', '.join(joiners) or '?'}"
         detail += f"; {_bytes(moved)} of state moved" if sent else ""
         downtime, measured = (max(switched), True) if switched else (end - start, False)
         return Incident(kind, g.number, start, end, tuple(leavers + joiners), downtime, measured, detail)
@@ -300,7 +312,10 @@ def _incident(kind: str, g: GenerationMark, mine: list[Event], before: list[Even
         return Incident(
             kind, g.number, start, end, tuple(sorted(set(leavers) | set(joiners))), downtime, measured, detail
         )
-    # A restart: every node of the new generation starts its workers again; it is over once all run.
+    # A restart (also a drain of a script without the runtime): every node of the new generation
+    # starts its workers again; it is over once all run.
+    if kind == "drain" and asked:
+        start = asked[-1].time
     running = _first_running(events, g)
     end = max(running.values()) if running and len(running) == len(g.assignment) else g.time
     detail = g.reason

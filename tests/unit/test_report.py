@@ -171,6 +171,32 @@ def test_a_page_without_step_times_says_so() -> None:
     assert 'id="rlaunch-steps"' in page and "No step times in these events" in page
 
 
+def test_a_straggler_move_and_a_drain_without_the_runtime_are_told_apart() -> None:
+    events = [
+        ev(0.0, "a", "generation", 1, plan="restart", status="running", reason="2 node(s) joined",
+           assignment={"a": 0, "b": 1}, restart_count=0),
+        ev(9.0, "a", "straggler", 1, node="b", compute_s={"a": 0.1, "b": 0.3}),
+        ev(10.0, "a", "generation", 2, plan="migrate", status="running", reason="straggler b: c takes node rank 1 live",
+           assignment={"a": 0, "c": 1}, restart_count=0),
+        ev(10.0, "c", "migration_offered", 2, role="joiner", leavers=["b"], joiners=["c"]),
+        ev(10.5, "a", "switched", 2, rank=0, downtime_ms=30.0, step_ms=130.0, median_ms=100.0),
+        ev(20.0, "cli", "drain_requested", 0, node="c"),
+        ev(20.5, "a", "generation", 3, plan="restart", status="running",
+           reason="draining c: b takes node rank 1 by restarting every worker (the script does not use rlaunch.init())",
+           assignment={"a": 0, "b": 1}, restart_count=0),
+        ev(23.0, "a", "node_state", 3, state="running", previous="restarting"),
+        ev(24.0, "b", "node_state", 3, state="running", previous="standby"),
+    ]  # fmt: skip
+    tl = timeline.build("j", events)
+    move, drain = tl.incidents
+    assert (move.kind, move.detail, move.downtime_s, move.measured) == ("migration", "straggler b → c", 0.03, True)
+    assert (drain.kind, drain.start, drain.end, drain.measured) == ("drain", T0 + 20.0, T0 + 24.0, False)
+    assert drain.downtime_s == pytest.approx(4.0) and drain.detail.startswith("draining c: b takes node rank 1")
+    s = tl.summary()
+    assert (s["drains"], s["migrations"], s["restarts"]) == (1, 1, 0)
+    assert [f.node for f in tl.findings] == ["b"]
+
+
 def test_a_job_that_never_started_still_has_a_page() -> None:
     tl = timeline.build("j", [ev(0.0, "a", "node_joined")])
     assert (tl.outcome, tl.generations, tl.incidents, tl.summary()["goodput"]) == ("unknown", (), (), None)
