@@ -31,6 +31,7 @@ from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.metrics import AgentMetrics
+from rlaunch.agent.progress import ProgressReporter, progress_every_s
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
@@ -142,6 +143,7 @@ class Agent:
         self.events.start()
         self.metrics = AgentMetrics(self.node_id, self.cfg.nproc_per_node)
         self.events.observers.append(self.metrics.on_event)
+        progress = ProgressReporter(self.metrics.registry, self.node_id, self.events.emit, progress_every_s())
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
@@ -170,6 +172,7 @@ class Agent:
                 loop.create_task(self._keepalive()),
                 loop.create_task(self._watch()),
                 loop.create_task(controller.run(self._stop, self._ctl_wake)),
+                loop.create_task(progress.run(lambda: self._worker_gen, self._stop)),
             ]
             return await self._loop()
         finally:

@@ -17,6 +17,7 @@ from rlaunch.cli.drain import drain, undrain
 from rlaunch.cli.etcd import etcd
 from rlaunch.cli.events import events
 from rlaunch.cli.launch import run
+from rlaunch.cli.report import report
 from rlaunch.cli.status import status
 
 #: What ``rlaunch --help`` tells a user about the tool.
@@ -51,8 +52,9 @@ app.command("drain")(drain)
 app.command("undrain")(undrain)
 app.command("events")(events)
 app.command("etcd")(etcd)
+app.command("report")(report)
 
-SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd")
+SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd", "report")
 
 
 def main(argv: list[str] | None = None) -> None:
