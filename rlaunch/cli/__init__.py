@@ -15,6 +15,7 @@ from rlaunch.cli.drain import drain, undrain
 from rlaunch.cli.etcd import etcd
 from rlaunch.cli.events import events
 from rlaunch.cli.launch import run
+from rlaunch.cli.slurm import slurm_watch
 from rlaunch.cli.status import status
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0] if __doc__ else None)
@@ -27,8 +28,9 @@ app.command("drain")(drain)
 app.command("undrain")(undrain)
 app.command("events")(events)
 app.command("etcd")(etcd)
+app.command("slurm-watch")(slurm_watch)
 
-SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd")
+SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd", "slurm-watch")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,154 @@
+"""Drain, live, the nodes Slurm marks for maintenance: the polling loop of ``rlaunch slurm-watch``.
+
+One watcher serves a whole job (the sbatch example runs it in the batch script, on the first node of
+the allocation). Every ``interval`` seconds it runs ``scontrol show node -o NODES`` once for all the
+job's nodes, one RPC to slurmctld per poll however large the job, and for each node that Slurm marks
+(see :func:`rlaunch.integrations.slurm.maintenance`) it asks rlaunch to drain it: the node's ranks
+move to a ready standby while the job keeps running, as ``rlaunch drain`` does. rlaunch node ids
+are Slurm node names (the sbatch example passes ``--node-id $SLURMD_NODENAME``).
+
+A refused drain (the node is a standby, the job has not started, no standby is ready yet) is asked
+again at the next poll, and its sentence logged once. The etcd side is injected (``drain``,
+``announce``), so this loop depends on Slurm only through ``read_nodes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from enum import Enum
+
+from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_nodes
+from rlaunch.waiting import wait_event
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for one ``scontrol`` call; slurmctld answers in milliseconds when it is healthy.
+SCONTROL_TIMEOUT_S = 30.0
+
+
+class Mark(str, Enum):
+    """Where the watcher stands with one node.
+
+    - ``IN_SERVICE`` -> ``MARKED``: Slurm flagged the node; a drain is asked for at every poll.
+    - ``MARKED`` -> ``IN_SERVICE``: Slurm resumed the node before rlaunch drained it.
+    - ``MARKED`` -> ``DRAINED``: rlaunch moved the node's ranks away, or found it drained (final).
+    """
+
+    IN_SERVICE = "in_service"
+    MARKED = "marked"
+    DRAINED = "drained"
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainOutcome:
+    """What one drain request came to: ``drained``, or refused for now; ``message`` says which."""
+
+    drained: bool
+    message: str
+
+
+ReadNodes = Callable[[], Awaitable[dict[str, SlurmNode]]]
+Drain = Callable[[str], Awaitable[DrainOutcome]]
+Announce = Callable[[SlurmNode, str], Awaitable[None]]
+
+
+def decide(mark: Mark, node: SlurmNode | None) -> tuple[Mark, str | None]:
+    """The node's next mark, and why to ask for its drain now (None: nothing to ask).
+
+    A node missing from Slurm's answer counts as in service: only a flag Slurm shows drains a node.
+    """
+    if mark is Mark.DRAINED:
+        return mark, None
+    why = maintenance(node) if node is not None else None
+    if why is None:
+        return Mark.IN_SERVICE, None
+    return Mark.MARKED, why
+
+
+async def read_nodes(
+    nodes: str, scontrol: str = "scontrol", timeout: float = SCONTROL_TIMEOUT_S
+) -> dict[str, SlurmNode]:
+    """The nodes of the hostlist ``nodes`` (``n[1-4]``, ``a,b``) as ``scontrol show node -o`` describes them."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            scontrol, "show", "node", "-o", nodes,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+    except OSError as exc:
+        raise SlurmError(
+            f"{scontrol} could not be run ({exc}); run the watcher on a node of the Slurm cluster or pass --scontrol."
+        ) from exc
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise SlurmError(f"`{scontrol} show node -o {nodes}` did not answer within {timeout:.0f} s.") from None
+    if proc.returncode != 0:
+        said = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
+        raise SlurmError(f"`{scontrol} show node -o {nodes}` exited with code {proc.returncode}: {said}")
+    return parse_nodes(out.decode(errors="replace"))
+
+
+def job_nodes() -> str:
+    """The hostlist of the current Slurm job's nodes, from ``SLURM_JOB_NODELIST``."""
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodes:
+        raise SlurmError(
+            "SLURM_JOB_NODELIST is not set: run the watcher inside a Slurm job or name the nodes with --nodes."
+        )
+    return nodes
+
+
+class SlurmDrainWatch:
+    """Polls Slurm and drains the job's marked nodes until ``stop`` is set."""
+
+    def __init__(self, read: ReadNodes, drain: Drain, announce: Announce, interval: float, stop: asyncio.Event):
+        self._read = read
+        self._drain = drain
+        self._announce = announce
+        self.interval = interval
+        self.stop = stop
+        self.marks: dict[str, Mark] = {}
+        self._said: dict[str, str] = {}  # the last sentence logged per node (or "" for Slurm itself)
+
+    async def run(self) -> None:
+        while not self.stop.is_set():
+            await self.poll()
+            await wait_event(self.stop, self.interval)
+
+    async def poll(self) -> None:
+        """One look at Slurm, and a drain request for each node it marks."""
+        try:
+            nodes = await self._read()
+        except SlurmError as exc:
+            self._say("", logging.WARNING, f"{exc} Trying again in {self.interval:g} s.")
+            return
+        self._said.pop("", None)
+        for name in sorted(set(nodes) | set(self.marks)):
+            before = self.marks.get(name, Mark.IN_SERVICE)
+            after, why = decide(before, nodes.get(name))
+            self.marks[name] = after
+            if before is Mark.MARKED and after is Mark.IN_SERVICE:
+                self._say(name, logging.INFO, f"Slurm put node {name} back in service before it was drained.")
+            if why is None:
+                continue
+            if before is Mark.IN_SERVICE:
+                log.info("%s Draining it from the rlaunch job.", why)
+                await self._announce(nodes[name], why)
+            outcome = await self._drain(name)
+            if outcome.drained:
+                self.marks[name] = Mark.DRAINED
+                self._say(name, logging.INFO, outcome.message)
+            else:
+                self._say(name, logging.INFO, f"{outcome.message} Asking again in {self.interval:g} s.")
+
+    def _say(self, key: str, level: int, message: str) -> None:
+        """Log ``message`` unless it is what was last said about ``key`` (refusals repeat each poll)."""
+        if self._said.get(key) != message:
+            self._said[key] = message
+            log.log(level, "%s", message)

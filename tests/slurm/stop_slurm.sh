@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Stop the Slurm cluster that start_slurm.sh started in DIR: every daemon named by a pid file
+# there, SIGTERM first, SIGKILL after 10 s.
+set -uo pipefail
+DIR=$(realpath "${1:?usage: stop_slurm.sh DIR}")
+pids=()
+for f in "$DIR"/run/slurmd-*.pid "$DIR"/run/slurmctld.pid "$DIR"/run/munged.pid; do
+  [ -f "$f" ] || continue
+  pid=$(cat "$f")
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid" && pids+=("$pid"); fi
+done
+for _ in $(seq 1 100); do
+  alive=0
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+  [ "$alive" = 0 ] && exit 0
+  sleep 0.1
+done
+for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+exit 0
