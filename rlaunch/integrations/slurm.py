@@ -66,9 +66,9 @@ def parse_fields(line: str) -> dict[str, str]:
         fields["ReasonTime"] = reason.group("time")
         line = line[: reason.start()] + line[reason.end() :]
     keys = list(_KEY.finditer(line))
-    for here, after in zip(keys, [*keys[1:], None], strict=True):
-        value = line[here.end() : after.start() if after is not None else len(line)]
-        fields.setdefault(here.group(1), value.strip())
+    for i, key in enumerate(keys):
+        end = keys[i + 1].start() if i + 1 < len(keys) else len(line)
+        fields.setdefault(key.group(1), line[key.end() : end].strip())
     return fields
 
 

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Stop the Slurm cluster that start_slurm.sh started in DIR: every daemon named by a pid file
-# there, SIGTERM first, SIGKILL after 10 s.
+# Stop the Slurm cluster that start_slurm.sh started in DIR: cancel its jobs (a slurmstepd
+# outlives its slurmd), then every daemon named by a pid file there, SIGTERM first, SIGKILL after 10 s.
 set -uo pipefail
 DIR=$(realpath "${1:?usage: stop_slurm.sh DIR}")
+export SLURM_CONF="$DIR/slurm.conf"
+if [ -f "$DIR/run/slurmctld.pid" ] && kill -0 "$(cat "$DIR/run/slurmctld.pid")" 2>/dev/null; then
+  scancel --user "$(id -un)" 2>/dev/null
+  for _ in $(seq 1 60); do
+    [ -z "$(squeue -h -t running,completing,pending 2>/dev/null)" ] && break
+    sleep 0.5
+  done
+fi
 pids=()
 for f in "$DIR"/run/slurmd-*.pid "$DIR"/run/slurmctld.pid "$DIR"/run/munged.pid; do
   [ -f "$f" ] || continue

@@ -1,0 +1,182 @@
+"""The scontrol parser and the drain watcher's decisions, on output captured from real Slurm daemons.
+
+The files in tests/slurm/scontrol/ are what ``scontrol show node -o`` printed (Slurm 22.05.8, the
+cluster tests/slurm/start_slurm.sh starts): idle nodes, nodes in a job, a node drained and one
+failed while the job ran (ALLOCATED+DRAIN, ALLOCATED+FAIL), the same after the job (IDLE+DRAIN,
+IDLE+FAIL), and a node down beside one in a maintenance reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_node, parse_nodes
+from rlaunch.integrations.slurm_watch import DrainOutcome, Mark, SlurmDrainWatch, decide, read_nodes
+
+CAPTURED = Path(__file__).resolve().parent.parent / "slurm" / "scontrol"
+
+
+def captured(name: str) -> dict[str, SlurmNode]:
+    return parse_nodes((CAPTURED / f"{name}.txt").read_text())
+
+
+def test_idle_and_allocated_nodes_are_in_service() -> None:
+    for name in ("idle", "allocated"):
+        nodes = captured(name)
+        assert sorted(nodes) == ["n1", "n2", "n3"]
+        for node in nodes.values():
+            assert node.state == ("IDLE" if name == "idle" else "ALLOCATED") and node.flags == frozenset()
+            assert node.addr == "127.0.0.1" and node.reason is None
+            assert maintenance(node) is None
+
+
+def test_a_node_drained_during_a_job_is_marked_with_its_reason() -> None:
+    n2 = captured("draining")["n2"]
+    assert (n2.state, n2.flags, n2.state_text) == ("ALLOCATED", frozenset({"DRAIN"}), "ALLOCATED+DRAIN")
+    assert n2.reason == "maintenance window (ticket 42)"
+    assert n2.reason_by == "root" and n2.reason_at == "2026-11-30T15:59:59"
+    assert maintenance(n2) == (
+        "Slurm marks node n2 ALLOCATED+DRAIN with reason 'maintenance window (ticket 42)' "
+        "(set by root at 2026-11-30T15:59:59)."
+    )
+
+
+def test_a_failing_node_is_marked_and_a_reason_with_equals_signs_is_read_whole() -> None:
+    n3 = captured("draining")["n3"]
+    assert n3.flags == frozenset({"FAIL"})
+    assert n3.reason == "ECC errors, replace DIMM=3", "the reason is read by its [user@time] suffix, not split at '='"
+    assert maintenance(n3) is not None and "ALLOCATED+FAIL" in maintenance(n3)  # type: ignore[operator]
+
+
+def test_drained_and_failed_idle_nodes_stay_marked() -> None:
+    nodes = captured("drained")
+    assert nodes["n2"].state_text == "IDLE+DRAIN" and maintenance(nodes["n2"]) is not None
+    assert nodes["n3"].state_text == "IDLE+FAIL" and maintenance(nodes["n3"]) is not None
+    assert maintenance(nodes["n1"]) is None
+
+
+def test_a_down_node_is_not_maintenance_but_a_maintenance_reservation_is() -> None:
+    nodes = captured("down_and_maint")
+    assert nodes["n1"].state == "DOWN" and nodes["n1"].reason == "power loss"
+    assert maintenance(nodes["n1"]) is None, "a lost node is the lease's business, not a drain"
+    assert nodes["n2"].flags == frozenset({"MAINTENANCE", "RESERVED"})
+    assert maintenance(nodes["n2"]) == "Slurm marks node n2 IDLE+MAINTENANCE+RESERVED."
+
+
+def test_values_with_spaces_and_equals_signs_stay_whole() -> None:
+    line = (CAPTURED / "idle.txt").read_text().splitlines()[0]
+    fields = parse_fields(line)
+    assert fields["OS"].startswith("Linux ") and "#1 SMP" in fields["OS"], fields["OS"]
+    assert fields["CfgTRES"] == "cpu=1,mem=1M,billing=1"
+    assert fields["AllocTRES"] == "" and fields["Partitions"] == "debug"
+    assert fields["ExtSensorsTemp"] == "n/s", "the last field ends at the end of the line"
+
+
+def test_a_line_without_node_name_or_state_is_refused_with_the_line() -> None:
+    with pytest.raises(SlurmError, match=r"no NodeName or no State field: 'Node nX not found'"):
+        parse_node("Node nX not found")
+    with pytest.raises(SlurmError, match="no NodeName or no State"):
+        parse_node("NodeName=n1 Arch=x86_64")
+    assert parse_nodes("\n\n") == {}
+
+
+def node(name: str, state: str) -> SlurmNode:
+    base, *flags = state.split("+")
+    return SlurmNode(name=name, state=base, flags=frozenset(flags), reason="r", reason_by="root", reason_at="t")
+
+
+def test_decide_walks_the_marks() -> None:
+    assert decide(Mark.IN_SERVICE, node("a", "ALLOCATED")) == (Mark.IN_SERVICE, None)
+    mark, why = decide(Mark.IN_SERVICE, node("a", "ALLOCATED+DRAIN"))
+    assert mark is Mark.MARKED and why is not None and "node a ALLOCATED+DRAIN" in why
+    assert decide(Mark.MARKED, node("a", "ALLOCATED+DRAIN"))[0] is Mark.MARKED, "asked again until accepted"
+    assert decide(Mark.MARKED, node("a", "ALLOCATED")) == (Mark.IN_SERVICE, None), "resumed before the drain"
+    assert decide(Mark.DRAINED, node("a", "IDLE+DRAIN")) == (Mark.DRAINED, None), "drained once, never again"
+    assert decide(Mark.MARKED, None) == (Mark.IN_SERVICE, None), "a node Slurm no longer reports is left alone"
+
+
+class Fakes:
+    """Slurm's answers poll by poll, and the drain outcomes rlaunch gives, in order."""
+
+    def __init__(self, polls: list[dict[str, SlurmNode] | SlurmError], outcomes: list[DrainOutcome]) -> None:
+        self.polls = polls
+        self.outcomes = outcomes
+        self.drains: list[str] = []
+        self.announced: list[str] = []
+
+    async def read(self) -> dict[str, SlurmNode]:
+        answer = self.polls.pop(0)
+        if isinstance(answer, SlurmError):
+            raise answer
+        return answer
+
+    async def drain(self, name: str) -> DrainOutcome:
+        self.drains.append(name)
+        return self.outcomes.pop(0)
+
+    async def announce(self, n: SlurmNode, why: str) -> None:
+        self.announced.append(n.name)
+
+
+def watch_polls(fakes: Fakes, polls: int) -> SlurmDrainWatch:
+    async def go() -> SlurmDrainWatch:
+        watch = SlurmDrainWatch(fakes.read, fakes.drain, fakes.announce, interval=1.0, stop=asyncio.Event())
+        for _ in range(polls):
+            await watch.poll()
+        return watch
+
+    return asyncio.run(go())
+
+
+def test_the_watch_drains_a_marked_node_once_and_retries_a_refusal(caplog: pytest.LogCaptureFixture) -> None:
+    ok = {"n1": node("n1", "ALLOCATED"), "n2": node("n2", "ALLOCATED")}
+    marked = {**ok, "n2": node("n2", "ALLOCATED+DRAIN")}
+    refused = DrainOutcome(False, "Job 'j' has no ready standby to take node 'n2's ranks.")
+    fakes = Fakes([ok, marked, marked, marked, marked, marked], [refused, refused, DrainOutcome(True, "n2 drained.")])
+    with caplog.at_level(logging.INFO):
+        watch = watch_polls(fakes, 6)
+    assert fakes.drains == ["n2", "n2", "n2"], "refused twice, asked again at each poll, then never again"
+    assert fakes.announced == ["n2"], "the mark goes to the event stream once"
+    assert watch.marks == {"n1": Mark.IN_SERVICE, "n2": Mark.DRAINED}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("no ready standby" in m for m in said) == 1, "a refusal that repeats is logged once"
+    assert "n2 drained." in said
+
+
+def test_the_watch_forgets_a_node_resumed_before_its_drain_and_survives_slurm_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    marked = {"n1": node("n1", "MIXED+DRAIN")}
+    ok = {"n1": node("n1", "MIXED")}
+    refused = DrainOutcome(False, "Node 'n1' holds no ranks.")
+    error = SlurmError("`scontrol show node -o n1` exited with code 1: slurm_load_node error: timeout.")
+    fakes = Fakes([marked, error, error, ok, ok], [refused])
+    with caplog.at_level(logging.INFO):
+        watch = watch_polls(fakes, 5)
+    assert fakes.drains == ["n1"] and watch.marks == {"n1": Mark.IN_SERVICE}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("slurm_load_node error" in m for m in said) == 1, said
+    assert "Slurm put node n1 back in service before it was drained." in said
+
+
+def test_read_nodes_runs_scontrol_and_reports_its_failures(tmp_path: Path) -> None:
+    fake = tmp_path / "scontrol"
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.stdout.write(open({str(CAPTURED / 'draining.txt')!r}).read())\n"
+    )
+    fake.chmod(0o755)
+    nodes = asyncio.run(read_nodes("n[1-3]", str(fake)))
+    assert nodes["n2"].state_text == "ALLOCATED+DRAIN"
+
+    failing = tmp_path / "failing"
+    failing.write_text("#!/bin/sh\necho 'Node nX not found' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(SlurmError, match=r"`.*failing show node -o nX` exited with code 1: Node nX not found"):
+        asyncio.run(read_nodes("nX", str(failing)))
+    with pytest.raises(SlurmError, match="could not be run"):
+        asyncio.run(read_nodes("n1", str(tmp_path / "missing")))
