@@ -1,8 +1,9 @@
 """``rlaunch slurm-watch``: drain, live, the nodes of a Slurm job that Slurm marks for maintenance.
 
 The command wires :class:`rlaunch.integrations.slurm_watch.SlurmDrainWatch` to etcd: a marked
-node is announced in the job's event stream (``slurm_marked``) and drained with the same request
-``rlaunch drain`` writes; it runs until SIGTERM or SIGINT.
+node is announced in the job's event stream (``slurm_marked``), drained with the same request
+``rlaunch drain`` writes and, once its agent has exited, released from the Slurm job so that Slurm
+can take it; it runs until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import typer
 
@@ -18,16 +20,27 @@ from rlaunch.cli.drain import _drain
 from rlaunch.cli.options import ENDPOINT, JOB_ID, fail, setup_logging
 from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
-from rlaunch.integrations.slurm import SlurmNode
-from rlaunch.integrations.slurm_watch import DrainOutcome, SlurmDrainWatch, job_nodes, read_nodes
+from rlaunch.integrations.slurm import SlurmError, SlurmNode, parse_fields
+from rlaunch.integrations.slurm_watch import (
+    Outcome,
+    SlurmDrainWatch,
+    job_nodes,
+    read_nodes,
+    release_node,
+    run_scontrol,
+)
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, encode
 
 log = logging.getLogger(__name__)
 
+#: Seconds a drained node's agent must have been gone from etcd before its node leaves the Slurm
+#: job: the agent revokes its lease just before it exits, and Slurm would end a task still running.
+RELEASE_GRACE_S = 3.0
 
-async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> DrainOutcome:
+
+async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> Outcome:
     """Drain ``node`` as ``rlaunch drain`` does (no ``--wait``); a refusal comes back as its sentence."""
     keys = JobKeys(job_id)
     store = Store(parse_endpoints(endpoint), timeout=5.0)
@@ -35,18 +48,53 @@ async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> D
         await store.connect(10.0)
         snap = await read_snapshot(store, keys)
         if node in snap.drained:
-            return DrainOutcome(True, f"Node {node} is already drained from rlaunch job {job_id}.")
+            return Outcome(True, f"Node {node} is already drained from rlaunch job {job_id}.")
         result = await _drain(endpoint, job_id, node, False, timeout)
     except RlaunchError as exc:
-        return DrainOutcome(False, str(exc))
+        return Outcome(False, str(exc))
     finally:
         await store.close()
     extra = f"; downtime {result['downtime_ms']:.0f} ms" if "downtime_ms" in result else ""
-    return DrainOutcome(
+    return Outcome(
         True,
         f"Node {node} drained from rlaunch job {job_id}: its ranks moved to {result['replaced_by']} "
         f"(generation {result['generation']}){extra}.",
     )
+
+
+class Releaser:
+    """Releases a drained node from Slurm job ``slurm_job`` once its agent has been gone a while."""
+
+    def __init__(
+        self, endpoint: str, job_id: str, slurm_job: str, scontrol: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.endpoint, self.job_id, self.slurm_job, self.scontrol = endpoint, job_id, slurm_job, scontrol
+        self.clock = clock
+        self.gone_since: dict[str, float] = {}
+
+    async def __call__(self, node: str) -> Outcome:
+        keys = JobKeys(self.job_id)
+        store = Store(parse_endpoints(self.endpoint), timeout=5.0)
+        try:
+            await store.connect(10.0)
+            present = node in (await read_snapshot(store, keys)).nodes
+        except RlaunchError as exc:
+            return Outcome(False, str(exc))
+        finally:
+            await store.close()
+        now = self.clock()
+        since = self.gone_since.setdefault(node, now) if not present else self.gone_since.pop(node, now)
+        if present or now - since < RELEASE_GRACE_S:
+            return Outcome(False, f"Node {node} leaves Slurm job {self.slurm_job} once its rlaunch agent has exited.")
+        try:
+            released = await release_node(self.slurm_job, node, self.scontrol)
+        except SlurmError as exc:
+            return Outcome(False, str(exc))
+        if not released:
+            return Outcome(True, f"Node {node} is no longer in Slurm job {self.slurm_job}.")
+        return Outcome(
+            True, f"Node {node} released from Slurm job {self.slurm_job}: Slurm may take it for maintenance."
+        )
 
 
 async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str) -> None:
@@ -64,7 +112,13 @@ async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str) -> Non
         await store.close()
 
 
-async def _watch(endpoint: str, job_id: str, nodes: str, interval: float, scontrol: str, timeout: float) -> None:
+async def _watch(
+    endpoint: str, job_id: str, nodes: str, interval: float, scontrol: str, timeout: float, slurm_job: str | None
+) -> None:
+    keep: frozenset[str] = frozenset()
+    if slurm_job:
+        job = parse_fields(await run_scontrol(scontrol, "show", "job", "-o", slurm_job))
+        keep = frozenset({job["BatchHost"]} if job.get("BatchHost") else ())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -75,6 +129,8 @@ async def _watch(endpoint: str, job_id: str, nodes: str, interval: float, scontr
         announce=lambda node, why: announce(endpoint, job_id, node, why),
         interval=interval,
         stop=stop,
+        release=Releaser(endpoint, job_id, slurm_job, scontrol) if slurm_job else None,
+        keep=keep,
     )
     log.info("watching Slurm nodes %s every %g s for rlaunch job %s", nodes, interval, job_id)
     await watch.run()
@@ -89,6 +145,15 @@ def slurm_watch(
     interval: float = typer.Option(5.0, "--interval", help="Seconds between two looks at Slurm's node states."),
     scontrol: str = typer.Option("scontrol", "--scontrol", help="The scontrol program to ask."),
     timeout: float = typer.Option(300.0, "--timeout", help="Longest wait, in seconds, for one node to be drained."),
+    slurm_job: str = typer.Option(
+        None,
+        "--slurm-job",
+        envvar="SLURM_JOB_ID",
+        help="The Slurm job a drained node is released from (not its batch host); default: $SLURM_JOB_ID.",
+    ),
+    release: bool = typer.Option(
+        True, "--release/--no-release", help="Release each drained node from the Slurm job, so that Slurm can take it."
+    ),
 ) -> None:
     """Drain live, from the job, each node Slurm marks DRAIN, FAIL or MAINTENANCE (run inside the Slurm job)."""
     setup_logging()
@@ -97,6 +162,7 @@ def slurm_watch(
             raise UsageError(f"--interval {interval} is not valid: give a positive number of seconds.")
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is not valid: give a positive number of seconds.")
-        asyncio.run(_watch(rdzv_endpoint, rdzv_id, nodes or job_nodes(), interval, scontrol, timeout))
+        job = slurm_job if release else None
+        asyncio.run(_watch(rdzv_endpoint, rdzv_id, nodes or job_nodes(), interval, scontrol, timeout, job))
     except RlaunchError as exc:
         fail(exc)

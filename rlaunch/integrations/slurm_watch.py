@@ -8,8 +8,12 @@ move to a ready standby while the job keeps running, as ``rlaunch drain`` does. 
 are Slurm node names (the sbatch example passes ``--node-id $SLURMD_NODENAME``).
 
 A refused drain (the node is a standby, the job has not started, no standby is ready yet) is asked
-again at the next poll, and its sentence logged once. The etcd side is injected (``drain``,
-``announce``), so this loop depends on Slurm only through ``read_nodes``.
+again at the next poll, and its sentence logged once. Once drained, and once its agent has exited,
+the node is released from the Slurm job (``scontrol update JobId=J NodeList=<the others>``), so
+that Slurm's own drain completes (the node turns DRAINED) while the job runs on; the job's batch
+host, which runs the batch script (and etcd), stays in the job until it ends. The etcd side is
+injected (``drain``, ``announce``, ``release``), so this loop depends on Slurm only through them
+and ``read``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 from collections.abc import Awaitable, Callable
 from enum import Enum
 
-from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_nodes
+from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_nodes
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -35,24 +39,28 @@ class Mark(str, Enum):
 
     - ``IN_SERVICE`` -> ``MARKED``: Slurm flagged the node; a drain is asked for at every poll.
     - ``MARKED`` -> ``IN_SERVICE``: Slurm resumed the node before rlaunch drained it.
-    - ``MARKED`` -> ``DRAINED``: rlaunch moved the node's ranks away, or found it drained (final).
+    - ``MARKED`` -> ``DRAINED``: rlaunch moved the node's ranks away, or found it drained.
+    - ``DRAINED`` -> ``RELEASED``: the node left the Slurm job (final). A node that is kept (the
+      batch host), or a watcher without ``release``, stays ``DRAINED`` (final).
     """
 
     IN_SERVICE = "in_service"
     MARKED = "marked"
     DRAINED = "drained"
+    RELEASED = "released"
 
 
 @dataclasses.dataclass(frozen=True)
-class DrainOutcome:
-    """What one drain request came to: ``drained``, or refused for now; ``message`` says which."""
+class Outcome:
+    """What one request (drain, release) came to: ``done``, or not for now; ``message`` says which."""
 
-    drained: bool
+    done: bool
     message: str
 
 
 ReadNodes = Callable[[], Awaitable[dict[str, SlurmNode]]]
-Drain = Callable[[str], Awaitable[DrainOutcome]]
+Drain = Callable[[str], Awaitable[Outcome]]
+Release = Callable[[str], Awaitable[Outcome]]
 Announce = Callable[[SlurmNode, str], Awaitable[None]]
 
 
@@ -61,7 +69,7 @@ def decide(mark: Mark, node: SlurmNode | None) -> tuple[Mark, str | None]:
 
     A node missing from Slurm's answer counts as in service: only a flag Slurm shows drains a node.
     """
-    if mark is Mark.DRAINED:
+    if mark in (Mark.DRAINED, Mark.RELEASED):
         return mark, None
     why = maintenance(node) if node is not None else None
     if why is None:
@@ -69,13 +77,12 @@ def decide(mark: Mark, node: SlurmNode | None) -> tuple[Mark, str | None]:
     return Mark.MARKED, why
 
 
-async def read_nodes(
-    nodes: str, scontrol: str = "scontrol", timeout: float = SCONTROL_TIMEOUT_S
-) -> dict[str, SlurmNode]:
-    """The nodes of the hostlist ``nodes`` (``n[1-4]``, ``a,b``) as ``scontrol show node -o`` describes them."""
+async def run_scontrol(scontrol: str, *args: str, timeout: float = SCONTROL_TIMEOUT_S) -> str:
+    """What ``scontrol ARGS`` prints, or :class:`SlurmError` with what it said when it fails."""
+    said_as = " ".join([scontrol, *args])
     try:
         proc = await asyncio.create_subprocess_exec(
-            scontrol, "show", "node", "-o", nodes,
+            scontrol, *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
     except OSError as exc:
@@ -87,11 +94,33 @@ async def read_nodes(
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
-        raise SlurmError(f"`{scontrol} show node -o {nodes}` did not answer within {timeout:.0f} s.") from None
+        raise SlurmError(f"`{said_as}` did not answer within {timeout:.0f} s.") from None
     if proc.returncode != 0:
         said = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
-        raise SlurmError(f"`{scontrol} show node -o {nodes}` exited with code {proc.returncode}: {said}")
-    return parse_nodes(out.decode(errors="replace"))
+        raise SlurmError(f"`{said_as}` exited with code {proc.returncode}: {said}")
+    return out.decode(errors="replace")
+
+
+async def read_nodes(nodes: str, scontrol: str = "scontrol") -> dict[str, SlurmNode]:
+    """The nodes of the hostlist ``nodes`` (``n[1-4]``, ``a,b``) as ``scontrol show node -o`` describes them."""
+    return parse_nodes(await run_scontrol(scontrol, "show", "node", "-o", nodes))
+
+
+async def release_node(job_id: str, node: str, scontrol: str = "scontrol") -> bool:
+    """Take ``node`` out of running Slurm job ``job_id``; False when it was not in the job (any more).
+
+    Slurm keeps the job's steps running on the other nodes; the node's own tasks must have ended,
+    or Slurm ends them.
+    """
+    job = parse_fields(await run_scontrol(scontrol, "show", "job", "-o", job_id))
+    names = (await run_scontrol(scontrol, "show", "hostnames", job.get("NodeList", ""))).split()
+    if node not in names:
+        return False
+    rest = [name for name in names if name != node]
+    if not rest:
+        raise SlurmError(f"Node {node} is the last node of Slurm job {job_id}; it is not released.")
+    await run_scontrol(scontrol, "update", f"JobId={job_id}", f"NodeList={','.join(rest)}")
+    return True
 
 
 def job_nodes() -> str:
@@ -105,12 +134,27 @@ def job_nodes() -> str:
 
 
 class SlurmDrainWatch:
-    """Polls Slurm and drains the job's marked nodes until ``stop`` is set."""
+    """Polls Slurm and drains the job's marked nodes until ``stop`` is set.
 
-    def __init__(self, read: ReadNodes, drain: Drain, announce: Announce, interval: float, stop: asyncio.Event):
+    ``release`` (None: nodes stay in the Slurm job) hands a drained node back to Slurm; nodes in
+    ``keep`` are never released.
+    """
+
+    def __init__(
+        self,
+        read: ReadNodes,
+        drain: Drain,
+        announce: Announce,
+        interval: float,
+        stop: asyncio.Event,
+        release: Release | None = None,
+        keep: frozenset[str] = frozenset(),
+    ):
         self._read = read
         self._drain = drain
         self._announce = announce
+        self._release = release
+        self.keep = keep
         self.interval = interval
         self.stop = stop
         self.marks: dict[str, Mark] = {}
@@ -135,17 +179,32 @@ class SlurmDrainWatch:
             self.marks[name] = after
             if before is Mark.MARKED and after is Mark.IN_SERVICE:
                 self._say(name, logging.INFO, f"Slurm put node {name} back in service before it was drained.")
-            if why is None:
-                continue
-            if before is Mark.IN_SERVICE:
-                log.info("%s Draining it from the rlaunch job.", why)
-                await self._announce(nodes[name], why)
-            outcome = await self._drain(name)
-            if outcome.drained:
-                self.marks[name] = Mark.DRAINED
-                self._say(name, logging.INFO, outcome.message)
-            else:
-                self._say(name, logging.INFO, f"{outcome.message} Asking again in {self.interval:g} s.")
+            if why is not None:
+                if before is Mark.IN_SERVICE:
+                    log.info("%s Draining it from the rlaunch job.", why)
+                    await self._announce(nodes[name], why)
+                outcome = await self._drain(name)
+                if outcome.done:
+                    self.marks[name] = Mark.DRAINED
+                    self._say(name, logging.INFO, outcome.message)
+                else:
+                    self._say(name, logging.INFO, f"{outcome.message} Asking again in {self.interval:g} s.")
+            if self.marks[name] is Mark.DRAINED:
+                await self._hand_back(name)
+
+    async def _hand_back(self, name: str) -> None:
+        """Release drained node ``name`` from the Slurm job, unless it is kept or there is no ``release``."""
+        if self._release is None:
+            return
+        if name in self.keep:
+            self._say(
+                name, logging.INFO, f"Node {name} stays in the Slurm job until it ends: it runs the batch script."
+            )
+            return
+        outcome = await self._release(name)
+        if outcome.done:
+            self.marks[name] = Mark.RELEASED
+        self._say(name, logging.INFO, outcome.message)
 
     def _say(self, key: str, level: int, message: str) -> None:
         """Log ``message`` unless it is what was last said about ``key`` (refusals repeat each poll)."""

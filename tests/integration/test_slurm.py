@@ -3,7 +3,8 @@
 tests/slurm/start_slurm.sh starts munged, slurmctld and three slurmd (n1..n3, all on 127.0.0.1)
 in a temporary directory; the test submits examples/slurm/rlaunch.sbatch for 2 active nodes and
 1 standby, marks an active node DRAIN with scontrol, and checks that `rlaunch slurm-watch` drained
-it live (its ranks on the standby, the other node's worker kept) and that the Slurm job completes.
+it live (its ranks on the standby, the other node's worker kept), released it from the Slurm job
+(Slurm sees it drained while the job runs on), and that the Slurm job completes.
 Everything started here carries RLAUNCH_TEST_TAG and is checked gone at the end.
 """
 
@@ -127,8 +128,7 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
         )
         wait_for(lambda: "step 10/" in text(), 120, "training to make progress")
 
-        target = "n1" if roles["n1"] == 0 else "n2"  # the node holding node rank 0
-        survivor = "n2" if target == "n1" else "n1"
+        target, survivor = "n2", "n1"  # n1 runs the batch script and etcd: it stays in the Slurm job
         slurm.run("scontrol", "update", f"nodename={target}", "state=drain", "reason=maintenance")
         drained = lambda: next(  # noqa: E731
             (e for e in job_events(endpoint, job) if e.kind == "drained" and e.node_id == target), None
@@ -136,6 +136,12 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
         mark = wait_for(drained, 180, f"rlaunch to drain {target} after Slurm marked it")
         events = job_events(endpoint, job)
         status = job_status(endpoint, job)
+        wait_for(lambda: slurm.job_fields(job_id)["NodeList"] == "n[1,3]", 60, f"{target} to leave the Slurm job")
+        assert slurm.job_fields(job_id)["JobState"] == "RUNNING", "the job runs on without the drained node"
+        wait_for(
+            lambda: "State=IDLE+DRAIN " in slurm.run("scontrol", "show", "node", target, "-o"), 30,
+            f"Slurm to see {target} drained (IDLE+DRAIN) while the job runs",
+        )  # fmt: skip
     except BaseException:
         print(text()[-6000:])
         subprocess.run(["scancel", job_id], env=slurm.env, timeout=30)
@@ -155,7 +161,7 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
     joined = [e for e in events if e.kind == "node_joined"]
     assert {e.node_id: e.data["standby"] for e in joined} == {"n1": False, "n2": False, "n3": True}
     nodes = {n["node_id"]: n for n in status["nodes"]}
-    assert nodes[target]["state"] == "drained" and nodes["n3"]["node_rank"] == 0, status
+    assert nodes[target]["state"] == "drained" and nodes["n3"]["node_rank"] == roles[target], status
 
     fields = wait_for(
         lambda: (f := slurm.job_fields(job_id))["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and f,
@@ -164,6 +170,8 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text()[-6000:]
     finals = {m.group(2): (m.group(1), m.group(3), m.group(4)) for m in FINAL.finditer(text())}
     assert set(finals) == {"0", "1"}, text()[-4000:]
-    assert finals["0"][0] == "n3" and finals["1"][0] == survivor, finals
+    moved, kept = str(roles[target]), str(roles[survivor])  # one worker per node: rank = node rank
+    assert finals[moved][0] == "n3" and finals[kept][0] == survivor, finals
     assert finals["0"][1:] == finals["1"][1:] == ("800", finals["1"][2]), "both replicas end at step 800, identical"
     assert f"Node {target} drained from rlaunch job {job}: its ranks moved to n3" in text()
+    assert f"Node {target} released from Slurm job {job_id}" in text()

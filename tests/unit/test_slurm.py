@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_node, parse_nodes
-from rlaunch.integrations.slurm_watch import DrainOutcome, Mark, SlurmDrainWatch, decide, read_nodes
+from rlaunch.integrations.slurm_watch import Mark, Outcome, SlurmDrainWatch, decide, read_nodes
 
 CAPTURED = Path(__file__).resolve().parent.parent / "slurm" / "scontrol"
 
@@ -97,17 +97,20 @@ def test_decide_walks_the_marks() -> None:
     assert decide(Mark.MARKED, node("a", "ALLOCATED+DRAIN"))[0] is Mark.MARKED, "asked again until accepted"
     assert decide(Mark.MARKED, node("a", "ALLOCATED")) == (Mark.IN_SERVICE, None), "resumed before the drain"
     assert decide(Mark.DRAINED, node("a", "IDLE+DRAIN")) == (Mark.DRAINED, None), "drained once, never again"
+    assert decide(Mark.RELEASED, node("a", "IDLE+DRAIN")) == (Mark.RELEASED, None)
     assert decide(Mark.MARKED, None) == (Mark.IN_SERVICE, None), "a node Slurm no longer reports is left alone"
 
 
 class Fakes:
     """Slurm's answers poll by poll, and the drain outcomes rlaunch gives, in order."""
 
-    def __init__(self, polls: list[dict[str, SlurmNode] | SlurmError], outcomes: list[DrainOutcome]) -> None:
+    def __init__(self, polls: list[dict[str, SlurmNode] | SlurmError], outcomes: list[Outcome]) -> None:
         self.polls = polls
         self.outcomes = outcomes
         self.drains: list[str] = []
         self.announced: list[str] = []
+        self.releases: list[str] = []
+        self.release_outcomes: list[Outcome] = []
 
     async def read(self) -> dict[str, SlurmNode]:
         answer = self.polls.pop(0)
@@ -115,17 +118,24 @@ class Fakes:
             raise answer
         return answer
 
-    async def drain(self, name: str) -> DrainOutcome:
+    async def drain(self, name: str) -> Outcome:
         self.drains.append(name)
         return self.outcomes.pop(0)
 
     async def announce(self, n: SlurmNode, why: str) -> None:
         self.announced.append(n.name)
 
+    async def release(self, name: str) -> Outcome:
+        self.releases.append(name)
+        return self.release_outcomes.pop(0)
 
-def watch_polls(fakes: Fakes, polls: int) -> SlurmDrainWatch:
+
+def watch_polls(fakes: Fakes, polls: int, release: bool = False, keep: frozenset[str] = frozenset()) -> SlurmDrainWatch:
     async def go() -> SlurmDrainWatch:
-        watch = SlurmDrainWatch(fakes.read, fakes.drain, fakes.announce, interval=1.0, stop=asyncio.Event())
+        watch = SlurmDrainWatch(
+            fakes.read, fakes.drain, fakes.announce, interval=1.0, stop=asyncio.Event(),
+            release=fakes.release if release else None, keep=keep,
+        )  # fmt: skip
         for _ in range(polls):
             await watch.poll()
         return watch
@@ -136,8 +146,8 @@ def watch_polls(fakes: Fakes, polls: int) -> SlurmDrainWatch:
 def test_the_watch_drains_a_marked_node_once_and_retries_a_refusal(caplog: pytest.LogCaptureFixture) -> None:
     ok = {"n1": node("n1", "ALLOCATED"), "n2": node("n2", "ALLOCATED")}
     marked = {**ok, "n2": node("n2", "ALLOCATED+DRAIN")}
-    refused = DrainOutcome(False, "Job 'j' has no ready standby to take node 'n2's ranks.")
-    fakes = Fakes([ok, marked, marked, marked, marked, marked], [refused, refused, DrainOutcome(True, "n2 drained.")])
+    refused = Outcome(False, "Job 'j' has no ready standby to take node 'n2's ranks.")
+    fakes = Fakes([ok, marked, marked, marked, marked, marked], [refused, refused, Outcome(True, "n2 drained.")])
     with caplog.at_level(logging.INFO):
         watch = watch_polls(fakes, 6)
     assert fakes.drains == ["n2", "n2", "n2"], "refused twice, asked again at each poll, then never again"
@@ -153,7 +163,7 @@ def test_the_watch_forgets_a_node_resumed_before_its_drain_and_survives_slurm_er
 ) -> None:
     marked = {"n1": node("n1", "MIXED+DRAIN")}
     ok = {"n1": node("n1", "MIXED")}
-    refused = DrainOutcome(False, "Node 'n1' holds no ranks.")
+    refused = Outcome(False, "Node 'n1' holds no ranks.")
     error = SlurmError("`scontrol show node -o n1` exited with code 1: slurm_load_node error: timeout.")
     fakes = Fakes([marked, error, error, ok, ok], [refused])
     with caplog.at_level(logging.INFO):
@@ -162,6 +172,25 @@ def test_the_watch_forgets_a_node_resumed_before_its_drain_and_survives_slurm_er
     said = [r.getMessage() for r in caplog.records]
     assert sum("slurm_load_node error" in m for m in said) == 1, said
     assert "Slurm put node n1 back in service before it was drained." in said
+
+
+def test_a_drained_node_is_released_from_the_slurm_job_once_its_agent_is_gone() -> None:
+    marked = {"n1": node("n1", "ALLOCATED"), "n2": node("n2", "ALLOCATED+DRAIN")}
+    fakes = Fakes([marked] * 4, [Outcome(True, "n2 drained.")])
+    fakes.release_outcomes = [Outcome(False, "agent still there"), Outcome(True, "n2 released.")]
+    watch = watch_polls(fakes, 4, release=True)
+    assert fakes.drains == ["n2"] and fakes.releases == ["n2", "n2"], "asked until released, then never again"
+    assert watch.marks["n2"] is Mark.RELEASED
+
+
+def test_a_kept_node_is_drained_but_never_released(caplog: pytest.LogCaptureFixture) -> None:
+    marked = {"n1": node("n1", "ALLOCATED+DRAIN")}
+    fakes = Fakes([marked] * 3, [Outcome(True, "n1 drained.")])
+    with caplog.at_level(logging.INFO):
+        watch = watch_polls(fakes, 3, release=True, keep=frozenset({"n1"}))
+    assert fakes.drains == ["n1"] and fakes.releases == [] and watch.marks["n1"] is Mark.DRAINED
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("Node n1 stays in the Slurm job until it ends: it runs the batch script.") == 1, said
 
 
 def test_read_nodes_runs_scontrol_and_reports_its_failures(tmp_path: Path) -> None:
