@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import typer
 
-from rlaunch.cli.drain import _drain
+from rlaunch.cli.drain import DrainRefused, _drain, check_drain
 from rlaunch.cli.options import ENDPOINT, JOB_ID, fail, setup_logging
 from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
@@ -49,6 +49,11 @@ async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> O
         snap = await read_snapshot(store, keys)
         if node in snap.drained:
             return Outcome(True, f"Node {node} is already drained from rlaunch job {job_id}.")
+        try:
+            check_drain(snap, node, job_id, wait=False)
+        except DrainRefused:
+            check_drain(snap, node, job_id, wait=True)  # refused for another reason: that sentence
+            return Outcome(False, f"The rlaunch job {job_id} has no ready standby yet to take node {node}'s ranks.")
         result = await _drain(endpoint, job_id, node, False, timeout)
     except RlaunchError as exc:
         return Outcome(False, str(exc))
