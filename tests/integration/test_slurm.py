@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,10 +73,16 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         assert start.returncode == 0, f"Slurm did not start:\n{start.stdout}\n{start.stderr}"
         yield cluster
     finally:
-        subprocess.run(["bash", str(SLURM / "stop_slurm.sh"), str(cluster.dir)], timeout=60)
-        _reap()
-        left = wait_for(lambda: not leftovers(tag) and [True], 30, "the Slurm daemons and jobs to end", 0.5)
-        assert left, f"processes left running: {[(p.pid, p.cmdline()) for p in leftovers(tag)]}"
+        subprocess.run(["bash", str(SLURM / "stop_slurm.sh"), str(cluster.dir)], timeout=120)
+        for _ in range(60):  # daemons reparented to pytest (a subreaper) are reaped here
+            _reap()
+            left = leftovers(tag)
+            if not left:
+                break
+            time.sleep(0.5)
+        for proc in left:
+            proc.kill()
+        assert not left, f"processes left running after Slurm stopped: {[(p.pid, p.cmdline()) for p in left]}"
 
 
 def job_events(endpoint: str, job: str) -> list[Event]:

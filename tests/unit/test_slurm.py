@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_node, parse_nodes
-from rlaunch.integrations.slurm_watch import Mark, Outcome, SlurmDrainWatch, decide, read_nodes
+from rlaunch.integrations.slurm_watch import Mark, Outcome, SlurmDrainWatch, decide, read_nodes, release_node
 
 CAPTURED = Path(__file__).resolve().parent.parent / "slurm" / "scontrol"
 
@@ -209,3 +209,36 @@ def test_read_nodes_runs_scontrol_and_reports_its_failures(tmp_path: Path) -> No
         asyncio.run(read_nodes("nX", str(failing)))
     with pytest.raises(SlurmError, match="could not be run"):
         asyncio.run(read_nodes("n1", str(tmp_path / "missing")))
+
+
+FAKE_SCONTROL = """#!{python}
+import sys
+args = sys.argv[1:]
+open({log!r}, "a").write(" ".join(args) + "\\n")
+if args[:2] == ["show", "job"]:
+    print("JobId=7 JobName=rlaunch JobState=RUNNING NodeList={nodelist} BatchHost=n1 NumNodes=3")
+elif args[:2] == ["show", "hostnames"]:
+    print({hostnames!r})
+"""
+
+
+def fake_scontrol(tmp_path: Path, nodelist: str, hostnames: str) -> tuple[str, Path]:
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "scontrol"
+    fake.write_text(FAKE_SCONTROL.format(python=sys.executable, log=str(log), nodelist=nodelist, hostnames=hostnames))
+    fake.chmod(0o755)
+    return str(fake), log
+
+
+def test_release_node_shrinks_the_job_to_the_other_nodes(tmp_path: Path) -> None:
+    scontrol, log = fake_scontrol(tmp_path, "n[1-3]", "n1\nn2\nn3")
+    assert asyncio.run(release_node("7", "n2", scontrol)) is True
+    assert log.read_text().splitlines() == ["show job -o 7", "show hostnames n[1-3]", "update JobId=7 NodeList=n1,n3"]
+
+
+def test_release_node_leaves_a_job_without_the_node_alone(tmp_path: Path) -> None:
+    scontrol, log = fake_scontrol(tmp_path, "n[1,3]", "n1\nn3")
+    assert asyncio.run(release_node("7", "n2", scontrol)) is False
+    assert not any(line.startswith("update") for line in log.read_text().splitlines())
+    with pytest.raises(SlurmError, match="Node n1 is the last node of Slurm job 7"):
+        asyncio.run(release_node("7", "n1", fake_scontrol(tmp_path, "n1", "n1")[0]))
