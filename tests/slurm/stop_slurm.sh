@@ -11,6 +11,19 @@ if [ -f "$DIR/run/slurmctld.pid" ] && kill -0 "$(cat "$DIR/run/slurmctld.pid")" 
     sleep 0.5
   done
 fi
+# Last resort, once the daemons are gone: any process still started under this cluster's config
+# (a slurmstepd whose slurmd is gone, a job's processes) carries SLURM_CONF=DIR/slurm.conf.
+stragglers() {
+  local pid
+  for env in /proc/[0-9]*/environ; do
+    pid=${env#/proc/}; pid=${pid%/environ}
+    [ "$pid" = $$ ] || [ "$pid" = "$PPID" ] && continue
+    if { tr '\0' '\n' <"$env"; } 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF"; then
+      kill -KILL "$pid" 2>/dev/null
+    fi
+  done
+}
+
 pids=()
 for f in "$DIR"/run/slurmd-*.pid "$DIR"/run/slurmctld.pid "$DIR"/run/munged.pid; do
   [ -f "$f" ] || continue
@@ -20,8 +33,9 @@ done
 for _ in $(seq 1 100); do
   alive=0
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-  [ "$alive" = 0 ] && exit 0
+  [ "$alive" = 0 ] && { stragglers; exit 0; }
   sleep 0.1
 done
 for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+stragglers
 exit 0
