@@ -12,7 +12,6 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
 
 import typer
 
@@ -20,9 +19,10 @@ from rlaunch.cli.drain import DrainRefused, _drain, check_drain
 from rlaunch.cli.options import ENDPOINT, JOB_ID, fail, setup_logging
 from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
-from rlaunch.integrations.slurm import SlurmError, SlurmNode, parse_fields
+from rlaunch.integrations.slurm import SlurmNode, parse_fields
 from rlaunch.integrations.slurm_watch import (
     Outcome,
+    Releaser,
     SlurmDrainWatch,
     job_nodes,
     read_nodes,
@@ -34,10 +34,6 @@ from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, encode
 
 log = logging.getLogger(__name__)
-
-#: Seconds a drained node's agent must have been gone from etcd before its node leaves the Slurm
-#: job: the agent revokes its lease just before it exits, and Slurm would end a task still running.
-RELEASE_GRACE_S = 3.0
 
 
 async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> Outcome:
@@ -67,39 +63,14 @@ async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> O
     )
 
 
-class Releaser:
-    """Releases a drained node from Slurm job ``slurm_job`` once its agent has been gone a while."""
-
-    def __init__(
-        self, endpoint: str, job_id: str, slurm_job: str, scontrol: str, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.endpoint, self.job_id, self.slurm_job, self.scontrol = endpoint, job_id, slurm_job, scontrol
-        self.clock = clock
-        self.gone_since: dict[str, float] = {}
-
-    async def __call__(self, node: str) -> Outcome:
-        keys = JobKeys(self.job_id)
-        store = Store(parse_endpoints(self.endpoint), timeout=5.0)
-        try:
-            await store.connect(10.0)
-            present = node in (await read_snapshot(store, keys)).nodes
-        except RlaunchError as exc:
-            return Outcome(False, str(exc))
-        finally:
-            await store.close()
-        now = self.clock()
-        since = self.gone_since.setdefault(node, now) if not present else self.gone_since.pop(node, now)
-        if present or now - since < RELEASE_GRACE_S:
-            return Outcome(False, f"Node {node} leaves Slurm job {self.slurm_job} once its rlaunch agent has exited.")
-        try:
-            released = await release_node(self.slurm_job, node, self.scontrol)
-        except SlurmError as exc:
-            return Outcome(False, str(exc))
-        if not released:
-            return Outcome(True, f"Node {node} is no longer in Slurm job {self.slurm_job}.")
-        return Outcome(
-            True, f"Node {node} released from Slurm job {self.slurm_job}: Slurm may take it for maintenance."
-        )
+async def agent_present(endpoint: str, job_id: str, node: str) -> bool:
+    """Whether ``node``'s agent is still registered in the rlaunch job (its lease alive)."""
+    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    try:
+        await store.connect(10.0)
+        return node in (await read_snapshot(store, JobKeys(job_id))).nodes
+    finally:
+        await store.close()
 
 
 async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str) -> None:
@@ -134,7 +105,13 @@ async def _watch(
         announce=lambda node, why: announce(endpoint, job_id, node, why),
         interval=interval,
         stop=stop,
-        release=Releaser(endpoint, job_id, slurm_job, scontrol) if slurm_job else None,
+        release=Releaser(
+            slurm_job,
+            present=lambda node: agent_present(endpoint, job_id, node),
+            shrink=lambda node: release_node(slurm_job, node, scontrol),
+        )
+        if slurm_job
+        else None,
         keep=keep,
     )
     log.info("watching Slurm nodes %s every %g s for rlaunch job %s", nodes, interval, job_id)

@@ -22,9 +22,11 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from enum import Enum
 
+from rlaunch.errors import RlaunchError
 from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_nodes
 from rlaunch.waiting import wait_event
 
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 
 #: Longest wait for one ``scontrol`` call; slurmctld answers in milliseconds when it is healthy.
 SCONTROL_TIMEOUT_S = 30.0
+
+#: Seconds a drained node's agent must have been gone from etcd before its node leaves the Slurm
+#: job: the agent revokes its lease just before it exits, and Slurm would end a task still running.
+RELEASE_GRACE_S = 3.0
 
 
 class Mark(str, Enum):
@@ -131,6 +137,49 @@ def job_nodes() -> str:
             "SLURM_JOB_NODELIST is not set: run the watcher inside a Slurm job or name the nodes with --nodes."
         )
     return nodes
+
+
+class Releaser:
+    """Releases a drained node from Slurm job ``slurm_job`` once its agent has been gone a while.
+
+    ``present(node)`` says whether the node's agent is still registered in the rlaunch job;
+    ``shrink(node)`` takes the node out of the Slurm job (False: it was not in it any more).
+    """
+
+    def __init__(
+        self,
+        slurm_job: str,
+        present: Callable[[str], Awaitable[bool]],
+        shrink: Callable[[str], Awaitable[bool]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.slurm_job = slurm_job
+        self._present = present
+        self._shrink = shrink
+        self.clock = clock
+        self.gone_since: dict[str, float] = {}
+
+    async def __call__(self, node: str) -> Outcome:
+        waiting = Outcome(False, f"Node {node} leaves Slurm job {self.slurm_job} once its rlaunch agent has exited.")
+        try:
+            present = await self._present(node)
+        except RlaunchError as exc:
+            return Outcome(False, str(exc))
+        if present:
+            self.gone_since.pop(node, None)
+            return waiting
+        now = self.clock()
+        if now - self.gone_since.setdefault(node, now) < RELEASE_GRACE_S:
+            return waiting
+        try:
+            released = await self._shrink(node)
+        except RlaunchError as exc:
+            return Outcome(False, str(exc))
+        if not released:
+            return Outcome(True, f"Node {node} is no longer in Slurm job {self.slurm_job}.")
+        return Outcome(
+            True, f"Node {node} released from Slurm job {self.slurm_job}: Slurm may take it for maintenance."
+        )
 
 
 class SlurmDrainWatch:

@@ -11,12 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from rlaunch.integrations.slurm import SlurmError, SlurmNode, maintenance, parse_fields, parse_node, parse_nodes
-from rlaunch.integrations.slurm_watch import Mark, Outcome, SlurmDrainWatch, decide, read_nodes, release_node
+from rlaunch.integrations.slurm_watch import (
+    RELEASE_GRACE_S,
+    Mark,
+    Outcome,
+    Releaser,
+    SlurmDrainWatch,
+    decide,
+    read_nodes,
+    release_node,
+)
 
 CAPTURED = Path(__file__).resolve().parent.parent / "slurm" / "scontrol"
 
@@ -242,3 +252,58 @@ def test_release_node_leaves_a_job_without_the_node_alone(tmp_path: Path) -> Non
     assert not any(line.startswith("update") for line in log.read_text().splitlines())
     with pytest.raises(SlurmError, match="Node n1 is the last node of Slurm job 7"):
         asyncio.run(release_node("7", "n1", fake_scontrol(tmp_path, "n1", "n1")[0]))
+
+
+def test_the_releaser_waits_for_the_agent_to_be_gone_a_grace_period() -> None:
+    now = [100.0]
+    present = [True, False, False, False]
+    shrunk: list[str] = []
+
+    async def is_present(node: str) -> bool:
+        return present.pop(0)
+
+    async def shrink(node: str) -> bool:
+        shrunk.append(node)
+        return True
+
+    releaser = Releaser("7", is_present, shrink, clock=lambda: now[0])
+
+    async def go() -> list[Outcome]:
+        outcomes = [await releaser("n2")]  # the agent still runs
+        outcomes.append(await releaser("n2"))  # gone, since 100.0
+        now[0] += RELEASE_GRACE_S - 0.5
+        outcomes.append(await releaser("n2"))  # gone, but not long enough
+        now[0] += 1.0
+        outcomes.append(await releaser("n2"))
+        return outcomes
+
+    outcomes = asyncio.run(go())
+    assert [o.done for o in outcomes] == [False, False, False, True]
+    assert outcomes[0].message == "Node n2 leaves Slurm job 7 once its rlaunch agent has exited."
+    assert outcomes[3].message == "Node n2 released from Slurm job 7: Slurm may take it for maintenance."
+    assert shrunk == ["n2"], "Slurm is asked once, after the grace period"
+
+
+def test_the_releaser_reports_a_slurm_refusal_and_a_node_already_gone() -> None:
+    async def gone(node: str) -> bool:
+        return False
+
+    async def refuse(node: str) -> bool:
+        raise SlurmError("`scontrol update JobId=7 NodeList=n1` exited with code 1: Invalid node name.")
+
+    async def absent(node: str) -> bool:
+        return False
+
+    def after_grace(shrink: Callable[[str], Awaitable[bool]]) -> Outcome:
+        times = [0.0, RELEASE_GRACE_S]
+        releaser = Releaser("7", gone, shrink, clock=lambda: times.pop(0))
+
+        async def go() -> Outcome:
+            await releaser("n2")
+            return await releaser("n2")
+
+        return asyncio.run(go())
+
+    refusal = "`scontrol update JobId=7 NodeList=n1` exited with code 1: Invalid node name."
+    assert after_grace(refuse) == Outcome(False, refusal)
+    assert after_grace(absent) == Outcome(True, "Node n2 is no longer in Slurm job 7.")
