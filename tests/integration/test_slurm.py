@@ -120,6 +120,7 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
     ).strip()  # fmt: skip
     job = f"slurm-{job_id}"
     text = lambda: out.read_text(errors="replace") if out.exists() else ""  # noqa: E731
+    target, survivor = "n2", "n1"  # n1 runs the batch script and etcd: it stays in the Slurm job
     try:
         found = wait_for(lambda: re.search(r"etcd at (\S+)", text()), 90, "the batch script to start etcd")
         endpoint = found.group(1)
@@ -135,7 +136,6 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
         )
         wait_for(lambda: "step 10/" in text(), 120, "training to make progress")
 
-        target, survivor = "n2", "n1"  # n1 runs the batch script and etcd: it stays in the Slurm job
         slurm.run("scontrol", "update", f"nodename={target}", "state=drain", "reason=maintenance")
         drained = lambda: next(  # noqa: E731
             (e for e in job_events(endpoint, job) if e.kind == "drained" and e.node_id == target), None
@@ -154,7 +154,7 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
         subprocess.run(["scancel", job_id], env=slurm.env, timeout=30)
         raise
     finally:
-        subprocess.run(["scontrol", "update", "nodename=n[1-3]", "state=resume"], env=slurm.env, timeout=60)
+        subprocess.run(["scontrol", "update", f"nodename={target}", "state=resume"], env=slurm.env, timeout=60)
 
     assert mark.data["replaced_by"] == "n3", mark
     marked = [e for e in events if e.kind == "slurm_marked"]
