@@ -207,8 +207,11 @@ class Agent:
         node_key = self.keys.node(self.node_id)
         record = self._make_record(NodeState.WAITING, 0)
         while True:
-            snap = await read_snapshot(self.store, self.keys)
+            # The spec first: its creator registered with it atomically, so a snapshot read after it
+            # shows that node. Read the other way round, agents starting together see "a spec, no
+            # nodes" and clear each other's registrations as leftovers.
             spec_kv = await self.store.get(self.keys.spec)
+            snap = await read_snapshot(self.store, self.keys)
             finished = snap.generation is not None and snap.generation.status.terminal
             if spec_kv is not None and finished and snap.nodes:
                 if loop.time() > end:

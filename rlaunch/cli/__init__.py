@@ -18,6 +18,7 @@ from rlaunch.cli.etcd import etcd
 from rlaunch.cli.events import events
 from rlaunch.cli.launch import run
 from rlaunch.cli.report import report
+from rlaunch.cli.slurm import slurm_watch
 from rlaunch.cli.status import status
 
 #: What ``rlaunch --help`` tells a user about the tool.
@@ -53,8 +54,9 @@ app.command("undrain")(undrain)
 app.command("events")(events)
 app.command("etcd")(etcd)
 app.command("report")(report)
+app.command("slurm-watch")(slurm_watch)
 
-SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd", "report")
+SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd", "report", "slurm-watch")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,1 @@
+"""Bridges between rlaunch and the systems that run it (schedulers, cluster managers)."""
