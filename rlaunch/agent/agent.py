@@ -7,7 +7,9 @@ One agent runs per machine (``rlaunch train.py``). It
    until every assigned node has acknowledged (so no worker meets a previous generation's
    rendezvous), then starts its workers with torchrun's environment;
 4. reports its workers' success or failure on its node record, for the controller to act on;
-5. stops its workers when it loses its lease (fencing) or receives SIGTERM/SIGINT.
+5. stops its workers when it receives SIGTERM/SIGINT, and kills them at once when it is fenced:
+   when etcd answers that its lease is gone, or a generation gives its ranks to others. An etcd
+   that does not answer is no such evidence; the workers go on (see :mod:`rlaunch.agent.lease`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
+from rlaunch.agent.lease import LeaseKeeper
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 EXIT_FAILED = 1
 #: How long workers get between SIGTERM and SIGKILL (torchrun's default shutdown timeout).
 SHUTDOWN_GRACE_S = 30.0
+#: Stale workers (this node was fenced, or its ranks now belong to others) get none: they are
+#: SIGKILLed at once, so they never overlap their ranks' new holders.
+STALE_GRACE_S = 0.0
 #: How often the GPU health detector runs (NVML queries are local; no etcd traffic).
 HEALTH_EVERY_S = 2.0
 #: How often stray zombie descendants are reaped (scanning /proc is not free).
@@ -263,7 +269,7 @@ class Agent:
             if self._fenced is not None:
                 log.error("[%s] %s", self.node_id, self._fenced)
                 self.events.emit("fenced", self._worker_gen, reason=self._fenced)
-                await self._stop_workers()
+                await self._stop_workers(STALE_GRACE_S)
                 return EXIT_FAILED
             try:
                 code = await self._act(self._generation)
@@ -382,7 +388,15 @@ class Agent:
     async def _stand_by(self, gen: Generation, holds_ranks: bool) -> None:
         """Hold no running ranks: keep (or start) warm sandbox workers when the job can use them."""
         if self._workers is not None and not self._sandbox:
-            await self._stop_workers()
+            if holds_ranks:
+                await self._stop_workers()  # the job restarts with this node: torchrun's grace
+            else:
+                # The job went on without this node: its workers' ranks belong to others now.
+                log.error(
+                    "[%s] generation %d gives this node no ranks; killing its generation-%d workers at once",
+                    self.node_id, gen.number, self._worker_gen,
+                )  # fmt: skip
+                await self._stop_workers(STALE_GRACE_S)
         if holds_ranks:
             target = NodeState.RESTARTING
         else:
@@ -580,31 +594,30 @@ class Agent:
         values = list(self.link.state.compute_s.values())
         return statistics.median(values) if values else 0.0
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         group, self._workers = self._workers, None
         if group is not None:
-            codes = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
+            codes = await asyncio.to_thread(group.stop, grace)
             self.events.emit("workers_stopped", self._worker_gen, codes={str(i): c for i, c in enumerate(codes)})
 
     # -- etcd tasks ---------------------------------------------------------------------------
 
     async def _keepalive(self) -> None:
-        """Renew the lease every TTL/3; past the TTL without renewal, fence this node."""
-        ttl = self.cfg.lease_ttl
-        last_ok = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                remaining = await self.store.refresh_lease(self._lease)
-                if remaining <= 0:
-                    self._fence(f"its lease expired (TTL {ttl} s), so etcd has dropped this node from the job")
-                    return
-                last_ok = time.monotonic()
-            except StoreError as exc:
-                if time.monotonic() - last_ok > ttl:
-                    self._fence(f"it could not renew its lease within its TTL of {ttl} s ({exc})")
-                    return
-                log.warning("[%s] lease renewal failed, retrying: %s", self.node_id, exc)
-            await self._sleep(ttl / 3)
+        """Keep the lease alive; fence this node only when etcd answers that the lease is gone."""
+        keeper = LeaseKeeper(
+            self.store, self._lease, self.cfg.lease_ttl, self.node_id,
+            sleep=lambda s: wait_event(self._stop, s), on_back=self._etcd_back,
+        )  # fmt: skip
+        why = await keeper.run()
+        if why is not None:
+            self._fence(why)
+
+    def _etcd_back(self, unreachable_s: float, remaining: int) -> None:
+        self.events.emit(
+            "etcd_back", self._worker_gen, unreachable_s=round(unreachable_s, 1), lease_ttl_left=remaining
+        )  # fmt: skip
+        self._wake.set()
+        self._ctl_wake.set()
 
     async def _watch_gpus(self) -> None:
         """The first GPU fault takes this node out of the job (its ranks go to a standby)."""
@@ -624,9 +637,13 @@ class Agent:
 
     async def _watch(self) -> None:
         """Follow the job's keys: keep the latest generation, wake the loop and the controller."""
+        failing = False
         while not self._stop.is_set():
             try:
                 kv, revision = await self.store.get_at(self.keys.generation)
+                if failing:
+                    log.info("[%s] watching etcd again from revision %d", self.node_id, revision + 1)
+                failing = False
                 if kv is not None:
                     self._take_generation(kv.value)
                 self._nodes_changed = True  # anything may have changed while the watch was down
@@ -642,7 +659,10 @@ class Agent:
                     self._wake.set()
                     self._ctl_wake.set()
             except StoreError as exc:
-                log.warning("[%s] watching etcd failed, retrying: %s", self.node_id, exc)
+                # Said once per outage: the lease keeper reports how long etcd stays away.
+                log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
+                        self.node_id, exc)  # fmt: skip
+                failing = True
                 await self._sleep(1.0)
 
     def _take_generation(self, raw: bytes) -> None:
