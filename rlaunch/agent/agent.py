@@ -31,7 +31,7 @@ from typing import Any
 from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
-from rlaunch.agent.lease import LeaseKeeper
+from rlaunch.agent.lease import LeaseKeeper, keepalive_store
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
@@ -98,6 +98,7 @@ class Agent:
         self._lease = 0
         self._generation: Generation | None = None
         self._record: NodeRecord | None = None
+        self._record_unsent = False  # etcd has not acknowledged self._record yet
         self._workers: WorkerGroup | None = None
         self._worker_gen = 0
         self._acked_gen = 0
@@ -175,7 +176,7 @@ class Agent:
                 if pending:
                     log.warning("[%s] %d background task(s) did not stop in time", self.node_id, len(pending))
             await self.events.close()
-            if self._lease:
+            if self._lease and self._fenced is None:  # (a fenced node's lease is gone already)
                 try:
                     await self.store.revoke_lease(self._lease)
                 except StoreError as exc:
@@ -272,6 +273,8 @@ class Agent:
                 await self._stop_workers(STALE_GRACE_S)
                 return EXIT_FAILED
             try:
+                if self._record_unsent:
+                    await self._send_record()
                 code = await self._act(self._generation)
                 if code is not None:
                     return code
@@ -604,11 +607,15 @@ class Agent:
 
     async def _keepalive(self) -> None:
         """Keep the lease alive; fence this node only when etcd answers that the lease is gone."""
+        store = keepalive_store(self.store.endpoints)
         keeper = LeaseKeeper(
-            self.store, self._lease, self.cfg.lease_ttl, self.node_id,
+            store, self._lease, self.cfg.lease_ttl, self.node_id,
             sleep=lambda s: wait_event(self._stop, s), on_back=self._etcd_back,
         )  # fmt: skip
-        why = await keeper.run()
+        try:
+            why = await keeper.run()
+        finally:
+            await store.close()
         if why is not None:
             self._fence(why)
 
@@ -719,11 +726,17 @@ class Agent:
     ) -> None:
         gen = self._worker_gen if generation is None else generation
         previous = self._record.state if self._record else None
-        record = self._make_record(state, gen, exit_codes, failure)
-        await self.store.put(self.keys.node(self.node_id), encode(record), lease=self._lease)
-        self._record = record
+        # The record is this node's state from now on, sent again by the loop until etcd has it:
+        # a failure reported while etcd is unreachable must reach the controller when it is back.
+        self._record, self._record_unsent = self._make_record(state, gen, exit_codes, failure), True
         if previous is not state:
             self.events.emit("node_state", gen, state=state.value, previous=previous.value if previous else None)
+        await self._send_record()
+
+    async def _send_record(self) -> None:
+        assert self._record is not None
+        await self.store.put(self.keys.node(self.node_id), encode(self._record), lease=self._lease)
+        self._record_unsent = False
 
     async def _try_publish(self, state: NodeState) -> None:
         try:

@@ -29,12 +29,19 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rlaunch.errors import StoreError
-from rlaunch.store.client import Store
+from rlaunch.store.client import Endpoint, Store
 
 log = logging.getLogger(__name__)
 
 #: While etcd is unreachable, say so again at most this often (the first failure is always said).
 OUTAGE_LOG_EVERY_S = 30.0
+#: While etcd is unreachable, try again this often (at most; TTL/3 when that is shorter): when etcd
+#: comes back, its new leader extends every lease by only TTL + the election timeout, so the
+#: first renewal must not wait a whole round.
+OUTAGE_RETRY_S = 1.0
+#: Each keepalive request's timeout. A healthy etcd renews a lease in milliseconds (no raft
+#: round), and a slow answer costs nothing now that silence never fences: it is just retried.
+KEEPALIVE_TIMEOUT_S = 1.0
 
 
 class LeaseState(str, enum.Enum):
@@ -49,6 +56,11 @@ class Renewal:
 
     remaining: int | None = None
     error: str = ""
+
+
+def keepalive_store(endpoints: list[Endpoint]) -> Store:
+    """A client of its own for the lease keepalives, with a short request timeout."""
+    return Store(endpoints, timeout=KEEPALIVE_TIMEOUT_S)
 
 
 def judge(state: LeaseState, renewal: Renewal) -> LeaseState:
@@ -68,7 +80,11 @@ def judge(state: LeaseState, renewal: Renewal) -> LeaseState:
 
 
 class LeaseKeeper:
-    """Renews one lease every TTL/3 until it is lost or ``stop`` is called.
+    """Renews one lease every TTL/3 until it is lost or ``sleep`` says stop.
+
+    ``store`` should be the keeper's own client (see :func:`keepalive_store`): a channel shared
+    with watches and the controller is closed and reopened by their failures, and a keepalive in
+    flight on it would fail with them.
 
     ``on_back(unreachable_s, remaining)`` is called when etcd answers again after an outage.
     :meth:`run` returns a sentence saying why the lease is lost, or ``None`` once stopped.
@@ -142,5 +158,6 @@ class LeaseKeeper:
                     self._node_id, gone_s, self.lease_id, remaining,
                 )  # fmt: skip
                 self._on_back(gone_s, remaining)
-            if await self._sleep(self.ttl / 3):
+            pause = self.ttl / 3 if self.state is LeaseState.HELD else min(self.ttl / 3, OUTAGE_RETRY_S)
+            if await self._sleep(pause):
                 return None

@@ -27,6 +27,17 @@ from rlaunch.errors import StoreError, StoreUnavailableError, UsageError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: gRPC options of every channel. Subchannels are shared process-wide by default, and with them
+#: the reconnect backoff, which grows to 2 minutes while etcd is down: a reopened client would
+#: then keep failing long after etcd is back, past the TTL + 1 s by which a new etcd leader
+#: expects lease renewals. Each client gets its own subchannel, retried at least every second.
+CHANNEL_OPTIONS = {
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
@@ -140,12 +151,14 @@ class Store:
         if self._client is None:
             ep = self.endpoint
             # aetcd takes whole seconds for its per-request timeout.
-            self._client = aetcd.Client(host=ep.host, port=ep.port, timeout=max(1, round(self.timeout)))
+            self._client = aetcd.Client(
+                host=ep.host, port=ep.port, timeout=max(1, round(self.timeout)), options=CHANNEL_OPTIONS
+            )
         return self._client
 
     async def _call(self, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         """Run ``fn`` against the current endpoint, moving on to the next when unreachable."""
-        last: Exception | None = None
+        last: BaseException | None = None
         for _ in range(len(self.endpoints)):
             ep = self.endpoint
             try:
@@ -161,6 +174,14 @@ class Store:
                 log.debug("etcd at %s failed (%r); trying the next endpoint", ep, exc)
             except aetcd.exceptions.ClientError as exc:
                 raise StoreError(f"etcd at {ep} refused the request: {exc}.") from exc
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or getattr(task, "cancelling", lambda: 1)():
+                    raise  # this task is being cancelled
+                # gRPC cancels the calls of a channel that another task closed after its own
+                # failure: this call did not fail, it is tried again on a fresh client.
+                last = exc
+                log.debug("a call to etcd at %s was cut by a closed channel; retrying", ep)
         reason = (
             "did not answer in time"
             if isinstance(last, (asyncio.TimeoutError, aetcd.exceptions.ConnectionTimeoutError))

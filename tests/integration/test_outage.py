@@ -6,7 +6,7 @@ One job goes through everything, to keep the suite short:
    restarts, nobody is fenced, steps keep completing;
 3. etcd comes back on the same ports and data: the agents' leases survived (etcd extends leases
    when a leader is elected), keepalives resume, ``rlaunch status`` is right, and a worker crash
-   after that is still recovered live.
+   after that, with the etcd leader down again, is still recovered live.
 The fencing of a node that really is cut off while etcd is up for the others is tested by the
 frozen-node tests (test_fencing.py, test_recovery.py).
 """
@@ -14,8 +14,10 @@ frozen-node tests (test_fencing.py, test_recovery.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,17 +26,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlaunch.agent.lease import LeaseKeeper, LeaseState
-from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.agent.lease import LeaseKeeper, LeaseState, keepalive_store
+from rlaunch.store.client import parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.waiting import wait_event
-from tests.cluster import AgentProc, Cluster, leftovers, run_store, wait_for
+from tests.cluster import SCRIPTS, AgentProc, Cluster, leftovers, run_store, wait_for
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.test_migration import RESILIENT, warm
 
 #: Long enough never to end on its own: the test stops the job when it has seen everything.
 ARGS = ("--steps", "1000000", "--step-time", "0.05", "--log-every", "5")
 OUTAGE_S = 60.0
+TTL = 5
 STEP = re.compile(r"\[a/0\] step (\d+)/")
 
 
@@ -78,12 +81,13 @@ def pids(agent: AgentProc) -> list[int]:
     return sorted(p.pid for p in agent.workers())
 
 
-def node_leases(cluster: Cluster) -> dict[str, int]:
+def node_leases(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """node id -> (lease id, granted TTL) of each node record."""
     keys = JobKeys(cluster.job_id)
 
     async def read(store):  # type: ignore[no-untyped-def]
         kvs, _ = await store.get_prefix(keys.nodes_prefix)
-        return {kv.key.rsplit("/", 1)[-1]: kv.lease for kv in kvs}
+        return {kv.key.rsplit("/", 1)[-1]: (kv.lease, (await store.lease_ttl(kv.lease))[0]) for kv in kvs}
 
     return dict(run_store(cluster.endpoint, read))
 
@@ -92,7 +96,8 @@ def test_a_job_survives_the_loss_of_one_etcd_member_and_a_60s_outage_of_all(
     etcd_job: tuple[EtcdCluster, Cluster],
 ) -> None:
     etcd, cluster = etcd_job
-    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, flags=("--max-restarts", "2"))
+    flags = ("--max-restarts", "2", "--lease-ttl", str(TTL))  # the default TTL (the harness's is 3 s)
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, flags=flags)
     wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
     progress(a, 10, 60, "before any fault")
 
@@ -110,6 +115,7 @@ def test_a_job_survives_the_loss_of_one_etcd_member_and_a_60s_outage_of_all(
     nodes = {n["node_id"]: n for n in before["nodes"]}
     assert (nodes["c"]["role"], nodes["c"]["state"], nodes["b"]["state"]) == ("active", "running", "drained")
     leases = node_leases(cluster)
+    assert {n: granted for n, (_, granted) in leases.items()} == {"a": TTL, "c": TTL}, leases
     workers = {"a": pids(a), "c": pids(c)}
     assert all(workers.values()), workers
 
@@ -130,15 +136,17 @@ def test_a_job_survives_the_loss_of_one_etcd_member_and_a_60s_outage_of_all(
         etcd.restart(member)
     etcd.wait_healthy(etcd.members)
     wait_for(lambda: "event etcd_back" in a.output() and "event etcd_back" in c.output(), 60, "keepalives to resume")
-    time.sleep(2 * 3 + 1)  # past the agents' lease TTL (3 s): a lease kept only by etcd's extension would be gone
+    time.sleep(TTL + 2)  # a lease kept only by etcd's extension on election (TTL + 1 s) would be gone by now
     assert node_leases(cluster) == leases, "the agents' leases must survive the outage"
-    after = cluster.status()
+    res = cluster.cli("status", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, "--json")
+    assert res.returncode == 0, res.stderr
+    after = json.loads(res.stdout)
     assert (after["generation"], after["status"], after["controller"]) == (
         before["generation"], before["status"], before["controller"],
     )  # fmt: skip
     live = {n["node_id"]: n for n in after["nodes"] if n["role"] == "active"}
     assert sorted(live) == ["a", "c"] and all(n["state"] == "running" for n in live.values()), after
-    assert all(n["last_seen_s"] is not None and n["last_seen_s"] <= 3 for n in live.values()), after
+    assert all(n["last_seen_s"] is not None and n["last_seen_s"] <= TTL for n in live.values()), after
     for agent in (a, c):
         out = agent.output()
         assert "event fenced" not in out and "stops its workers" not in out, out[-3000:]
@@ -147,7 +155,9 @@ def test_a_job_survives_the_loss_of_one_etcd_member_and_a_60s_outage_of_all(
     assert {"a": pids(a), "c": pids(c)} == workers
     progress(a, 10, 60, "after etcd came back")
 
-    # 4. A fault after the outage is still recovered: c's worker crashes and restarts in place, live.
+    # 4. A fault after the outage, with the new etcd leader down, is still recovered: c's worker
+    #    crashes and restarts in place, live.
+    etcd.kill(etcd.leader())
     psutil.Process(workers["c"][0]).kill()
     wait_for(lambda: len(re.findall(r"event joined", c.output())) >= 2, 120, "c's new worker to join")
     progress(a, 10, 60, "after the recovery")
@@ -162,7 +172,7 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     backs: list[tuple[float, int]] = []
 
     async def scenario() -> tuple[str | None, LeaseState, list[LeaseState]]:
-        store = Store(parse_endpoints(etcd.endpoints), timeout=1.0)
+        store = keepalive_store(parse_endpoints(etcd.endpoints))
         stop = asyncio.Event()
         try:
             lease = await store.grant_lease(2)
@@ -199,3 +209,48 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     assert seen == [LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.HELD], seen
     assert len(backs) == 1 and backs[0][0] >= 5.0 and backs[0][1] > 0, backs
     assert final is LeaseState.LOST and why is not None and "etcd answered that its lease" in why, why
+
+
+def test_a_cut_off_node_is_fenced_and_its_workers_killed_without_a_sigterm(cluster: Cluster) -> None:
+    """etcd is up for the others: b's lease expires while its agent is frozen; on waking it is fenced."""
+    a, b = cluster.agents_in_order(["a", "b"], SCRIPTS / "stubborn.py", env={"STUBBORN_RANK": "1"})
+    wait_for(lambda: "stubborn ready, rank 1" in b.output(), 60, "b's worker to start")
+    b.signal(signal.SIGSTOP)  # the agent freezes; its worker runs on
+    try:
+        wait_for(lambda: cluster.node("b") is None, 60, "b's lease to expire")
+    finally:
+        b.signal(signal.SIGCONT)
+    assert b.wait(60) == 1, b.output()[-3000:]
+    out = b.output()
+    assert "stops its workers and exits because etcd answered that its lease" in out, out[-3000:]
+    assert "event workers_stopped (generation 1) {'codes': {'0': -9}}" in out, out[-3000:]
+    assert "got SIGTERM" not in out, "a stale worker is SIGKILLed at once, never given a SIGTERM grace"
+
+
+def test_a_worker_failure_during_an_outage_reaches_the_controller_when_etcd_is_back(tmp_path: Path) -> None:
+    """The failed node's record cannot be written while etcd is down; it is written once etcd is back."""
+    tag = uuid.uuid4().hex
+    etcd = EtcdCluster(tmp_path, tag, size=1)
+    cluster = Cluster(etcd.endpoints, tmp_path, tag)
+    try:
+        etcd.start()
+        a, b = cluster.agents_in_order(["a", "b"], SCRIPTS / "stubborn.py", flags=("--max-restarts", "1"))
+        wait_for(lambda: "stubborn ready" in a.output() and "stubborn ready" in b.output(), 60, "the workers")
+        etcd.kill(etcd.members[0])
+        b.workers()[0].kill()
+        wait_for(lambda: "event workers_failed" in b.output(), 30, "b to see its worker fail")
+        time.sleep(3 * 3)  # several loop rounds (and a lease TTL) without etcd
+        assert a.proc.poll() is None and b.proc.poll() is None, "no agent may exit while etcd is down"
+        etcd.restart(etcd.members[0])
+        etcd.wait_healthy(etcd.members)
+        for agent in (a, b):
+            wait_for(lambda ag=agent: "event workers_started (generation 2)" in ag.output(), 60, "the restart")
+        assert "event fenced" not in a.output() + b.output()
+        assert cluster.status()["restart_count"] == 1
+    finally:
+        cluster.close()
+        etcd.stop()
+    left = leftovers(tag)
+    for proc in left:
+        proc.kill()
+    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
