@@ -607,7 +607,7 @@ class Agent:
 
     async def _keepalive(self) -> None:
         """Keep the lease alive; fence this node only when etcd answers that the lease is gone."""
-        store = keepalive_store(self.store.endpoints)
+        store = keepalive_store(self.store)
         keeper = LeaseKeeper(
             store, self._lease, self.cfg.lease_ttl, self.node_id,
             sleep=lambda s: wait_event(self._stop, s), on_back=self._etcd_back,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rlaunch.errors import StoreError
-from rlaunch.store.client import Endpoint, Store
+from rlaunch.store.client import Store
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,9 @@ class Renewal:
     error: str = ""
 
 
-def keepalive_store(endpoints: list[Endpoint]) -> Store:
-    """A client of its own for the lease keepalives, with a short request timeout."""
-    return Store(endpoints, timeout=KEEPALIVE_TIMEOUT_S)
+def keepalive_store(shared: Store) -> Store:
+    """A client of its own for the lease keepalives (``shared``'s etcd), with a short request timeout."""
+    return shared.sibling(KEEPALIVE_TIMEOUT_S)
 
 
 def judge(state: LeaseState, renewal: Renewal) -> LeaseState:

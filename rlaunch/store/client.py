@@ -110,6 +110,10 @@ class Store:
         self._index = 0
         self._client: aetcd.Client | None = None
 
+    def sibling(self, timeout: float) -> Store:
+        """A client of its own to the same etcd (endpoints, and credentials where there are any)."""
+        return Store(self.endpoints, timeout)
+
     @property
     def endpoint(self) -> Endpoint:
         return self.endpoints[self._index]

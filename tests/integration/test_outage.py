@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from rlaunch.agent.lease import LeaseKeeper, LeaseState, keepalive_store
-from rlaunch.store.client import parse_endpoints
+from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.waiting import wait_event
 from tests.cluster import SCRIPTS, AgentProc, Cluster, leftovers, run_store, wait_for
@@ -172,7 +172,7 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     backs: list[tuple[float, int]] = []
 
     async def scenario() -> tuple[str | None, LeaseState, list[LeaseState]]:
-        store = keepalive_store(parse_endpoints(etcd.endpoints))
+        store = keepalive_store(Store(parse_endpoints(etcd.endpoints)))
         stop = asyncio.Event()
         try:
             lease = await store.grant_lease(2)
