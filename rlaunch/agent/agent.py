@@ -75,6 +75,10 @@ REAP_EVERY_S = 5.0
 #: by more than COMPUTE_CHANGE (a fraction): the straggler detector needs trends, not every step.
 COMPUTE_EVERY_S = 5.0
 COMPUTE_CHANGE = 0.25
+#: A node record etcd did not take (it was unreachable) is sent again at most this often.
+RESEND_EVERY_S = 1.0
+#: While etcd requests keep failing, the main loop says so at most this often.
+ETCD_WARN_EVERY_S = 10.0
 
 
 class Agent:
@@ -99,6 +103,8 @@ class Agent:
         self._generation: Generation | None = None
         self._record: NodeRecord | None = None
         self._record_unsent = False  # etcd has not acknowledged self._record yet
+        self._resend_at = 0.0  # when to try sending it again
+        self._etcd_warned_at = -ETCD_WARN_EVERY_S
         self._workers: WorkerGroup | None = None
         self._worker_gen = 0
         self._acked_gen = 0
@@ -273,7 +279,8 @@ class Agent:
                 await self._stop_workers(STALE_GRACE_S)
                 return EXIT_FAILED
             try:
-                if self._record_unsent:
+                if self._record_unsent and time.monotonic() >= self._resend_at:
+                    self._resend_at = time.monotonic() + RESEND_EVERY_S
                     await self._send_record()
                 code = await self._act(self._generation)
                 if code is not None:
@@ -282,7 +289,11 @@ class Agent:
                 await self._check_workers()
                 await self._sync_link()
             except StoreError as exc:
-                log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
+                now = time.monotonic()
+                quiet = now - self._etcd_warned_at < ETCD_WARN_EVERY_S  # (one line per outage round)
+                self._etcd_warned_at = self._etcd_warned_at if quiet else now
+                log.log(logging.DEBUG if quiet else logging.WARNING, "[%s] etcd request failed, will retry: %s",
+                        self.node_id, exc)  # fmt: skip
             if time.monotonic() >= self._next_reap:
                 reap_orphans(self._keep_pids)
                 self._next_reap = time.monotonic() + REAP_EVERY_S
