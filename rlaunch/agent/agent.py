@@ -7,7 +7,9 @@ One agent runs per machine (``rlaunch train.py``). It
    until every assigned node has acknowledged (so no worker meets a previous generation's
    rendezvous), then starts its workers with torchrun's environment;
 4. reports its workers' success or failure on its node record, for the controller to act on;
-5. stops its workers when it loses its lease (fencing) or receives SIGTERM/SIGINT.
+5. stops its workers when it receives SIGTERM/SIGINT, and kills them at once when it is fenced:
+   when etcd answers that its lease is gone, or a generation gives its ranks to others. An etcd
+   that does not answer is no such evidence; the workers go on (see :mod:`rlaunch.agent.lease`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.env import standby_env, worker_env
+from rlaunch.agent.lease import LeaseKeeper, keepalive_store
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.progress import ProgressReporter, progress_every_s
@@ -64,6 +67,9 @@ log = logging.getLogger(__name__)
 EXIT_FAILED = 1
 #: How long workers get between SIGTERM and SIGKILL (torchrun's default shutdown timeout).
 SHUTDOWN_GRACE_S = 30.0
+#: Stale workers (this node was fenced, or its ranks now belong to others) get none: they are
+#: SIGKILLed at once, so they never overlap their ranks' new holders.
+STALE_GRACE_S = 0.0
 #: How often the GPU health detector runs (NVML queries are local; no etcd traffic).
 HEALTH_EVERY_S = 2.0
 #: How often stray zombie descendants are reaped (scanning /proc is not free).
@@ -72,6 +78,10 @@ REAP_EVERY_S = 5.0
 #: by more than COMPUTE_CHANGE (a fraction): the straggler detector needs trends, not every step.
 COMPUTE_EVERY_S = 5.0
 COMPUTE_CHANGE = 0.25
+#: A node record etcd did not take (it was unreachable) is sent again at most this often.
+RESEND_EVERY_S = 1.0
+#: While etcd requests keep failing, the main loop says so at most this often.
+ETCD_WARN_EVERY_S = 10.0
 
 
 class Agent:
@@ -98,6 +108,9 @@ class Agent:
         self._lease = 0
         self._generation: Generation | None = None
         self._record: NodeRecord | None = None
+        self._record_unsent = False  # etcd has not acknowledged self._record yet
+        self._resend_at = 0.0  # when to try sending it again
+        self._etcd_warned_at = -ETCD_WARN_EVERY_S
         self._workers: WorkerGroup | None = None
         self._worker_gen = 0
         self._acked_gen = 0
@@ -187,7 +200,7 @@ class Agent:
                     log.warning("[%s] %d background task(s) did not stop in time", self.node_id, len(pending))
             await self.events.close()
             self.metrics.close()
-            if self._lease:
+            if self._lease and self._fenced is None:  # (a fenced node's lease is gone already)
                 try:
                     await self.store.revoke_lease(self._lease)
                 except StoreError as exc:
@@ -284,9 +297,12 @@ class Agent:
             if self._fenced is not None:
                 log.error("[%s] %s", self.node_id, self._fenced)
                 self.events.emit("fenced", self._worker_gen, reason=self._fenced)
-                await self._stop_workers()
+                await self._stop_workers(STALE_GRACE_S)
                 return EXIT_FAILED
             try:
+                if self._record_unsent and time.monotonic() >= self._resend_at:
+                    self._resend_at = time.monotonic() + RESEND_EVERY_S
+                    await self._send_record()
                 code = await self._act(self._generation)
                 if code is not None:
                     return code
@@ -294,7 +310,11 @@ class Agent:
                 await self._check_workers()
                 await self._sync_link()
             except StoreError as exc:
-                log.warning("[%s] etcd request failed, will retry: %s", self.node_id, exc)
+                now = time.monotonic()
+                quiet = now - self._etcd_warned_at < ETCD_WARN_EVERY_S  # (one line per outage round)
+                self._etcd_warned_at = self._etcd_warned_at if quiet else now
+                log.log(logging.DEBUG if quiet else logging.WARNING, "[%s] etcd request failed, will retry: %s",
+                        self.node_id, exc)  # fmt: skip
             if time.monotonic() >= self._next_reap:
                 reap_orphans(self._keep_pids)
                 self._next_reap = time.monotonic() + REAP_EVERY_S
@@ -409,7 +429,15 @@ class Agent:
     async def _stand_by(self, gen: Generation, holds_ranks: bool) -> None:
         """Hold no running ranks: keep (or start) warm sandbox workers when the job can use them."""
         if self._workers is not None and not self._sandbox:
-            await self._stop_workers()
+            if holds_ranks:
+                await self._stop_workers()  # the job restarts with this node: torchrun's grace
+            else:
+                # The job went on without this node: its workers' ranks belong to others now.
+                log.error(
+                    "[%s] generation %d gives this node no ranks; killing its generation-%d workers at once",
+                    self.node_id, gen.number, self._worker_gen,
+                )  # fmt: skip
+                await self._stop_workers(STALE_GRACE_S)
         if holds_ranks:
             target = NodeState.RESTARTING
         else:
@@ -623,31 +651,34 @@ class Agent:
         values = list(self.link.state.compute_s.values())
         return statistics.median(values) if values else 0.0
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         group, self._workers = self._workers, None
         if group is not None:
-            codes = await asyncio.to_thread(group.stop, SHUTDOWN_GRACE_S)
+            codes = await asyncio.to_thread(group.stop, grace)
             self.events.emit("workers_stopped", self._worker_gen, codes={str(i): c for i, c in enumerate(codes)})
 
     # -- etcd tasks ---------------------------------------------------------------------------
 
     async def _keepalive(self) -> None:
-        """Renew the lease every TTL/3; past the TTL without renewal, fence this node."""
-        ttl = self.cfg.lease_ttl
-        last_ok = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                remaining = await self.store.refresh_lease(self._lease)
-                if remaining <= 0:
-                    self._fence(f"its lease expired (TTL {ttl} s), so etcd has dropped this node from the job")
-                    return
-                last_ok = time.monotonic()
-            except StoreError as exc:
-                if time.monotonic() - last_ok > ttl:
-                    self._fence(f"it could not renew its lease within its TTL of {ttl} s ({exc})")
-                    return
-                log.warning("[%s] lease renewal failed, retrying: %s", self.node_id, exc)
-            await self._sleep(ttl / 3)
+        """Keep the lease alive; fence this node only when etcd answers that the lease is gone."""
+        store = keepalive_store(self.store)
+        keeper = LeaseKeeper(
+            store, self._lease, self.cfg.lease_ttl, self.node_id,
+            sleep=lambda s: wait_event(self._stop, s), on_back=self._etcd_back,
+        )  # fmt: skip
+        try:
+            why = await keeper.run()
+        finally:
+            await store.close()
+        if why is not None:
+            self._fence(why)
+
+    def _etcd_back(self, unreachable_s: float, remaining: int) -> None:
+        self.events.emit(
+            "etcd_back", self._worker_gen, unreachable_s=round(unreachable_s, 1), lease_ttl_left=remaining
+        )  # fmt: skip
+        self._wake.set()
+        self._ctl_wake.set()
 
     async def _watch_gpus(self) -> None:
         """The first GPU fault takes this node out of the job (its ranks go to a standby)."""
@@ -667,9 +698,13 @@ class Agent:
 
     async def _watch(self) -> None:
         """Follow the job's keys: keep the latest generation, wake the loop and the controller."""
+        failing = False
         while not self._stop.is_set():
             try:
                 kv, revision = await self.store.get_at(self.keys.generation)
+                if failing:
+                    log.info("[%s] watching etcd again from revision %d", self.node_id, revision + 1)
+                failing = False
                 if kv is not None:
                     self._take_generation(kv.value)
                 self._nodes_changed = True  # anything may have changed while the watch was down
@@ -685,7 +720,10 @@ class Agent:
                     self._wake.set()
                     self._ctl_wake.set()
             except StoreError as exc:
-                log.warning("[%s] watching etcd failed, retrying: %s", self.node_id, exc)
+                # Said once per outage: the lease keeper reports how long etcd stays away.
+                log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
+                        self.node_id, exc)  # fmt: skip
+                failing = True
                 await self._sleep(1.0)
 
     def _take_generation(self, raw: bytes) -> None:
@@ -743,11 +781,17 @@ class Agent:
     ) -> None:
         gen = self._worker_gen if generation is None else generation
         previous = self._record.state if self._record else None
-        record = self._make_record(state, gen, exit_codes, failure)
-        await self.store.put(self.keys.node(self.node_id), encode(record), lease=self._lease)
-        self._record = record
+        # The record is this node's state from now on, sent again by the loop until etcd has it:
+        # a failure reported while etcd is unreachable must reach the controller when it is back.
+        self._record, self._record_unsent = self._make_record(state, gen, exit_codes, failure), True
         if previous is not state:
             self.events.emit("node_state", gen, state=state.value, previous=previous.value if previous else None)
+        await self._send_record()
+
+    async def _send_record(self) -> None:
+        assert self._record is not None
+        await self.store.put(self.keys.node(self.node_id), encode(self._record), lease=self._lease)
+        self._record_unsent = False
 
     async def _try_publish(self, state: NodeState) -> None:
         try:

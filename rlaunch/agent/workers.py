@@ -124,7 +124,11 @@ class WorkerGroup:
         return [p.poll() for p in self.procs]
 
     def stop(self, grace: float = 30.0) -> list[int | None]:
-        """SIGTERM every process of the group's trees, SIGKILL after ``grace``, reap all."""
+        """SIGTERM every process of the group's trees, SIGKILL after ``grace``, reap all.
+
+        ``grace <= 0``: SIGKILL at once, without a SIGTERM (stale workers of a fenced node must not
+        run a single line more, such as a signal handler that saves a checkpoint).
+        """
         family: dict[int, psutil.Process] = {}
         for p in self.procs:
             try:
@@ -132,7 +136,7 @@ class WorkerGroup:
                     family[child.pid] = child
             except psutil.NoSuchProcess:
                 pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in (signal.SIGTERM, signal.SIGKILL) if grace > 0 else (signal.SIGKILL,):
             for p in self.procs:
                 if p.poll() is None:
                     _killpg(p.pid, sig)

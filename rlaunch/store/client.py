@@ -49,10 +49,15 @@ REQUEST_SECONDS = Histogram(
     "rlaunch_etcd_request_seconds", "Latency of etcd requests (one try at one endpoint).", registry=None,
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )  # fmt: skip
-#: gRPC channel options: reconnect within a second once etcd is back (the default backoff grows
-#: to two minutes), and ping an idle connection so that a peer gone silent is noticed.
+#: gRPC options of every channel. Subchannels are shared process-wide by default, and with them
+#: the reconnect backoff, which grows to 2 minutes while etcd is down: a reopened client would
+#: then keep failing long after etcd is back, past the TTL + 1 s by which a new etcd leader
+#: expects lease renewals. Each client gets its own subchannel, retried at least every second,
+#: and an idle connection is pinged so that a peer gone silent is noticed.
 CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.use_local_subchannel_pool": 1,
     "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
@@ -301,6 +306,10 @@ class Store:
         self._index = 0
         self._clients: dict[int, _Client] = {}
 
+    def sibling(self, timeout: float) -> Store:
+        """A client of its own to the same etcd (endpoints, and credentials where there are any)."""
+        return Store(self.endpoints, timeout, security=self.security)
+
     @property
     def endpoint(self) -> Endpoint:
         return self.endpoints[self._index]
@@ -375,7 +384,7 @@ class Store:
 
         A failure never closes a client: other tasks' calls and watches share it.
         """
-        last: Exception | None = None
+        last: BaseException | None = None
         renewed = False
         attempts = len(self.endpoints)
         while attempts > 0:
@@ -407,6 +416,14 @@ class Store:
                 if problem:
                     raise StoreAccessError(problem) from exc
                 raise StoreError(f"etcd at {ep} refused the request: {exc}.") from exc
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or getattr(task, "cancelling", lambda: 1)():
+                    raise  # this task is being cancelled
+                # gRPC cancels the calls of a channel that another task closed after its own
+                # failure: this call did not fail, it is tried again on a fresh client.
+                last = exc
+                log.debug("a call to etcd at %s was cut by a closed channel; retrying", ep)
         reason = (
             "did not answer in time"
             if isinstance(last, (asyncio.TimeoutError, aetcd.exceptions.ConnectionTimeoutError))

@@ -1,0 +1,31 @@
+"""The lease verdict: only etcd's answer that a lease is gone makes it lost, never its silence."""
+
+from __future__ import annotations
+
+from rlaunch.agent.lease import LeaseState, Renewal, judge
+
+HELD, UNREACHABLE, LOST = LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.LOST
+SILENT = Renewal(error="etcd at 127.0.0.1:2379 is unreachable (request timeout 2.5 s).")
+
+
+def test_silence_never_loses_the_lease_however_long_it_lasts() -> None:
+    state = HELD
+    for _ in range(1000):
+        state = judge(state, SILENT)
+        assert state is UNREACHABLE
+
+
+def test_an_answer_brings_the_lease_back_or_loses_it() -> None:
+    assert judge(UNREACHABLE, Renewal(5)) is HELD
+    assert judge(HELD, Renewal(-1)) is LOST
+    assert judge(UNREACHABLE, Renewal(-1)) is LOST
+
+
+def test_a_lease_in_its_last_second_is_decided_by_the_next_round() -> None:
+    assert judge(HELD, Renewal(0)) is HELD
+    assert judge(UNREACHABLE, Renewal(0)) is UNREACHABLE
+
+
+def test_lost_is_final() -> None:
+    assert judge(LOST, Renewal(5)) is LOST
+    assert judge(LOST, SILENT) is LOST
