@@ -36,6 +36,7 @@ as DDP keeps it. Only the groups that touch the replaced ranks are rebuilt.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -60,7 +61,16 @@ from rlaunch.errors import UsageError
 from rlaunch.runtime import rng
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
-from rlaunch.runtime.stepstate import StepSnapshots, StepStart, fingerprint_value, is_stateful, uniform, vote_terms
+from rlaunch.runtime.stepstate import (
+    CARRY_LIMIT,
+    StepSnapshots,
+    StepStart,
+    fingerprint_value,
+    is_stateful,
+    module_buffers,
+    uniform,
+    vote_terms,
+)
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
 
@@ -117,7 +127,10 @@ class Runtime:
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
         self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
-        self._rng_differs_since: int | None = None  # the first step whose RNG states differed by rank
+        #: what differs from rank to rank without a replica to hold it -> the first step it was seen
+        self._differs: dict[str, int] = {}
+        #: (step of the vote, every rank's module buffers as that vote carried them, one row per rank)
+        self._carried: tuple[int, torch.Tensor] | None = None
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
@@ -286,12 +299,21 @@ class Runtime:
                 self._compute.append(issued - self._step_began)
             ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
             checked, prints = self._fingerprints()
-            vote = torch.tensor([1.0, ready, *vote_terms(prints)], dtype=torch.float64)
+            head = [1.0, ready, *vote_terms(prints)]
+            buffers = self._carried_buffers()
+            size = sum(t.numel() for t in buffers)
+            vote = torch.zeros(len(head) + self.world_size * size, dtype=torch.float64)
+            vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
+            if buffers:  # this rank's buffers in its own row: the sum is every rank's (float64: exact)
+                row = len(head) + self.group.group_rank * size
+                torch.cat([t.detach().reshape(-1).to(torch.float64) for t in buffers], out=vote[row : row + size])
             self.group.allreduce([vote]).wait()
             # A failed or abandoned vote leaves the tensor partly summed at most; a full sum means
             # every rank finished its gradient sync for this step, so stepping is safe.
             if vote[0].item() == self.world_size:
-                self._check_uniform(checked, uniform(self.world_size, vote[2:].tolist()))
+                self._check_uniform(checked, uniform(self.world_size, vote[2 : len(head)].tolist()))
+                if buffers:
+                    self._carried = (self.step, vote[len(head) :].view(self.world_size, size))
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
                     self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
@@ -304,8 +326,13 @@ class Runtime:
         each rank its own) and each tracked object that is not declared per rank."""
         checked, prints = [], []
         if self._seed is None and self._start is not None:
-            checked.append("")
+            checked.append("the random number generators (a seed per rank?)")
             prints.append(rng.fingerprint(self._start.rng))
+        if not self._carried_buffers():
+            buffers = module_buffers(self._tracked)
+            if buffers:
+                checked.append("the module buffers (too many for the vote to carry)")
+                prints.append(fingerprint_value(buffers))
         if self._start is not None:
             for name, state in self._start.states.items():
                 if name not in self._per_rank:
@@ -317,13 +344,12 @@ class Runtime:
         for name, same in zip(checked, equal, strict=True):
             if same:
                 continue
-            if name == "":
-                if self._rng_differs_since is None:
-                    self._rng_differs_since = self.step
+            if name not in self._tracked:
+                if name not in self._differs:
+                    self._differs[name] = self.step
                     log.info(
-                        "rank %d: the ranks' random number generators differ at step %d (a seed per rank?); a "
-                        "drain keeps them, but a live replacement will be refused: use rt.seed(seed, per_rank=True) "
-                        "to make them replaceable.", self.rank, self.step,
+                        "rank %d: %s differ from rank to rank at step %d; a drain moves them, but a live "
+                        "replacement will be refused (see the README's loop patterns).", self.rank, name, self.step,
                     )  # fmt: skip
                 continue
             raise RefusedError(
@@ -522,11 +548,11 @@ class Runtime:
         if self._per_rank:
             names = ", ".join(sorted(self._per_rank))
             why = f"the tracked state {names} is declared per rank (rt.track_per_rank) and no replica holds it"
-        elif self._rng_differs_since is not None:
-            why = (
-                f"the ranks' random number generators differ (since step {self._rng_differs_since}: a seed per "
-                f"rank?) and no replica holds their streams; rt.seed(seed, per_rank=True) makes them replaceable"
-            )
+        elif self._differs:
+            what = "; ".join(f"{name} since step {step}" for name, step in self._differs.items())
+            why = f"these differ from rank to rank and no replica holds them: {what}"
+            if self._seed is None and any("random" in name for name in self._differs):
+                why += "; rt.seed(seed, per_rank=True) makes per-rank random streams replaceable"
         if why:
             raise RefusedError(
                 f"rank {self.rank}: a live replacement of ranks {moved} would diverge silently: {why}. This worker "
@@ -541,11 +567,46 @@ class Runtime:
         assert self._link is not None
         began = time.perf_counter()
         channels, self._pending_sends = self._pending_sends, {}
-        sent = sum(send_state(channel, self._tracked, next_step, rng.capture()) for channel in channels.values())
+        sent = 0
+        for moved, channel in channels.items():
+            with self._buffers_of(moved, next_step):
+                sent += send_state(channel, self._tracked, next_step, rng.capture())
         self._link.call(
             "replica_sent", generation=self.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
+
+    def _carried_buffers(self) -> list[torch.Tensor]:
+        """The module buffers the vote carries (none above CARRY_LIMIT; see stepstate)."""
+        buffers = module_buffers(self._tracked)
+        return buffers if self.world_size * sum(t.numel() for t in buffers) <= CARRY_LIMIT else []
+
+    @contextlib.contextmanager
+    def _buffers_of(self, moved: int, next_step: int) -> Iterator[None]:
+        """While sending to a replaced rank: the module buffers are that rank's, as the vote carried them."""
+        buffers = self._carried_buffers()
+        if not buffers:
+            yield
+            return
+        if self._carried is None or self._carried[0] != next_step - 1:
+            held = "none" if self._carried is None else f"step {self._carried[0]}'s"
+            raise RefusedError(
+                f"rank {self.rank}: the replaced rank {moved} needs its module buffers (BatchNorm statistics) as of "
+                f"step {next_step}, but this replica holds {held}; it stops rather than send another rank's buffers."
+            )
+        own = [t.detach().clone() for t in buffers]
+        row = self._carried[1][moved]
+        with torch.no_grad():
+            offset = 0
+            for t in buffers:
+                t.copy_(row[offset : offset + t.numel()].reshape(t.shape).to(t.dtype))
+                offset += t.numel()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, mine in zip(buffers, own, strict=True):
+                    t.copy_(mine)
 
     def _wait_plan(self, after: int) -> dict[str, Any]:
         assert self._link is not None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import rng
 
@@ -36,6 +37,9 @@ class StepStart:
     rng: rng.RngState
     #: tracked objects other than modules and optimizers: a deep copy of their state_dict()
     states: dict[str, Any] = field(default_factory=dict)
+    #: each tracked DDP module's "the next forward broadcasts rank 0's buffers" flag (set by the
+    #: previous forward: an evaluation under no_grad or a no_sync() micro-step clears it)
+    ddp_flags: dict[str, bool] = field(default_factory=dict)
 
 
 def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
@@ -68,7 +72,8 @@ class StepSnapshots:
                 for saved, t in zip(self._saved, live, strict=True):
                     saved.copy_(t)
         states = {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.items() if is_stateful(obj)}
-        return StepStart(step=step, rng=rng.capture(), states=states)
+        flags = {name: bool(obj.require_forward_param_sync) for name, obj in tracked.items() if _is_ddp(obj)}
+        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags)
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -76,7 +81,13 @@ class StepSnapshots:
                 t.copy_(saved)
         for name, state in start.states.items():
             _load(tracked[name], copy.deepcopy(state))
+        for name, flag in start.ddp_flags.items():
+            tracked[name].require_forward_param_sync = flag
         rng.restore(start.rng)
+
+
+def _is_ddp(obj: Any) -> bool:
+    return isinstance(obj, DistributedDataParallel)
 
 
 def _load(obj: Any, state: Any) -> None:
@@ -130,3 +141,18 @@ def uniform(world: int, summed: Sequence[float]) -> list[bool]:
         total, squares = round(summed[i]), round(summed[i + 1])
         out.append(world * squares == total * total)
     return out
+
+
+#: The vote carries every rank's module buffers while world size x buffer elements stays under this
+#: (2 MB of float64); above it buffers that differ by rank make a live replacement refused.
+CARRY_LIMIT = 1 << 18
+
+
+def module_buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
+    """The persistent buffers of every tracked module, in a fixed order.
+
+    Under DDP they differ from rank to rank at a step boundary (each rank's BatchNorm statistics
+    after its own batch; DDP overwrites them with rank 0's only at a forward that follows a
+    synchronised one), so a replica does not hold a lost rank's buffers: the vote carries them.
+    """
+    return _buffers(tracked)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import rng
 
@@ -49,6 +50,9 @@ def tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]],
             for key, t in obj.state_dict(keep_vars=False).items():
                 pairs.append((f"{name}.{key}", t))
             kinds[name] = "module"
+            if isinstance(obj, DistributedDataParallel):
+                # whether DDP's next forward broadcasts rank 0's buffers: every rank must agree
+                values[name] = {"require_forward_param_sync": bool(obj.require_forward_param_sync)}
         elif isinstance(obj, torch.optim.Optimizer):
             params = [p for g in obj.param_groups for p in g["params"]]
             scalars: dict[str, Any] = {}
@@ -186,6 +190,8 @@ def _load_values(tracked: dict[str, Any], kinds: dict[str, str], values: dict[st
                 obj.state[params[int(i)]][k] = value
         elif kind == "stateful":
             obj.load_state_dict(values[name])
+        elif kind == "module" and isinstance(obj, DistributedDataParallel) and name in values:
+            obj.require_forward_param_sync = bool(values[name]["require_forward_param_sync"])
         elif kind != "module":
             raise TransferError(f"The sender describes {name!r} as a {kind!r}, which this joiner does not know.")
 

@@ -103,8 +103,10 @@ def main() -> None:
         np.random.seed(args.seed + max(rt.rank, 0))
     elif args.seed_mode == "rt":
         rt.seed(args.seed + 1, per_rank=True)
-    else:
-        rt.seed(args.seed + 1)
+    else:  # one seed everywhere, as users write it
+        torch.manual_seed(args.seed + 1)
+        random.seed(args.seed + 1)
+        np.random.seed(args.seed + 1)
 
     for step in rt.steps(args.steps):
         for opt in optimizers:
@@ -129,7 +131,7 @@ def main() -> None:
             for opt in optimizers:
                 rt.optimizer_step(opt)
         else:
-            rt.optimizer_step(*optimizers, scaler=scaler)
+            rt.optimizer_step(*optimizers, **({"scaler": scaler} if scaler else {}))
         if sched is not None:
             sched.step()  # unconditionally: a redone step's scheduler state is put back
         if args.eval_every and (step + 1) % args.eval_every == 0:
