@@ -19,6 +19,7 @@ each step's start like any tracked object:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,18 +27,25 @@ from typing import Any
 from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import fingerprint_value
 
+#: Batches remembered for a redone step (a step reads at most this many: accumulation included).
+HISTORY = 256
+
 
 @dataclass(frozen=True)
 class _Read:
-    """One batch and the loader positions before and after it."""
+    """One batch, the loader positions before and after it, and the RNG draw it made (an iterator
+    created at an epoch start draws its base seed from the global generator)."""
 
+    rank: int  # read for this rank (a sandbox reads for rank -1: never given to a joiner)
     before: dict[str, Any]
+    before_print: int
     batch: Any
     after: dict[str, Any]
+    draw: tuple[int, rng.RngState] | None
 
 
 class EpochLoader:
-    """The current step's batch from a ``StatefulDataLoader``, across epochs (see the module doc)."""
+    """The batches of the current step from a ``StatefulDataLoader``, across epochs (see the module doc)."""
 
     def __init__(self, loader: Any, sampler: Any, rank: Callable[[], int]) -> None:
         if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
@@ -50,19 +58,30 @@ class EpochLoader:
         self._it: Any = None
         self._resumed = False  # the next iterator resumes a loaded position (not an epoch start)
         self._position: dict[str, Any] = {"epoch": 0, "loader": loader.state_dict()}
-        self._last: _Read | None = None
-        self._again: _Read | None = None  # a redone step's batch, to give again
+        self._reader = rank()  # the rank the position was read for (the sampler's partition)
+        self._history: deque[_Read] = deque(maxlen=HISTORY)
+        self._again: deque[_Read] = deque()  # a redone step's batches, to give again
+
+    def __iter__(self) -> EpochLoader:
+        return self
+
+    def __next__(self) -> Any:
+        return self.batch()
 
     def batch(self) -> Any:
-        """The batch of the current step (the same one again when the step is redone)."""
-        if self._again is not None:
-            read, self._again = self._again, None
+        """The next batch (the same ones again when the step is redone)."""
+        if self._again:
+            read = self._again.popleft()
+            if read.draw is not None and rng.fingerprint(rng.capture()) == read.draw[0]:
+                rng.restore(read.draw[1])  # the draw the first reading made
             self._position = read.after
+            self._history.append(read)
             return read.batch
         before = self._position
+        draw = None
         while True:
             if self._it is None:
-                self._start_iterator()
+                draw = self._start_iterator()
             try:
                 item = next(self._it)
                 break
@@ -70,10 +89,11 @@ class EpochLoader:
                 self._it = None
                 self.epoch += 1
         self._position = {"epoch": self.epoch, "loader": self._loader.state_dict()}
-        self._last = _Read(before, item, self._position)
+        self._reader = self._rank()
+        self._history.append(_Read(self._reader, before, fingerprint_value(before), item, self._position, draw))
         return item
 
-    def _start_iterator(self) -> None:
+    def _start_iterator(self) -> tuple[int, rng.RngState] | None:
         if self._sampler is not None:
             self._sampler.set_epoch(self.epoch)
         if self._resumed:
@@ -81,24 +101,34 @@ class EpochLoader:
             kept = rng.capture()
             self._it = iter(self._loader)
             rng.restore(kept)
-        else:
-            self._it = iter(self._loader)
+            return None
+        before = rng.fingerprint(rng.capture())
+        self._it = iter(self._loader)
+        return before, rng.capture()
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (the runtime takes it at each step's start: older batches are let go)."""
+        self._history.clear()
         return self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        last = self._last
-        if last is not None and fingerprint_value(state) == fingerprint_value(last.before):
-            self._again, self._position = last, last.before  # a redone step: give its batch again
-            return
-        if fingerprint_value(state) == fingerprint_value(self._position):
+        wanted = fingerprint_value(state)
+        reads = list(self._history)
+        for i, read in enumerate(reads):
+            if read.before_print == wanted and read.rank == self._rank():  # a redone step: its batches again
+                self._again = deque(reads[i:])
+                for _ in reads[i:]:
+                    self._history.pop()
+                self._position = read.before
+                return
+        if wanted == fingerprint_value(self._position) and self._reader == self._rank():
             return  # already there
         # A joiner (or a rank sent a replica's position): resume the loader where the sender is.
         if self._sampler is not None and hasattr(self._sampler, "rank"):
             self._sampler.rank = self._rank()
         self.epoch = int(state["epoch"])
-        self._it, self._last, self._again = None, None, None
+        self._it, self._again = None, deque()
+        self._history.clear()
         self._loader.load_state_dict(state["loader"])
         self._resumed = True
-        self._position = state
+        self._position, self._reader = state, self._rank()

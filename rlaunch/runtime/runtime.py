@@ -60,6 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import UsageError
 from rlaunch.runtime import rng
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
+from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
 from rlaunch.runtime.stepstate import (
     CARRY_LIMIT,
@@ -176,6 +177,18 @@ class Runtime:
                 raise TypeError(f"rt.track_per_rank({name}=...): modules and optimizers are tracked with rt.track().")
         self.track(**objects)
         self._per_rank.update(objects)
+
+    def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data") -> EpochLoader:
+        """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
+
+        ``data.batch()`` (or ``next(data)``) returns the next batch, moving to the next epoch (with
+        ``sampler.set_epoch``) when one ends; ``data.epoch`` is the current epoch. A redone step
+        gets the same batches again; a joiner resumes at the same sample with its own rank's
+        partition (``sampler.rank`` is set when it joins). See :mod:`rlaunch.runtime.data`.
+        """
+        data = EpochLoader(loader, sampler, lambda: self.rank)
+        self.track(**{name: data})
+        return data
 
     def seed(self, seed: int, *, per_rank: bool = False) -> None:
         """Seed torch (CUDA too), ``random`` and NumPy (when imported) reproducibly.

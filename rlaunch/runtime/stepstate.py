@@ -40,6 +40,8 @@ class StepStart:
     #: each tracked DDP module's "the next forward broadcasts rank 0's buffers" flag (set by the
     #: previous forward: an evaluation under no_grad or a no_sync() micro-step clears it)
     ddp_flags: dict[str, bool] = field(default_factory=dict)
+    #: each tracked optimizer's hyperparameters per parameter group (an LR scheduler changes them)
+    hyper: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
@@ -73,7 +75,12 @@ class StepSnapshots:
                     saved.copy_(t)
         states = {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.items() if is_stateful(obj)}
         flags = {name: bool(obj.require_forward_param_sync) for name, obj in tracked.items() if _is_ddp(obj)}
-        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags)
+        hyper = {
+            name: [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in obj.param_groups]
+            for name, obj in tracked.items()
+            if isinstance(obj, torch.optim.Optimizer)
+        }
+        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper)
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -81,6 +88,9 @@ class StepSnapshots:
                 t.copy_(saved)
         for name, state in start.states.items():
             _load(tracked[name], copy.deepcopy(state))
+        for name, groups in start.hyper.items():
+            for group, values in zip(tracked[name].param_groups, groups, strict=True):
+                group.update(copy.deepcopy(values))
         for name, flag in start.ddp_flags.items():
             tracked[name].require_forward_param_sync = flag
         rng.restore(start.rng)

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import random
+import signal
 import time
 
 import numpy as np
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import rlaunch
 
@@ -74,6 +77,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--ckpt", default="")
+    ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
+    ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--misuse", choices=["", "two-votes", "rank-state"], default="")
     args = ap.parse_args()
 
@@ -97,6 +102,15 @@ def main() -> None:
     if args.misuse == "rank-state":
         tracked["counter"] = Counter(rt.rank)
     rt.track(**tracked)
+    data = None
+    if args.loader:
+        g = torch.Generator().manual_seed(args.seed)
+        xs = torch.randn(2 * 32 * 40, 16, generator=g)
+        dataset = TensorDataset(xs, xs.sum(dim=1, keepdim=True).sin())
+        sampler = DistributedSampler(dataset, num_replicas=rt.world_size, rank=max(rt.rank, 0), seed=args.seed)
+        loader = StatefulDataLoader(dataset, sampler=sampler, batch_size=32, num_workers=2)
+        data = rt.epochs(loader, sampler=sampler)
+    die_rank, die_step = (int(v) for v in args.die.split(":")) if args.die else (-2, -2)
     if args.seed_mode == "rank-once":
         torch.manual_seed(args.seed + 1 + max(rt.rank, 0))  # as nanoGPT: seed + rank, once
         random.seed(args.seed + max(rt.rank, 0))
@@ -109,10 +123,13 @@ def main() -> None:
         np.random.seed(args.seed + 1)
 
     for step in rt.steps(args.steps):
+        if (rt.rank, step) == (die_rank, die_step) and os.environ.get("RLAUNCH_ROLE") == "active":
+            os.kill(os.getppid(), signal.SIGKILL)  # a node lost at a chosen point: the step's start
+            os.kill(os.getpid(), signal.SIGKILL)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         for micro in range(args.accum):
-            x, y = batch(args.seed, step, rt.rank, micro)
+            x, y = data.batch() if data is not None else batch(args.seed, step, rt.rank, micro)
             sync = contextlib.nullcontext() if micro == args.accum - 1 else model.no_sync()
             with sync:
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if scaler else contextlib.nullcontext()
@@ -152,7 +169,7 @@ def main() -> None:
     others += [sorted(sched.state_dict().items()) if sched else None, scaler.state_dict() if scaler else None]
     print(
         f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.state_dict().values()))} "
-        f"optim={digest(others)} versions={{}}",
+        f"optim={digest(others)} versions={{}} epoch={data.epoch if data else 0}",
         flush=True,
     )
 

@@ -39,6 +39,7 @@ def _side_state(objs: dict[str, Any]) -> list[Any]:
         [b.clone() for b in objs["model"].buffers()],
         objs["sched"].state_dict(),
         objs["scaler"].state_dict(),
+        objs["opt"].param_groups[0]["lr"],  # the scheduler's step changed it
     ]
 
 
