@@ -36,7 +36,6 @@ as DDP keeps it. Only the groups that touch the replaced ranks are rebuilt.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import gc
 import hashlib
@@ -57,23 +56,16 @@ from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.errors import UsageError
 from rlaunch.runtime import rng
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
-from rlaunch.runtime.stepstate import (
-    CARRY_LIMIT,
-    StepSnapshots,
-    StepStart,
-    fingerprint_value,
-    is_stateful,
-    module_buffers,
-    uniform,
-    vote_terms,
-)
+from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
+from rlaunch.runtime.vote import RefusedError, StepVote
+
+__all__ = ["RefusedError", "Runtime", "commit_point", "init"]
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +74,6 @@ WORLD = "world"
 DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
-
-
-class RefusedError(UsageError):
-    """The runtime refuses a loop it cannot keep bit-identical; the sentence names the object."""
 
 
 class Runtime:
@@ -128,10 +116,7 @@ class Runtime:
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
         self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
-        #: what differs from rank to rank without a replica to hold it -> the first step it was seen
-        self._differs: dict[str, int] = {}
-        #: (step of the vote, every rank's module buffers as that vote carried them, one row per rank)
-        self._carried: tuple[int, torch.Tensor] | None = None
+        self._vote = StepVote(world_size)  # what the per-step vote carries and proved
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
@@ -310,66 +295,21 @@ class Runtime:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
-            checked, prints = self._fingerprints()
-            head = [1.0, ready, *vote_terms(prints)]
-            buffers = self._carried_buffers()
-            size = sum(t.numel() for t in buffers)
-            vote = torch.zeros(len(head) + self.world_size * size, dtype=torch.float64)
-            vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
-            if buffers:  # this rank's buffers in its own row: the sum is every rank's (float64: exact)
-                row = len(head) + self.group.group_rank * size
-                torch.cat([t.detach().reshape(-1).to(torch.float64) for t in buffers], out=vote[row : row + size])
+            ready = self._prepared is not None and self._prepared["generation"] > self.generation
+            vote, layout = self._vote.tensor(
+                ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
+            )
             self.group.allreduce([vote]).wait()
             # A failed or abandoned vote leaves the tensor partly summed at most; a full sum means
             # every rank finished its gradient sync for this step, so stepping is safe.
             if vote[0].item() == self.world_size:
-                self._check_uniform(checked, uniform(self.world_size, vote[2 : len(head)].tolist()))
-                if buffers:
-                    self._carried = (self.step, vote[len(head) :].view(self.world_size, size))
+                self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
                     self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
                 apply()
                 return True
         return self._recover(apply)
-
-    def _fingerprints(self) -> tuple[list[str], list[int]]:
-        """What the vote checks for equality on every rank: the RNG states (unless rt.seed gives
-        each rank its own) and each tracked object that is not declared per rank."""
-        checked, prints = [], []
-        if self._seed is None and self._start is not None:
-            checked.append("the random number generators (a seed per rank?)")
-            prints.append(rng.fingerprint(self._start.rng))
-        if not self._carried_buffers():
-            buffers = module_buffers(self._tracked)
-            if buffers:
-                checked.append("the module buffers (too many for the vote to carry)")
-                prints.append(fingerprint_value(buffers))
-        if self._start is not None:
-            for name, state in self._start.states.items():
-                if name not in self._per_rank:
-                    checked.append(name)
-                    prints.append(fingerprint_value(state))
-        return checked, prints
-
-    def _check_uniform(self, checked: list[str], equal: list[bool]) -> None:
-        for name, same in zip(checked, equal, strict=True):
-            if same:
-                continue
-            if name not in self._tracked:
-                if name not in self._differs:
-                    self._differs[name] = self.step
-                    log.info(
-                        "rank %d: %s differ from rank to rank at step %d; a drain moves them, but a live "
-                        "replacement will be refused (see the README's loop patterns).", self.rank, name, self.step,
-                    )  # fmt: skip
-                continue
-            raise RefusedError(
-                f"The tracked object {name!r} ({type(self._tracked[name]).__name__}) holds a different state on "
-                f"different ranks at step {self.step}, so a replica could not stand in for a lost rank; declare it "
-                f"with rt.track_per_rank({name}=...) instead of rt.track()."
-            )
 
     @property
     def step_failed(self) -> bool:
@@ -557,15 +497,7 @@ class Runtime:
 
     def _refuse_replacement(self, moved: list[int]) -> None:
         """Stop, before anything is written, when no replica holds what the replaced ranks had."""
-        why = ""
-        if self._per_rank:
-            names = ", ".join(sorted(self._per_rank))
-            why = f"the tracked state {names} is declared per rank (rt.track_per_rank) and no replica holds it"
-        elif self._differs:
-            what = "; ".join(f"{name} since step {step}" for name, step in self._differs.items())
-            why = f"these differ from rank to rank and no replica holds them: {what}"
-            if self._seed is None and any("random" in name for name in self._differs):
-                why += "; rt.seed(seed, per_rank=True) makes per-rank random streams replaceable"
+        why = self._vote.refusal(self._per_rank, self._seed is not None)
         if why:
             raise RefusedError(
                 f"rank {self.rank}: a live replacement of ranks {moved} would diverge silently: {why}. This worker "
@@ -582,44 +514,12 @@ class Runtime:
         channels, self._pending_sends = self._pending_sends, {}
         sent = 0
         for moved, channel in channels.items():
-            with self._buffers_of(moved, next_step):
+            with self._vote.buffers_of(moved, next_step, self._tracked, self.rank):
                 sent += send_state(channel, self._tracked, next_step, rng.capture())
         self._link.call(
             "replica_sent", generation=self.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
-
-    def _carried_buffers(self) -> list[torch.Tensor]:
-        """The module buffers the vote carries (none above CARRY_LIMIT; see stepstate)."""
-        buffers = module_buffers(self._tracked)
-        return buffers if self.world_size * sum(t.numel() for t in buffers) <= CARRY_LIMIT else []
-
-    @contextlib.contextmanager
-    def _buffers_of(self, moved: int, next_step: int) -> Iterator[None]:
-        """While sending to a replaced rank: the module buffers are that rank's, as the vote carried them."""
-        buffers = self._carried_buffers()
-        if not buffers:
-            yield
-            return
-        if self._carried is None or self._carried[0] != next_step - 1:
-            held = "none" if self._carried is None else f"step {self._carried[0]}'s"
-            raise RefusedError(
-                f"rank {self.rank}: the replaced rank {moved} needs its module buffers (BatchNorm statistics) as of "
-                f"step {next_step}, but this replica holds {held}; it stops rather than send another rank's buffers."
-            )
-        own = [t.detach().clone() for t in buffers]
-        row = self._carried[1][moved]
-        with torch.no_grad():
-            offset = 0
-            for t in buffers:
-                t.copy_(row[offset : offset + t.numel()].reshape(t.shape).to(t.dtype))
-                offset += t.numel()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for t, mine in zip(buffers, own, strict=True):
-                    t.copy_(mine)
 
     def _wait_plan(self, after: int) -> dict[str, Any]:
         assert self._link is not None
