@@ -113,3 +113,25 @@ def test_a_seed_per_rank_set_once_refuses_a_live_replacement_loudly(cluster: Clu
     assert [x.wait(240) for x in (a, b, c)] == [0, 0, 0], (a.output()[-3000:], c.output()[-3000:])
     assert "event recovered" not in a.output(), "nothing was recovered live"
     assert finals(a, b, c) == reference(*extra), "the job restarted every worker from step 0 instead"
+
+
+def _standalone(*args: str) -> tuple[int, str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(LOOPS), "--steps", "5", *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_a_second_optimizer_step_in_a_step_is_refused_before_it_steps() -> None:
+    code, out = _standalone("--optimizers", "2", "--misuse", "two-votes")
+    assert code != 0
+    assert "rt.optimizer_step() was called a second time in step 0 (first for SGD, now for AdamW)" in out
+    assert "rt.optimizer_step(opt1, opt2)" in out and " final: " not in out
+
+
+def test_tracked_state_that_differs_by_rank_undeclared_is_refused_at_the_first_vote() -> None:
+    code, out = _standalone("--misuse", "rank-state")
+    assert code != 0
+    assert "The tracked object 'counter' (Counter) holds a different state on different ranks at step 0" in out
+    assert "rt.track_per_rank(counter=...)" in out and " final: " not in out
