@@ -42,6 +42,8 @@ class StepStart:
     ddp_flags: dict[str, bool] = field(default_factory=dict)
     #: each tracked optimizer's hyperparameters per parameter group (an LR scheduler changes them)
     hyper: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the tracked modules' persistent buffers (the live tensors, listed once per step)
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
@@ -80,7 +82,7 @@ class StepSnapshots:
             for name, obj in tracked.items()
             if isinstance(obj, torch.optim.Optimizer)
         }
-        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper)
+        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper, buffers=live)
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:
         with torch.no_grad():

@@ -56,9 +56,9 @@ class StepVote:
         #: (step of the vote, every rank's module buffers as that vote carried them, one row per rank)
         self._carried: tuple[int, torch.Tensor] | None = None
 
-    def carried_buffers(self, tracked: dict[str, Any]) -> list[torch.Tensor]:
+    def carried_buffers(self, tracked: dict[str, Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The module buffers the vote carries (none above CARRY_LIMIT)."""
-        buffers = module_buffers(tracked)
+        buffers = module_buffers(tracked) if buffers is None else buffers
         return buffers if self.world_size * sum(t.numel() for t in buffers) <= CARRY_LIMIT else []
 
     def tensor(
@@ -70,10 +70,11 @@ class StepVote:
         if not seeded and start is not None:
             checked.append(RNG)
             prints.append(rng.fingerprint(start.rng))
-        buffers = self.carried_buffers(tracked)
-        if not buffers and module_buffers(tracked):
+        every = start.buffers if start is not None else module_buffers(tracked)
+        buffers = self.carried_buffers(tracked, every)
+        if not buffers and every:
             checked.append(BUFFERS)
-            prints.append(fingerprint_value(module_buffers(tracked)))
+            prints.append(fingerprint_value(every))
         if start is not None:
             for name, state in start.states.items():
                 if name not in per_rank:
