@@ -74,20 +74,32 @@ def seed_all(seed: int) -> None:
         np.random.seed(seed % (1 << 32))
 
 
-def fingerprint(state: RngState) -> int:
-    """A small integer of ``state``; equal states give equal fingerprints on every rank."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(state.torch_cpu.numpy().tobytes())
+def fingerprints(state: RngState) -> dict[str, int]:
+    """A small integer per generator in use; equal states give equal fingerprints on every rank."""
+
+    def digest(*parts: bytes) -> int:
+        h = hashlib.blake2b(digest_size=8)
+        for part in parts:
+            h.update(part)
+        return int.from_bytes(h.digest(), "little") % FINGERPRINT_MOD
+
     version, internal, gauss = state.python
-    h.update(repr((version, gauss)).encode())
-    h.update(hash(internal).to_bytes(8, "little", signed=True))  # ints hash alike in every process
+    out = {
+        "torch": digest(state.torch_cpu.numpy().tobytes()),
+        # ints hash alike in every process (only str and bytes hashes are salted)
+        "python": digest(repr((version, gauss)).encode(), hash(internal).to_bytes(8, "little", signed=True)),
+    }
     if state.numpy is not None:
-        kind, keys, pos, has_gauss, gauss = state.numpy
-        h.update(keys.tobytes())
-        h.update(repr((kind, int(pos), int(has_gauss), float(gauss))).encode())
-    for t in state.cuda or ():
-        h.update(t.numpy().tobytes())
-    return int.from_bytes(h.digest(), "little") % FINGERPRINT_MOD
+        kind, keys, pos, has_gauss, cached = state.numpy
+        out["numpy"] = digest(keys.tobytes(), repr((kind, int(pos), int(has_gauss), float(cached))).encode())
+    if state.cuda is not None:
+        out["cuda"] = digest(*(t.numpy().tobytes() for t in state.cuda))
+    return out
+
+
+def fingerprint(state: RngState) -> int:
+    """One small integer of every generator's state."""
+    return hash(tuple(sorted(fingerprints(state).items()))) % FINGERPRINT_MOD
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -497,7 +497,7 @@ class Runtime:
 
     def _refuse_replacement(self, moved: list[int]) -> None:
         """Stop, before anything is written, when no replica holds what the replaced ranks had."""
-        why = self._vote.refusal(self._per_rank, self._seed is not None)
+        why = self._vote.refusal(self._per_rank, self._seed is not None, self._start)
         if why:
             raise RefusedError(
                 f"rank {self.rank}: a live replacement of ranks {moved} would diverge silently: {why}. This worker "

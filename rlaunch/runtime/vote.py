@@ -2,11 +2,13 @@
 
 The vote is one float64 allreduce after gradient sync. Beyond its two head scalars it carries:
 
-- for each fingerprint (the RNG states unless ``rt.seed(per_rank=True)`` derives them; each
-  tracked object not declared per rank) its value and its square: the sums tell whether every
-  rank holds the same value (a replica can then stand in for a lost rank). A tracked object
-  that differs is refused at once; generators that differ are remembered, and a later live
-  replacement is refused;
+- for each fingerprint (each random generator unless ``rt.seed(per_rank=True)`` derives them;
+  each tracked object not declared per rank) its value and its square: the sums tell whether
+  every rank holds the same value (a replica can then stand in for a lost rank). A tracked
+  object that differs is refused at once. A generator that differs matters only once a step
+  draws from it (Python's ``random`` is seeded per process at import, and many scripts never
+  use it), so each generator also carries "this step drew from it"; one that differs and is
+  used is remembered, and a later live replacement is refused;
 - every rank's module buffers, one row per rank (each rank fills its own, the sum is all of
   them), up to :data:`~rlaunch.runtime.stepstate.CARRY_LIMIT` elements: under DDP they differ by
   rank (each rank's BatchNorm statistics after its own batch), and a replaced rank needs its own.
@@ -29,8 +31,12 @@ from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import CARRY_LIMIT, StepStart, fingerprint_value, module_buffers, uniform, vote_terms
 
 log = logging.getLogger(__name__)
-RNG = "the random number generators (a seed per rank?)"
 BUFFERS = "the module buffers (too many for the vote to carry)"
+
+
+def generator_label(name: str) -> str:
+    """How a generator is named in sentences: "the python random number generator"."""
+    return f"the {name} random number generator"
 
 
 class RefusedError(UsageError):
@@ -41,8 +47,9 @@ class RefusedError(UsageError):
 class Layout:
     """Where each part lies in one step's vote tensor."""
 
-    checked: tuple[str, ...]  # what each fingerprint is of (a tracked name, or RNG / BUFFERS)
-    head: int  # 2 scalars + 2 per fingerprint
+    checked: tuple[str, ...]  # what each fingerprint is of (a tracked name, a generator, or BUFFERS)
+    generators: int  # the first ones of ``checked`` are generators, with a "used" term each
+    head: int  # 2 scalars + 2 per fingerprint + 1 per generator
     row: int  # elements of one rank's buffers (0: none carried)
 
 
@@ -55,6 +62,8 @@ class StepVote:
         self.differs: dict[str, int] = {}
         #: (step of the vote, every rank's module buffers as that vote carried them, one row per rank)
         self._carried: tuple[int, torch.Tensor] | None = None
+        self._used: set[str] = set()  # generators some step drew from
+        self._differing: dict[str, int] = {}  # generators whose state differed by rank (first step seen)
 
     def carried_buffers(self, tracked: dict[str, Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The module buffers the vote carries (none above CARRY_LIMIT)."""
@@ -67,9 +76,13 @@ class StepVote:
     ) -> tuple[torch.Tensor, Layout]:  # fmt: skip
         checked: list[str] = []
         prints: list[int] = []
+        used: list[float] = []
         if not seeded and start is not None:
-            checked.append(RNG)
-            prints.append(rng.fingerprint(start.rng))
+            now = rng.fingerprints(rng.capture())
+            for name, value in rng.fingerprints(start.rng).items():
+                checked.append(generator_label(name))
+                prints.append(value)
+                used.append(1.0 if now.get(name) != value else 0.0)
         every = start.buffers if start is not None else module_buffers(tracked)
         buffers = self.carried_buffers(tracked, every)
         if not buffers and every:
@@ -80,25 +93,38 @@ class StepVote:
                 if name not in per_rank:
                     checked.append(name)
                     prints.append(fingerprint_value(state))
-        head = [1.0, 1.0 if ready else 0.0, *vote_terms(prints)]
+        head = [1.0, 1.0 if ready else 0.0, *vote_terms(prints), *used]
         size = sum(t.numel() for t in buffers)
         vote = torch.zeros(len(head) + self.world_size * size, dtype=torch.float64)
         vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
         if buffers:  # this rank's buffers in its own row
             at = len(head) + group_rank * size
             torch.cat([t.detach().reshape(-1).to(torch.float64) for t in buffers], out=vote[at : at + size])
-        return vote, Layout(tuple(checked), len(head), size)
+        return vote, Layout(tuple(checked), len(used), len(head), size)
 
     def accept(self, vote: torch.Tensor, layout: Layout, step: int, tracked: dict[str, Any], rank: int) -> None:
         """Read a completed vote: refuse a tracked object that differs by rank, keep the rest.
 
         Raises before anything is stepped; every rank reads the same sums, so all raise alike.
         """
-        equal = uniform(self.world_size, vote[2 : layout.head].tolist())
-        for name, same in zip(layout.checked, equal, strict=True):
+        terms = 2 + 2 * len(layout.checked)
+        equal = uniform(self.world_size, vote[2:terms].tolist())
+        used = vote[terms : layout.head].tolist()
+        for i, name in enumerate(layout.checked[: layout.generators]):
+            if used[i] > 0:
+                self._used.add(name)
+            if not equal[i]:
+                self._differing.setdefault(name, step)
+            if name in self._used and name in self._differing and name not in self.differs:
+                self.differs[name] = step
+                log.info(
+                    "rank %d: %s differs from rank to rank and is used (step %d); a drain moves it, but a live "
+                    "replacement will be refused (see the README's loop patterns).", rank, name, step,
+                )  # fmt: skip
+        for name, same in zip(layout.checked[layout.generators :], equal[layout.generators :], strict=True):
             if same:
                 continue
-            if name in (RNG, BUFFERS):
+            if name == BUFFERS:
                 if name not in self.differs:
                     self.differs[name] = step
                     log.info(
@@ -114,15 +140,25 @@ class StepVote:
         if layout.row:
             self._carried = (step, vote[layout.head :].view(self.world_size, layout.row))
 
-    def refusal(self, per_rank: set[str], seeded: bool) -> str:
-        """Why no replica can stand in for a replaced rank ("" when one can)."""
+    def refusal(self, per_rank: set[str], seeded: bool, start: StepStart | None = None) -> str:
+        """Why no replica can stand in for a replaced rank ("" when one can).
+
+        A generator known to differ that this step drew from for the first time counts too (its
+        use is only voted at the end of the step).
+        """
+        if start is not None and not seeded:
+            now = rng.fingerprints(rng.capture())
+            for name, value in rng.fingerprints(start.rng).items():
+                label = generator_label(name)
+                if label in self._differing and now.get(name) != value:
+                    self.differs.setdefault(label, start.step)
         if per_rank:
             names = ", ".join(sorted(per_rank))
             return f"the tracked state {names} is declared per rank (rt.track_per_rank) and no replica holds it"
         if self.differs:
             what = "; ".join(f"{name} since step {step}" for name, step in self.differs.items())
             why = f"these differ from rank to rank and no replica holds them: {what}"
-            if not seeded and RNG in self.differs:
+            if not seeded and any(name.endswith("random number generator") for name in self.differs):
                 why += "; rt.seed(seed, per_rank=True) makes per-rank random streams replaceable"
             return why
         return ""
