@@ -49,9 +49,14 @@ def reference(*extra: str) -> dict[int, tuple[str, str]]:
 
 
 def start(cluster: Cluster, *extra: str, flags: tuple[str, ...] = ()) -> list[AgentProc]:
-    agents = cluster.agents_in_order(["a", "b", "c"], LOOPS, *STEPS, "--step-time", "0.05", *extra, flags=flags)
-    wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
-    wait_for(lambda: "step 20/" in agents[0].output() or "step 20/" in agents[1].output(), 90, "training to progress")
+    """Agents a, b (active) and c (standby); training waits at step 20 until c is warm."""
+    gate = cluster.tmp / "gate"
+    agents = cluster.agents_in_order(
+        ["a", "b", "c"], LOOPS, *STEPS, "--step-time", "0.05", "--gate", str(gate), *extra, flags=flags
+    )
+    wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+    gate.touch()
+    wait_for(lambda: "step 30/" in agents[0].output() or "step 30/" in agents[1].output(), 90, "training to progress")
     return agents
 
 
@@ -67,11 +72,7 @@ def test_every_pattern_survives_the_loss_of_the_rank0_node_live(cluster: Cluster
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     extra = (*EVERY, *os.environ.get("LOOPS_EXTRA", "--loader").split())
-    # (if c is not warm yet at step 90, the survivors wait for it: --standby-wait)
-    a, b, c = cluster.agents_in_order(
-        ["a", "b", "c"], LOOPS, *STEPS, "--step-time", "0.05", *extra, "--die", "0:90", "--ckpt", str(ckpt),
-        flags=("--standby-wait", "120"),
-    )  # fmt: skip
+    a, b, c = start(cluster, *extra, "--die", "0:90", "--ckpt", str(ckpt))
     assert b.wait(240) == 0 and c.wait(240) == 0, (b.output()[-3000:], c.output()[-3000:])
     assert a.proc.poll() is not None and "rank 0 final" not in a.output()
     assert finals(b, c) == reference(*extra), "the job must end as if uninterrupted"

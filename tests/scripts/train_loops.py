@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
+    ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
     ap.add_argument("--misuse", choices=["", "two-votes", "rank-state"], default="")
     args = ap.parse_args()
 
@@ -123,6 +124,10 @@ def main() -> None:
         np.random.seed(args.seed + 1)
 
     for step in rt.steps(args.steps):
+        if args.gate and step == 20 and not rt.standby:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(args.gate) and time.monotonic() < deadline:
+                time.sleep(0.1)  # the test opens the gate once its standby is warm
         if (rt.rank, step) == (die_rank, die_step) and os.environ.get("RLAUNCH_ROLE") == "active":
             os.kill(os.getppid(), signal.SIGKILL)  # a node lost at a chosen point: the step's start
             os.kill(os.getpid(), signal.SIGKILL)
