@@ -163,16 +163,24 @@ class Runtime:
         self.track(**objects)
         self._per_rank.update(objects)
 
-    def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data") -> EpochLoader:
+    def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False) -> EpochLoader:
         """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
 
         ``data.batch()`` (or ``next(data)``) returns the next batch, moving to the next epoch (with
         ``sampler.set_epoch``) when one ends; ``data.epoch`` is the current epoch. A redone step
         gets the same batches again; a joiner resumes at the same sample with its own rank's
         partition (``sampler.rank`` is set when it joins). See :mod:`rlaunch.runtime.data`.
+
+        The loader's state holds the base seed of its worker processes, drawn from the global
+        torch generator at each epoch's start: with a seed per rank (``rt.seed(per_rank=True)``
+        included) it differs by rank and the vote refuses it, so pass ``per_rank=True``: it is
+        then tracked with :meth:`track_per_rank` (a drain moves it, a live replacement is refused).
         """
         data = EpochLoader(loader, sampler, lambda: self.rank)
-        self.track(**{name: data})
+        if per_rank:
+            self.track_per_rank(**{name: data})
+        else:
+            self.track(**{name: data})
         return data
 
     def seed(self, seed: int, *, per_rank: bool = False) -> None:

@@ -110,7 +110,7 @@ def main() -> None:
         dataset = TensorDataset(xs, xs.sum(dim=1, keepdim=True).sin())
         sampler = DistributedSampler(dataset, num_replicas=rt.world_size, rank=max(rt.rank, 0), seed=args.seed)
         loader = StatefulDataLoader(dataset, sampler=sampler, batch_size=32, num_workers=2)
-        data = rt.epochs(loader, sampler=sampler)
+        data = rt.epochs(loader, sampler=sampler, per_rank=args.seed_mode != "same")  # worker seeds differ
     die_rank, die_step = (int(v) for v in args.die.split(":")) if args.die else (-2, -2)
     if args.seed_mode == "rank-once":
         torch.manual_seed(args.seed + 1 + max(rt.rank, 0))  # as nanoGPT: seed + rank, once
