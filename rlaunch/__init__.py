@@ -19,3 +19,12 @@ def init(timeout_s: float = 300.0) -> Runtime:
     from rlaunch.runtime.runtime import init as _init
 
     return _init(timeout_s)
+
+
+def __getattr__(name: str) -> type[Exception]:
+    """``rlaunch.RefusedError``, imported lazily (it lives with the runtime, which imports torch)."""
+    if name == "RefusedError":
+        from rlaunch.runtime.vote import RefusedError
+
+        return RefusedError
+    raise AttributeError(f"module 'rlaunch' has no attribute {name!r}")

@@ -608,7 +608,7 @@ class Agent:
             if self._hung:
                 failure, message = "hang", "; ".join(self._hung)
             elif self.link.state.unrecoverable:
-                failure, message = "no_replica", self.link.state.unrecoverable
+                failure, message = "refused", self.link.state.unrecoverable
             else:
                 failure = "signal" if any(c < 0 for c in exit_codes.values()) else "exit"
                 message = f"worker(s) failed with exit codes {exit_codes} (by local rank)"

@@ -5,7 +5,8 @@
 - ``wait_plan``: a long wait for the next migration or replacement this worker takes part in.
 - ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched`` / ``recovering`` / ``recovered``:
   progress reports, which the agent turns into node states and events.
-- ``unrecoverable``: a survivor found no replica of a replaced rank's shards; it exits next, and
+- ``unrecoverable``: a survivor refused a live replacement (no replica holds what a replaced rank
+  had: its shards, or its per-rank state); it exits next, and
   the node's failure says why (the job falls back to a restart).
 """
 
@@ -44,8 +45,10 @@ class LinkState:
     peer_lost_at: float = 0.0
     #: each local worker's median compute time per step (from its heartbeats)
     compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
-    #: why a live replacement could not be done ("" if none was refused): a sharded rank had no replica
+    #: why a survivor refused a live replacement ("" if none did): no replica held a replaced rank's state
     unrecoverable: str = ""
+    #: local ranks whose rt.steps() has ended (no longer watched for hangs)
+    done: set[int] = dataclasses.field(default_factory=set)
 
 
 def replica_sources(gen: Generation) -> dict[str, int]:
@@ -88,7 +91,7 @@ class WorkerLink:
     def register(self, server: ControlServer) -> None:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
-            "heartbeat", "replica_sent", "unrecoverable",
+            "heartbeat", "replica_sent", "unrecoverable", "done",
             "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
         )  # fmt: skip
         for op in ops:
@@ -174,8 +177,9 @@ class WorkerLink:
     async def _heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
         if float(req.get("compute_s", 0.0)) > 0:
             self.state.compute_s[int(req["local_rank"])] = float(req["compute_s"])
-        self.hangs.heartbeat(int(req["local_rank"]), time.monotonic(), int(req["steps"]), float(req["step_s"]),
-                             bool(req["waiting"]))  # fmt: skip
+        if int(req["local_rank"]) not in self.state.done:
+            self.hangs.heartbeat(int(req["local_rank"]), time.monotonic(), int(req["steps"]), float(req["step_s"]),
+                                 bool(req["waiting"]))  # fmt: skip
         if self.metrics is not None and "applied" in req and int(req.get("rank", -1)) >= 0:
             self.metrics.heartbeat(int(req["rank"]), int(req["steps"]), int(req["applied"]), float(req["step_s"]),
                                    float(req.get("compute_s", 0.0)))  # fmt: skip
@@ -194,6 +198,12 @@ class WorkerLink:
         fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sends_to")
         self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
                    **{k: req[k] for k in fields})  # fmt: skip
+        return {}
+
+    async def _done(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The worker's ``rt.steps()`` ended: its hang watch stops (saving and teardown may take long)."""
+        self.hangs.forget(int(req["local_rank"]))
+        self.state.done.add(int(req["local_rank"]))
         return {}
 
     async def _unrecoverable(self, req: dict[str, Any]) -> dict[str, Any]:

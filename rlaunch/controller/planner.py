@@ -139,7 +139,7 @@ def _stalled_move(view: ClusterView, gen: Generation) -> str:
 
 def _failure(record: NodeRecord) -> str:
     """A failed node's failure, as the restart reason names it."""
-    if record.failure == "no_replica":  # a live replacement was refused: say why a restart is needed
+    if record.failure == "refused":  # a live replacement was refused: say why a restart is needed
         return f"live replacement refused: {record.message}"
     return f"exit codes {record.exit_codes}"
 

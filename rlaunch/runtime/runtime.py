@@ -38,16 +38,17 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import hashlib
 import json
 import logging
 import os
 import queue
-import random
 import statistics
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,12 +58,18 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.runtime import shards
+from rlaunch.errors import RlaunchError
+from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
+from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
+from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
+from rlaunch.runtime.vote import RefusedError, StepVote
+
+__all__ = ["RefusedError", "Runtime", "commit_point", "init"]
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +102,9 @@ class Runtime:
         self._store = store
         self._timeout = timeout
         self._sandbox_steps = sandbox_steps
-        self.group = SwitchableGroup(
-            WORLD, range(world_size), max(rank, 0), world_comm, generation, guarded=link is not None
-        )
+        # A standby's rank is -1 until it joins: dist.get_rank() in its sandbox is then -1, as torch
+        # answers for a non-member, so rank-0-only code (checkpoints, logging) never runs there.
+        self.group = SwitchableGroup(WORLD, range(world_size), rank, world_comm, generation, guarded=link is not None)
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -108,7 +115,12 @@ class Runtime:
         self._recoveries: queue.Queue[dict[str, Any]] = queue.Queue()
         self._applied = -1  # the last step whose optimizer step this rank applied
         self._resume_at: int | None = None  # where steps() goes on after a recovery
-        self._rng: tuple[Any, Any] | None = None  # RNG states at the start of the current step
+        self._snapshots = StepSnapshots()
+        self._start: StepStart | None = None  # what the current step changes besides params and optimizers
+        self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
+        self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
+        self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
+        self._vote = StepVote(world_size)  # what the per-step vote carries and proved
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
@@ -128,14 +140,77 @@ class Runtime:
     # -- the API ------------------------------------------------------------------------------
 
     def track(self, **objects: Any) -> None:
-        """Register the state a joiner must receive: modules, optimizers, schedulers, samplers..."""
+        """Register the state a joiner must receive: modules, optimizers, schedulers, scalers, loaders...
+
+        Every object but modules and optimizers must hold the same state on every rank (a replica
+        serves a lost rank); the per-step vote checks it and refuses the step otherwise. State that
+        differs by rank is declared with :meth:`track_per_rank`.
+        """
         for name, obj in objects.items():
-            if not hasattr(obj, "state_dict"):
-                raise TypeError(f"rt.track({name}=...) needs an object with state_dict(); got {type(obj).__name__}.")
+            if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+                raise TypeError(
+                    f"rt.track({name}=...) needs an object with state_dict() and load_state_dict(); "
+                    f"got {type(obj).__name__}."
+                )
+            if name in self._tracked and self._tracked[name] is not obj:
+                raise ValueError(f"rt.track() already tracks another object named {name!r}; give each its own name.")
             self._tracked[name] = obj
         why = shards.uneven(objects) if self._link is not None else ""
         if why:
             raise ValueError(f"rt.track(): {why}.")
+
+    def track_per_rank(self, **objects: Any) -> None:
+        """Register state that differs from rank to rank (a data loader over this rank's shard).
+
+        A drain moves it with the leaver's other state. No replica holds it, so a live replacement
+        after a fault is refused (the job restarts instead, loudly).
+        """
+        for name, obj in objects.items():
+            if not is_stateful(obj):
+                raise TypeError(f"rt.track_per_rank({name}=...): modules and optimizers are tracked with rt.track().")
+        self.track(**objects)
+        self._per_rank.update(objects)
+
+    def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False) -> EpochLoader:
+        """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
+
+        ``data.batch()`` (or ``next(data)``) returns the next batch, moving to the next epoch (with
+        ``sampler.set_epoch``) when one ends; ``data.epoch`` is the current epoch. A redone step
+        gets the same batches again; a joiner resumes at the same sample with its own rank's
+        partition (``sampler.rank`` is set when it joins). See :mod:`rlaunch.runtime.data`.
+
+        The loader's state holds the base seed of its worker processes, drawn from the global
+        torch generator at each epoch's start: with a seed per rank (``rt.seed(per_rank=True)``
+        included) it differs by rank and the vote refuses it, so pass ``per_rank=True``: it is
+        then tracked with :meth:`track_per_rank` (a drain moves it, a live replacement is refused).
+        """
+        data = EpochLoader(loader, sampler, lambda: self.rank)
+        if per_rank:
+            self.track_per_rank(**{name: data})
+        else:
+            self.track(**{name: data})
+        return data
+
+    def seed(self, seed: int, *, per_rank: bool = False) -> None:
+        """Seed torch (CUDA too), ``random`` and NumPy (when imported) reproducibly.
+
+        ``per_rank=False`` seeds every generator with ``seed`` now, the same on every rank.
+        ``per_rank=True`` gives each rank its own streams, derived at the start of every step from
+        (``seed``, rank, step): a replacement re-derives the lost rank's streams, so per-rank
+        dropout or sampling stays bit-identical through a live replacement. (A seed per rank set
+        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see the README.)
+        """
+        if per_rank:
+            self._seed = seed
+            self._reseed(self.step)
+        else:
+            self._seed = None
+            rng.seed_all(seed)
+
+    def _reseed(self, step: int) -> None:
+        assert self._seed is not None
+        digest = hashlib.blake2b(f"{self._seed}/{self.rank}/{step}".encode(), digest_size=8).digest()
+        rng.seed_all(int.from_bytes(digest, "little") >> 1)
 
     def new_group(self, name: str, ranks: Sequence[int]) -> SwitchableGroup:
         """A named subgroup of global ``ranks``; every rank calls it (non-members get a non-member)."""
@@ -210,14 +285,7 @@ class Runtime:
             return {int(m): int(src) for m, src in plan["sources"].items()}
         sharded = shards.sharded_dims(self._tracked, self._mesh.names)
         sources, why = shards.replica_sources(self._mesh.ranks, self._mesh.names, sharded, moved, survivors)
-        if why:
-            assert self._link is not None
-            self._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
-            # Not a bug to trace back through the script: the sentence is the whole story.
-            raise SystemExit(
-                f"rank {self.rank}: the live replacement of generation {plan['generation']} is refused: {why}. "
-                "The job falls back to a restart of every worker (resume from your checkpoint)."
-            )
+        self._give_up(plan, why)
         return sources
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
@@ -230,53 +298,93 @@ class Runtime:
         last = time.perf_counter()
         while step < total:
             self.step = step
-            if self._link is not None:
-                self._rng = (torch.get_rng_state(), random.getstate())
+            self._begin_step(step)
             self._step_began = last
             yield step
             now = time.perf_counter()
             self._after_step(now - last)
             if self._resume_at is not None:
-                self._send_replicas(self._resume_at)
                 step, self._resume_at = self._resume_at, None
-                if step == self.step and self._rng is not None:
-                    torch.set_rng_state(self._rng[0])  # the step is redone: as if never run
-                    random.setstate(self._rng[1])
+                if step == self.step and self._start is not None:
+                    # The step is redone: as if never run. Before the replicas are sent, so that a
+                    # replacement starts from the same step start as the survivors.
+                    self._snapshots.restore(self._start, self._tracked)
+                self._send_replicas(step)
                 last = time.perf_counter()
                 continue
             if self._switch_to:
                 self._switch(step + 1)
             last = time.perf_counter()
             step += 1
+        if self._link is not None:
+            # Done stepping: what follows (saving, teardown) is not a hang, however long it takes.
+            self._link.call("done")
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Join the per-step vote, then step ``optimizer``; return whether the step was applied.
+    def _begin_step(self, step: int) -> None:
+        """At a step's start: derive per-rank streams (rt.seed) and keep what the step may change."""
+        self._voted = None
+        if self._seed is not None:
+            self._reseed(step)
+        self._start = self._snapshots.take(step, self._tracked)
 
-        The vote is a one-scalar allreduce after gradient sync; it also carries "ready for the
-        next generation", so every rank decides to switch at the same boundary. A rank steps only
-        if its vote completed; after a fault, this is where the step is rolled forward or
-        discarded (see the module docstring). Step schedulers and the like only when it returns
-        True: a discarded step is redone, and its scheduler step must not happen twice.
+    def optimizer_step(self, *optimizers: torch.optim.Optimizer, scaler: Any = None) -> bool:
+        """Join the per-step vote, then step every optimizer; return whether the step was applied.
+
+        One call per step, with every optimizer the step updates (``rt.optimizer_step(opt1,
+        opt2)``); a second call in the same step is refused. With a ``torch.amp.GradScaler``
+        pass ``scaler=``: the runtime then calls ``scaler.step(opt)`` for each and ``scaler.update()``
+        (its inf-skip works as usual); do not call them yourself.
+
+        The vote is a small allreduce after gradient sync; it also carries "ready for the next
+        generation", so every rank decides to switch at the same boundary, and fingerprints of the
+        RNG states and the tracked objects' states, so state that differs by rank without being
+        declared is refused before anything is stepped. A rank steps only if its vote completed;
+        after a fault, this is where the step is rolled forward or discarded (see the module
+        docstring). A discarded step is redone from its start: buffers, RNG states and tracked
+        objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
+        if not optimizers:
+            raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
+        names = ", ".join(type(o).__name__ for o in optimizers)
+        if self._voted is not None:
+            raise RefusedError(
+                f"rt.optimizer_step() was called a second time in step {self.step} (first for {self._voted}, now for "
+                f"{names}); a step has one vote: pass every optimizer of the step to one call, "
+                "rt.optimizer_step(opt1, opt2)."
+            )
+        self._voted = names
+
+        def apply() -> None:
+            for opt in optimizers:
+                if scaler is not None:
+                    scaler.step(opt)
+                else:
+                    opt.step()
+            if scaler is not None:
+                scaler.update()
+
         if self.group.sandboxed:
-            optimizer.step()
+            apply()
             return True
         if not self.step_failed:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            ready = 1.0 if self._prepared is not None and self._prepared["generation"] > self.generation else 0.0
-            vote = torch.tensor([1.0, ready])
+            ready = self._prepared is not None and self._prepared["generation"] > self.generation
+            vote, layout = self._vote.tensor(
+                ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
+            )
             self.group.allreduce([vote]).wait()
             # A failed or abandoned vote leaves the tensor partly summed at most; a full sum means
             # every rank finished its gradient sync for this step, so stepping is safe.
             if vote[0].item() == self.world_size:
+                self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
                     self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
-                optimizer.step()
+                apply()
                 return True
-        return self._recover(optimizer)
+        return self._recover(apply)
 
     @property
     def step_failed(self) -> bool:
@@ -322,6 +430,7 @@ class Runtime:
     def _sandbox(self, n: int) -> Iterator[int]:
         for step in range(n):
             self.step = step
+            self._voted = None
             yield step
         assert self._link is not None
         self._link.call("warm", steps=n)
@@ -414,7 +523,7 @@ class Runtime:
                 group.abandon(why)
         self._recoveries.put(plan)
 
-    def _recover(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _recover(self, apply: Callable[[], None]) -> bool:
         """(main thread) Agree on the last applied step and rebuild groups; True if this step applies.
 
         The state is sent to the replaced ranks at the end of the step (``_send_replicas``), after
@@ -432,6 +541,7 @@ class Runtime:
                 f"{self._timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
             ) from None
         gen, moved = int(plan["generation"]), set(plan["moved_ranks"])
+        self._refuse_replacement(plan, sorted(moved))
         survivors = [r for r in range(self.world_size) if r not in moved]
         dirty = sorted(g.label for g in self._mine() if g.failed and not moved & set(g.members))
         self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
@@ -439,7 +549,7 @@ class Runtime:
         agreed, rolled = commit_point(self._applied, self.step, [int(r["applied"]) for r in reports])
         if rolled:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.
-            optimizer.step()
+            apply()
             self._applied = agreed
         dirty_names = {n for r in reports for n in r["dirty"]}
         comms = {
@@ -461,14 +571,37 @@ class Runtime:
         )  # fmt: skip
         return self._applied == self.step
 
+    def _refuse_replacement(self, plan: dict[str, Any], moved: list[int]) -> None:
+        """Stop, before anything is written, when no replica holds what the replaced ranks had."""
+        why = self._vote.refusal(self._per_rank, self._seed is not None, self._start)
+        self._give_up(plan, f"a live replacement of ranks {moved} would diverge silently: {why}" if why else "")
+
+    def _give_up(self, plan: dict[str, Any], why: str) -> None:
+        """Refuse the replacement of ``plan`` (if ``why``): tell the agent why, then stop this worker.
+
+        The node's failure carries the sentence, and the controller restarts every worker instead.
+        """
+        if not why:
+            return
+        assert self._link is not None
+        self._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
+        raise RefusedError(
+            f"rank {self.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
+            "from your checkpoint instead."
+        )
+
     def _send_replicas(self, next_step: int) -> None:
-        """At the step boundary after a recovery: send this replica's state to the ranks it serves."""
+        """At the step boundary after a recovery (and after a redone step's start was restored):
+        send this replica's state to the ranks it serves."""
         if not self._pending_sends:
             return
         assert self._link is not None
         began = time.perf_counter()
         channels, self._pending_sends = self._pending_sends, {}
-        sent = sum(send_state(channel, self._tracked, next_step) for channel in channels.values())
+        sent = 0
+        for moved, channel in channels.items():
+            with self._vote.buffers_of(moved, next_step, self._tracked, self.rank):
+                sent += send_state(channel, self._tracked, next_step, rng.capture())
         self._link.call(
             "replica_sent", generation=self.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
@@ -514,7 +647,7 @@ class Runtime:
         comms = plan["comms"]
         if plan["role"] == "leaver":
             began = time.perf_counter()
-            sent = send_state(comms["channel"], self._tracked, next_step)
+            sent = send_state(comms["channel"], self._tracked, next_step, rng.capture())
             self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
             # Tearing this process down must not take CPU from the job it just left.
             os.nice(19)
@@ -573,6 +706,20 @@ def _unregister(group: SwitchableGroup) -> None:
     group.registered_name = None
 
 
+def _report_refusals_as_sentences() -> None:
+    """An uncaught rlaunch error ends the worker with its sentence, not a traceback through the
+    script: it names the object at fault and what to do, and the script's frames add nothing."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, RlaunchError):
+            sys.stderr.write(f"rlaunch: error: {exc}\n")
+        else:
+            previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
 def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
     """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
     name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
@@ -586,6 +733,7 @@ def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int]
 
 def init(timeout_s: float = 300.0) -> Runtime:
     """Start the runtime in this worker (instead of ``init_process_group``)."""
+    _report_refusals_as_sentences()
     timeout = datetime.timedelta(seconds=timeout_s)
     addr = os.environ.get("RLAUNCH_AGENT_ADDR")
     if not addr:

@@ -1,41 +1,58 @@
-"""Moving a rank's state from the leaver to the joiner without a second copy.
+"""Moving a rank's state from the leaver (or a replica) to the joiner without a second copy.
 
 The sender walks the tracked objects and sends each tensor as it lies in memory; the receiver
-writes each one straight into its own live tensor (model parameters, optimizer state), so
-neither side ever holds the model twice. A small pickled header goes first: names, shapes and
-dtypes (checked before any tensor is received, so a mismatch fails loudly instead of
-corrupting a model), optimizer hyperparameters, other objects' state, RNG states and the step.
+writes each one straight into its own live tensor (model parameters and buffers, optimizer
+state), so neither side ever holds the model twice. A small JSON header goes first: each
+tensor's name, shape and dtype (checked against the joiner's live tensor before any tensor is
+received, so a mismatch fails loudly instead of corrupting a model), the RNG states and the
+step. Python values that are not tensors (optimizer hyperparameters, a scheduler's or a
+GradScaler's ``state_dict()``) travel as one ``torch.save`` blob loaded with
+``weights_only=True``: nothing received is ever unpickled freely.
+
+Two functions are the extension points: :func:`tensors_of` builds the (name, live tensor) list
+and the header entry of each tensor; :func:`check_tensor` compares one incoming entry with the
+joiner's live tensor.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
-import random
+import json
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.runtime import shards
+from rlaunch.runtime import rng, shards
 
 _TAG = 7
+#: Header format version: a joiner refuses a header it does not know.
+HEADER_VERSION = 1
 
 
 class TransferError(RuntimeError):
-    """The joiner's objects do not match the leaver's."""
+    """The joiner's objects do not match the sender's."""
 
 
-def _tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """(name, live tensor) pairs to move, and the header describing everything else."""
+def tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
+    """(name, live tensor) pairs to move, the kind of each tracked object, and their other values.
+
+    The kinds go into the JSON header; the other values (optimizer hyperparameters and scalar
+    state, other objects' ``state_dict()``) into the ``weights_only`` blob.
+    """
     pairs: list[tuple[str, torch.Tensor]] = []
-    header: dict[str, Any] = {"objects": {}}
+    kinds: dict[str, str] = {}
+    values: dict[str, Any] = {}
     for name, obj in tracked.items():
         if isinstance(obj, nn.Module):
             for key, t in obj.state_dict(keep_vars=False).items():
                 pairs.append((f"{name}.{key}", t))
-            header["objects"][name] = ("module", None)
+            kinds[name] = "module"
+            if isinstance(obj, DistributedDataParallel):
+                # whether DDP's next forward broadcasts rank 0's buffers: every rank must agree
+                values[name] = {"require_forward_param_sync": bool(obj.require_forward_param_sync)}
         elif isinstance(obj, torch.optim.Optimizer):
             params = [p for g in obj.param_groups for p in g["params"]]
             scalars: dict[str, Any] = {}
@@ -46,25 +63,74 @@ def _tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]]
                     else:
                         scalars[f"{i}.{key}"] = value
             groups = [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]
-            header["objects"][name] = ("optimizer", {"groups": groups, "scalars": scalars})
+            kinds[name] = "optimizer"
+            values[name] = {"groups": groups, "scalars": scalars}
         elif hasattr(obj, "state_dict"):
-            buf = io.BytesIO()
-            torch.save(obj.state_dict(), buf)
-            header["objects"][name] = ("stateful", buf.getvalue())
+            kinds[name] = "stateful"
+            values[name] = obj.state_dict()
         else:
             raise TransferError(f"The tracked object {name!r} ({type(obj).__name__}) has no state_dict().")
-    header["tensors"] = [(n, tuple(shards.local(t).shape), str(t.dtype), shards.describe(t)) for n, t in pairs]
-    return pairs, header
+    return pairs, kinds, values
 
 
-def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int) -> int:
+def describe(name: str, t: torch.Tensor) -> dict[str, Any]:
+    """The header entry of one tensor: what the joiner checks before receiving it.
+
+    A DTensor moves as its local shard; its entry also says which shard it is (see
+    :mod:`rlaunch.runtime.shards`), since every rank's shard has the same name and shape.
+    """
+    return {"name": name, "shape": list(shards.local(t).shape), "dtype": str(t.dtype), "shard": shards.describe(t)}
+
+
+def check_tensor(entry: dict[str, Any], live: torch.Tensor) -> None:
+    """Refuse (before any byte is received) an incoming tensor that does not fit ``live``."""
+    why = shards.mismatch(entry["name"], shards.describe(live), entry.get("shard"))
+    if why:
+        raise TransferError(why)
+    live = shards.local(live)
+    if list(live.shape) != list(entry["shape"]) or str(live.dtype) != entry["dtype"]:
+        raise TransferError(
+            f"The joiner's {entry['name']} is {tuple(live.shape)} {live.dtype} but the sender sends "
+            f"{tuple(entry['shape'])} {entry['dtype']}; both must run the same script with the same model."
+        )
+
+
+def _dumps(values: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    return buf.getvalue()
+
+
+def _loads(raw: bytes) -> dict[str, Any]:
+    try:
+        loaded = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the restricted unpickler refuses
+        raise TransferError(
+            f"The sender's tracked state holds a value that cannot be loaded safely ({exc}); tracked objects' "
+            "state_dict() must hold only tensors, numbers, strings, lists, tuples and dicts."
+        ) from exc
+    if not isinstance(loaded, dict):
+        raise TransferError(f"The sender's state blob is a {type(loaded).__name__}, not a dict.")
+    return loaded
+
+
+def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_state: rng.RngState) -> int:
     """Send the state of ``tracked`` to rank 1 of ``channel``; return the bytes sent."""
-    pairs, header = _tensors_of(tracked)
-    header["step"] = step
-    header["rng"] = (torch.get_rng_state(), random.getstate())
-    raw = pickle.dumps(header)
+    pairs, kinds, values = tensors_of(tracked)
+    blob = _dumps(values)
+    header = {
+        "version": HEADER_VERSION,
+        "step": step,
+        "objects": kinds,
+        "tensors": [describe(n, t) for n, t in pairs],
+        "rng": rng.to_json(rng_state),
+        "blob_bytes": len(blob),
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
     _send(channel, torch.tensor([len(raw)], dtype=torch.int64))
     _send(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    if blob:
+        _send(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total = 0
     for _, t in pairs:
         data = shards.local(t).detach().contiguous()
@@ -74,64 +140,86 @@ def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int) -> int
 
 
 def recv_state(channel: ProcessGroup, tracked: dict[str, Any]) -> int:
-    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return the next step."""
+    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return the next step.
+
+    Every tensor is checked before the first one is received; the RNG states are restored.
+    """
     size = torch.zeros(1, dtype=torch.int64)
     _recv(channel, size)
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     _recv(channel, raw)
-    header = pickle.loads(raw.numpy().tobytes())
+    try:
+        header = json.loads(raw.numpy().tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TransferError(f"The transfer header is not valid JSON ({exc}); is the sender another version?") from exc
+    if not isinstance(header, dict) or header.get("version") != HEADER_VERSION:
+        raise TransferError(
+            f"The transfer header has version {header.get('version') if isinstance(header, dict) else None!r}, "
+            f"this joiner reads version {HEADER_VERSION}; run the same rlaunch everywhere."
+        )
+    blob = torch.empty(int(header["blob_bytes"]), dtype=torch.uint8)
+    if blob.numel():
+        _recv(channel, blob)
+    values = _loads(blob.numpy().tobytes()) if blob.numel() else {}
     targets = _targets(tracked, header)
+    _load_values(tracked, header["objects"], values)
     with torch.no_grad():
         for t in targets:
             _recv(channel, t)
-    torch.set_rng_state(header["rng"][0])
-    random.setstate(header["rng"][1])
+    rng.restore(rng.from_json(header["rng"]))
     return int(header["step"])
 
 
 def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:
-    """The joiner's live tensors in the sender's order, created where the joiner lacks one."""
-    mine, _ = _tensors_of(tracked)
-    live = dict(mine)
-    out = []
-    for name, shape, dtype, shard in header["tensors"]:
-        t = live.get(name)
-        if t is None:
-            t = _create_optimizer_state(tracked, name, shape, dtype)
-        why = shards.mismatch(name, shards.describe(t), shard)
-        if why:
-            raise TransferError(why)
-        t = shards.local(t)
-        if tuple(t.shape) != tuple(shape) or str(t.dtype) != dtype:
-            raise TransferError(
-                f"The joiner's {name} is {tuple(t.shape)} {t.dtype} but the leaver sends {shape} {dtype}; "
-                "both must run the same script with the same model."
-            )
-        out.append(t)
-    for name, (kind, extra) in header["objects"].items():
-        obj = tracked.get(name)
-        if obj is None:
-            raise TransferError(f"The leaver tracks {name!r} but this joiner does not; call rt.track() alike.")
+    """The joiner's live tensors in the sender's order (created where the joiner lacks optimizer
+    state), each checked against its header entry."""
+    for name in header["objects"]:
+        if name not in tracked:
+            raise TransferError(f"The sender tracks {name!r} but this joiner does not; call rt.track() alike.")
+    for name in tracked:
+        if name not in header["objects"]:
+            raise TransferError(f"This joiner tracks {name!r} but the sender does not; call rt.track() alike.")
+    live = dict(tensors_of(tracked)[0])
+    for entry in header["tensors"]:  # every check first: nothing is written before all pass
+        if entry["name"] in live:
+            check_tensor(entry, live[entry["name"]])
+    return [
+        shards.local(live[e["name"]]) if e["name"] in live else _create_optimizer_state(tracked, e)
+        for e in header["tensors"]
+    ]
+
+
+def _load_values(tracked: dict[str, Any], kinds: dict[str, str], values: dict[str, Any]) -> None:
+    for name, kind in kinds.items():
+        obj = tracked[name]
         if kind == "optimizer":
-            for group, values in zip(obj.param_groups, extra["groups"], strict=True):
-                group.update(values)
+            extra = values[name]
+            for group, hyper in zip(obj.param_groups, extra["groups"], strict=True):
+                group.update(hyper)
             params = [p for g in obj.param_groups for p in g["params"]]
             for key, value in extra["scalars"].items():
                 i, k = key.split(".", 1)
                 obj.state[params[int(i)]][k] = value
         elif kind == "stateful":
-            obj.load_state_dict(torch.load(io.BytesIO(extra), weights_only=False))
-    return out
+            obj.load_state_dict(values[name])
+        elif kind == "module" and isinstance(obj, DistributedDataParallel) and name in values:
+            obj.require_forward_param_sync = bool(values[name]["require_forward_param_sync"])
+        elif kind != "module":
+            raise TransferError(f"The sender describes {name!r} as a {kind!r}, which this joiner does not know.")
 
 
-def _create_optimizer_state(tracked: dict[str, Any], name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> torch.Tensor:
+    name = entry["name"]
     obj_name, _, rest = name.partition(".state.")
     opt = tracked.get(obj_name)
     if not isinstance(opt, torch.optim.Optimizer) or not rest:
         raise TransferError(f"The joiner has no {name} to receive into; both must track the same objects.")
     index, key = rest.split(".", 1)
     params = [p for g in opt.param_groups for p in g["params"]]
-    t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"The sender's {name} has dtype {entry['dtype']!r}, which this joiner does not know.")
+    t = torch.empty(tuple(entry["shape"]), dtype=dtype)
     opt.state[params[int(index)]][key] = t
     return t
 

@@ -53,11 +53,12 @@ REQUEST_SECONDS = Histogram(
 #: the reconnect backoff, which grows to 2 minutes while etcd is down: a reopened client would
 #: then keep failing long after etcd is back, past the TTL + 1 s by which a new etcd leader
 #: expects lease renewals. Each client gets its own subchannel, retried at least every second,
-#: and an idle connection is pinged so that a peer gone silent is noticed.
+#: and an idle connection is pinged so that a peer gone silent is noticed. (Not
+#: ``grpc.min_reconnect_backoff_ms``: gRPC takes it as the timeout of one connection attempt, and
+#: at 200 ms a loaded machine failed handshakes with "timed out before receiving SETTINGS frame".)
 CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.use_local_subchannel_pool": 1,
     "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,

@@ -75,6 +75,7 @@ def _transfer_between_shards(rank: int, port: int, results: Any) -> None:
     """Rank 0 sends its shard of a Shard(0) DTensor; rank 1 (the other shard) must refuse it."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+    from rlaunch.runtime import rng
     from rlaunch.runtime.transfer import TransferError, recv_state, send_state
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -91,7 +92,7 @@ def _transfer_between_shards(rank: int, port: int, results: Any) -> None:
     try:
         if rank == 0:
             try:
-                send_state(channel, {"model": module}, step=3)
+                send_state(channel, {"model": module}, step=3, rng_state=rng.capture())
                 results.put((rank, "sent"))
             except RuntimeError:  # the receiver refused and closed the channel
                 results.put((rank, "closed by the receiver"))

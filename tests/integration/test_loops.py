@@ -1,0 +1,141 @@
+"""Loop patterns users write, each bit-identical to an uninterrupted run after a drain and after a
+live replacement, and the loud refusals where no replica can stand in.
+
+One script (``tests/scripts/train_loops.py``) combines the patterns by flags, so a few jobs cover
+them all: BatchNorm buffers, dropout, two optimizers, CPU AMP with a GradScaler (inf-skip
+included), gradient accumulation under ``no_sync()``, clipping, an LR scheduler, an evaluation
+``all_reduce`` every 5 steps, draws from ``random`` and NumPy, and three ways of seeding. Every
+job compares each rank's final model state (parameters and buffers) and optimizer, scheduler
+and scaler state with an uninterrupted run of the same script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
+from tests.integration.test_migration import drain, warm
+
+LOOPS = SCRIPTS / "train_loops.py"
+STEPS = ("--steps", "120")
+EVERY = (
+    "--bn", "--dropout", "0.1", "--optimizers", "2", "--scaler", "--accum", "2", "--clip", "--sched",
+    "--eval-every", "5",
+)  # fmt: skip
+FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+)")
+pytestmark = pytest.mark.timeout(600)
+
+
+def finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
+    return {int(m.group(1)): (m.group(2), m.group(3)) for a in agents for m in FINAL.finditer(a.output())}
+
+
+def reference(*extra: str) -> dict[int, tuple[str, str]]:
+    """Digests of an uninterrupted 2-rank run of the same script."""
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(LOOPS), *STEPS, *extra],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
+    assert sorted(got) == [0, 1], res.stdout[-2000:]
+    return got
+
+
+def start(cluster: Cluster, *extra: str, flags: tuple[str, ...] = ()) -> list[AgentProc]:
+    """Agents a, b (active) and c (standby); training waits at step 20 until c is warm."""
+    gate = cluster.tmp / "gate"
+    agents = cluster.agents_in_order(
+        ["a", "b", "c"], LOOPS, *STEPS, "--step-time", "0.05", "--gate", str(gate), *extra, flags=flags
+    )
+    wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+    gate.touch()
+    wait_for(lambda: "step 30/" in agents[0].output() or "step 30/" in agents[1].output(), 90, "training to progress")
+    return agents
+
+
+def test_every_pattern_survives_the_loss_of_the_rank0_node_live(cluster: Cluster, tmp_path: Path) -> None:
+    """The node holding rank 0 is SIGKILLed at the start of step 90; the standby takes rank 0 live.
+
+    Step 90 follows an evaluation under no_grad, so DDP does not broadcast rank 0's buffers in
+    it: every rank's own BatchNorm statistics matter. The step is discarded and redone: buffers,
+    RNG states, the scheduler, the scaler and the loader's batches must be put back, and the
+    joiner must get rank 0's own buffers, the step start's RNG and the loader position.
+    Every standby ran sandbox steps with a rank-0 checkpoint in the script: none may write it.
+    """
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    extra = (*EVERY, *os.environ.get("LOOPS_EXTRA", "--loader").split())
+    a, b, c = start(cluster, *extra, "--die", "0:90", "--ckpt", str(ckpt))
+    assert b.wait(240) == 0 and c.wait(240) == 0, (b.output()[-3000:], c.output()[-3000:])
+    assert a.proc.poll() is not None and "rank 0 final" not in a.output()
+    assert finals(b, c) == reference(*extra), "the job must end as if uninterrupted"
+    assert "'resume_at': 90" in b.output(), "step 90 is redone"
+    assert "event recovered" in b.output() and "'sends_to': [0]" in b.output(), "rank 1 sends rank 0 its state"
+    assert "rank 0 final" in c.output(), "the standby holds rank 0 now"
+    writers = (ckpt / "writers.txt").read_text().splitlines()
+    assert writers and all("standby=False rank=0" in w for w in writers), writers
+    assert any(w.startswith("standby ") for w in writers), "the joiner, now rank 0, writes the checkpoint"
+
+
+def test_every_pattern_with_a_seed_per_rank_survives_a_drain(cluster: Cluster) -> None:
+    """nanoGPT's seeding (seed + rank, once): a drain moves the leaver's own streams; the joiner's
+    loader resumes at the leaver's sample, in the leaver's partition."""
+    extra = (*EVERY, "--seed-mode", "rank-once", "--loader")
+    a, b, c = start(cluster, *extra)
+    drain(cluster, "b")
+    assert [x.wait(240) for x in (a, b, c)] == [0, 0, 0], (a.output()[-3000:], c.output()[-3000:])
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+
+
+def test_per_rank_streams_from_rt_seed_survive_a_live_replacement(cluster: Cluster) -> None:
+    """rt.seed(seed, per_rank=True): the replacement re-derives the lost rank's streams."""
+    extra = ("--bn", "--dropout", "0.2", "--sched", "--seed-mode", "rt")
+    a, b, c = start(cluster, *extra, flags=("--max-restarts", "1"))
+    b.workers()[0].kill()
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+    assert "event joined" in c.output() and "'plan': 'replace'" in a.output()
+
+
+def test_a_seed_per_rank_set_once_refuses_a_live_replacement_loudly(cluster: Cluster) -> None:
+    """No replica holds the lost rank's streams: the survivors refuse before writing anything."""
+    extra = ("--dropout", "0.2", "--seed-mode", "rank-once")
+    a, b, c = start(cluster, *extra, flags=("--max-restarts", "1", "--standby-wait", "5"))
+    b.workers()[0].kill()
+    wait_for(lambda: "would diverge silently" in a.output(), 120, "the survivor to refuse the live replacement")
+    assert "the torch random number generator since step" in a.output() and "rt.seed(seed, per_rank=True)" in a.output()
+    for agent in (a, b, c):
+        agent.wait(300)  # how the job ends after the refusal is the restart path's business
+    assert "event recovered" not in a.output(), "nothing was recovered live"
+    got = finals(a, b, c)
+    if got:  # a restart from step 0 ran to the end: it must be bit-identical too
+        assert got == reference(*extra)
+
+
+def _standalone(*args: str) -> tuple[int, str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(LOOPS), "--steps", "5", *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_a_second_optimizer_step_in_a_step_is_refused_before_it_steps() -> None:
+    code, out = _standalone("--optimizers", "2", "--misuse", "two-votes")
+    assert code != 0
+    assert "rt.optimizer_step() was called a second time in step 0 (first for SGD, now for AdamW)" in out
+    assert "rt.optimizer_step(opt1, opt2)" in out and " final: " not in out
+
+
+def test_tracked_state_that_differs_by_rank_undeclared_is_refused_at_the_first_vote() -> None:
+    code, out = _standalone("--misuse", "rank-state")
+    assert code != 0
+    assert "The tracked object 'counter' (Counter) holds a different state on different ranks at step 0" in out
+    assert "rt.track_per_rank(counter=...)" in out and " final: " not in out

@@ -1,0 +1,153 @@
+"""The state transfer over a real two-rank gloo channel: JSON header, safe loading, checks first."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributed import HashStore, ProcessGroup
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from rlaunch.runtime import rng
+from rlaunch.runtime.transfer import TransferError, recv_state, send_state
+
+
+def _pair() -> tuple[Any, Any]:
+    store = HashStore()
+    out: dict[int, Any] = {}
+
+    def build(rank: int) -> None:
+        # as rlaunch.runtime.groups.build_gloo, whose builds are serialized (one process here holds both ends)
+        backend = ProcessGroupGloo(store, rank, 2, timeout=datetime.timedelta(seconds=10))
+        pg = ProcessGroup(store, rank, 2)
+        pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+        pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+        out[rank] = pg
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
+def _objects(seed: int, width: int = 8) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**seed)
+    if seed == 1:  # the sender has trained a little: optimizer state, buffers, scheduler, scaler
+        for _ in range(3):
+            scaler.scale(model(torch.randn(16, 4)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    return {"model": model, "opt": opt, "sched": sched, "scaler": scaler}
+
+
+def _move(sender: dict[str, Any], receiver: dict[str, Any], step: int = 5) -> tuple[int | None, Exception | None]:
+    ch0, ch1 = _pair()
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            send_state(ch0, sender, step, rng.capture())
+        except Exception as exc:  # noqa: BLE001 - the receiver's refusal ends the channel
+            result["send_error"] = exc
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        got: int | None = recv_state(ch1, receiver)
+        error = None
+    except TransferError as exc:
+        got, error = None, exc
+    t.join(60)
+    assert not t.is_alive(), "the sender must not stay blocked"
+    return got, error
+
+
+def _state(objs: dict[str, Any]) -> list[Any]:
+    return [
+        {k: v.clone() for k, v in objs["model"].state_dict().items()},
+        objs["opt"].state_dict(),
+        objs["sched"].state_dict(),
+        objs["scaler"].state_dict(),
+    ]
+
+
+def test_the_joiner_ends_with_the_senders_state_and_rng() -> None:
+    sender, receiver = _objects(1), _objects(0)
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    expected = rng.capture()
+    step, error = _move(sender, receiver)
+    assert error is None and step == 5
+    sent, got = _state(sender), _state(receiver)
+    for name, t in sent[0].items():
+        assert torch.equal(t, got[0][name]), name
+    assert json.dumps(sent[2], default=str) == json.dumps(got[2], default=str)
+    assert sent[3] == got[3]
+    assert str(sent[1]) == str(got[1])
+    assert rng.fingerprint(rng.capture()) == rng.fingerprint(expected)
+
+
+def test_a_mismatched_tensor_is_refused_before_anything_is_written() -> None:
+    sender, receiver = _objects(1), _objects(0, width=6)
+    before = _state(receiver)
+    step, error = _move(sender, receiver)
+    assert step is None and error is not None
+    assert "model.0.weight" in str(error) and "(6, 4)" in str(error) and "(8, 4)" in str(error)
+    after = _state(receiver)
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]), "no tensor may be written"
+    assert before[2] == after[2] and before[3] == after[3], "no stateful object may be loaded"
+
+
+class Opaque:
+    """A value only a free unpickler would rebuild (it runs code named by the bytes)."""
+
+
+class Evil:
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": Opaque()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("must never be loaded")
+
+
+def test_values_a_restricted_loader_refuses_are_refused() -> None:
+    sender = {**_objects(1), "evil": Evil()}
+    receiver = {**_objects(0), "evil": Evil()}
+    step, error = _move(sender, receiver)
+    assert step is None and error is not None and "cannot be loaded safely" in str(error)
+
+
+def test_rng_states_round_trip_through_json() -> None:
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    state = rng.capture()
+    decoded = rng.from_json(json.loads(json.dumps(rng.to_json(state))))
+    draws = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    rng.restore(decoded)
+    assert (torch.rand(3).tolist(), random.random(), float(np.random.rand())) == draws
+
+
+@pytest.mark.parametrize("values", [[5, 5, 5], [0, 0], [2**20 - 1] * 7])
+def test_uniform_fingerprints_are_recognised(values: list[int]) -> None:
+    from rlaunch.runtime.stepstate import uniform, vote_terms
+
+    summed = [sum(x) for x in zip(*(vote_terms([v]) for v in values), strict=True)]
+    assert uniform(len(values), summed) == [True]
+    summed = [sum(x) for x in zip(*(vote_terms([v + i]) for i, v in enumerate(values)), strict=True)]
+    assert uniform(len(values), summed) == [False]

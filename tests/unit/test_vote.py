@@ -1,0 +1,95 @@
+"""The per-step vote's contents, summed by hand as the allreduce would over two ranks."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from rlaunch.runtime.stepstate import StepSnapshots
+from rlaunch.runtime.vote import RefusedError, StepVote, generator_label
+
+
+class Position:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+def _rank(seed: int, position: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(seed))  # each rank's own statistics
+    torch.manual_seed(seed)
+    return {"model": model, "pos": Position(position)}
+
+
+def _votes(ranks: list[dict[str, Any]], per_rank: set[str] = frozenset()) -> tuple[list[StepVote], Any, Any]:
+    votes, tensors, layout = [], [], None
+    for i, tracked in enumerate(ranks):
+        torch.manual_seed(int(tracked["model"][1].running_mean[0].item()))
+        start = StepSnapshots().take(5, tracked)
+        torch.rand(1)  # the step draws from torch's generator (seeded per rank above)
+        vote = StepVote(len(ranks))
+        t, layout = vote.tensor(False, i, start, tracked, set(per_rank), seeded=False)
+        votes.append(vote)
+        tensors.append(t)
+    return votes, sum(tensors), layout
+
+
+def test_every_rank_reads_every_ranks_buffers_and_a_replacement_gets_its_own() -> None:
+    ranks = [_rank(0, 7), _rank(1, 7)]
+    votes, total, layout = _votes(ranks)
+    for i, vote in enumerate(votes):
+        vote.accept(total, layout, 5, ranks[i], i)
+    assert generator_label("torch") in votes[0].differs, "seeds differ by rank: remembered, not refused"
+    assert generator_label("python") not in votes[0].differs, "the same on both ranks here"
+    live = ranks[0]["model"][1].running_mean
+    with votes[0].buffers_of(1, 6, ranks[0], 0):
+        assert torch.equal(live, torch.ones(4)), "rank 1's own statistics are sent"
+    assert torch.equal(live, torch.zeros(4)), "and rank 0's are put back"
+    stale = "needs its module buffers .* as of step 9, but this replica holds step 5's"
+    with pytest.raises(RefusedError, match=stale), votes[0].buffers_of(1, 9, ranks[0], 0):
+        pass
+    assert "rt.seed(seed, per_rank=True)" in votes[0].refusal(set(), seeded=False)
+
+
+def test_a_tracked_object_that_differs_by_rank_is_refused_by_name() -> None:
+    ranks = [_rank(0, 1), _rank(0, 2)]
+    votes, total, layout = _votes(ranks)
+    with pytest.raises(
+        RefusedError, match=r"'pos' \(Position\) holds a different state .* rt.track_per_rank\(pos=...\)"
+    ):
+        votes[0].accept(total, layout, 5, ranks[0], 0)
+    votes, total, layout = _votes(ranks, per_rank={"pos"})
+    votes[0].accept(total, layout, 5, ranks[0], 0)  # declared: accepted
+    assert "declared per rank" in votes[0].refusal({"pos"}, seeded=False)
+    assert votes[0].refusal(set(), seeded=False) == "", "same seeds, same state: a replica can stand in"
+
+
+def test_a_generator_that_differs_but_is_never_drawn_from_is_not_held_against_a_replacement() -> None:
+    """Python's random is seeded per process at import: most scripts never draw from it."""
+    ranks = [_rank(0, 7), _rank(0, 7)]
+    tensors, layout, votes = [], None, []
+    for i, tracked in enumerate(ranks):
+        random.seed(i)  # differs by rank, never drawn from during the step
+        torch.manual_seed(0)
+        start = StepSnapshots().take(5, tracked)
+        vote = StepVote(2)
+        t, layout = vote.tensor(False, i, start, tracked, set(), seeded=False)
+        tensors.append(t)
+        votes.append(vote)
+    votes[0].accept(sum(tensors), layout, 5, ranks[0], 0)
+    assert votes[0].differs == {} and votes[0].refusal(set(), seeded=False) == ""
+    start = StepSnapshots().take(6, ranks[0])
+    random.random()  # the next step draws from it before a fault: now it matters
+    assert "the python random number generator since step 6" in votes[0].refusal(set(), False, start)
