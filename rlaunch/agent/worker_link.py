@@ -234,8 +234,8 @@ class WorkerLink:
             kv, revision = await self._store.get_at(key)
             if kv is not None:
                 return kv.value
-            async for ev in self._store.watch_prefix(key, start_revision=revision + 1):
-                if ev.key == key and not ev.deleted:
+            async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
+                if not ev.deleted:
                     return ev.value
 
     async def _kv_add(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -191,9 +191,15 @@ class Store:
         return [_kv(kv) for kv in rng], revision
 
     async def get_at(self, key: str) -> tuple[KV | None, int]:
-        """``key`` and the store revision it was read at (to start a watch right after)."""
-        kvs, revision = await self.get_prefix(key)
-        return next((kv for kv in kvs if kv.key == key), None), revision
+        """``key`` and the store revision it was read at (to start a watch right after).
+
+        An exact read: the range ``[key, key + "\\0")`` holds ``key`` alone, so reading ``.../1``
+        does not also transfer ``.../10`` and up (a prefix read would, making group setup O(N²)).
+        """
+        raw = key.encode()
+        rng = await self._call(lambda c: c.get_range(raw, raw + b"\0"))
+        revision = rng.header.revision if rng.header is not None else 0
+        return next((_kv(kv) for kv in rng if kv.key == raw), None), revision
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
@@ -296,13 +302,20 @@ class Store:
 
     # -- watches ------------------------------------------------------------------------------
 
-    async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield changes under ``prefix``; raises :class:`StoreError` when the stream breaks."""
+    async def watch_prefix(
+        self, prefix: str, start_revision: int | None = None, exact: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Yield changes under ``prefix`` (of the key ``prefix`` alone if ``exact``); raises
+        :class:`StoreError` when the stream breaks."""
         try:
             client = self._open()
-            watch = await asyncio.wait_for(
-                client.watch_prefix(prefix.encode(), start_revision=start_revision), self.timeout
+            raw = prefix.encode()
+            opened = (
+                client.watch(raw, start_revision=start_revision)
+                if exact
+                else client.watch_prefix(raw, start_revision=start_revision)
             )
+            watch = await asyncio.wait_for(opened, self.timeout)
         except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
             await self.close()
             raise StoreUnavailableError(f"etcd at {self.endpoint} refused a watch on {prefix}: {exc!r}.") from exc

@@ -1,0 +1,170 @@
+"""The worker store at scale: exact reads, unbounded control frames, a 512-rank world group's setup.
+
+Everything runs the real path a worker's store call takes: ``AgentStore`` → ``AgentLink`` →
+the agent's Unix control socket → ``WorkerLink``'s ``kv_*`` handlers → etcd. Ranks are threads
+(the point is the store and the socket, not 512 processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from rlaunch.agent.control import ControlServer
+from rlaunch.agent.worker_link import WorkerLink
+from rlaunch.runtime.agent_link import AgentLink
+from rlaunch.runtime.store import AgentStore
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.keys import JobKeys
+from tests.cluster import run_store
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def gloo_blob_size(world: int) -> int:
+    """The size of one rank's rendezvous value in a gloo group of ``world`` ranks (torch 2.13:
+    measured 186, 218 and 282 bytes at 4, 8 and 16 ranks)."""
+    return 154 + 8 * world
+
+
+class Agents:
+    """``n`` agents' control sockets and store handlers, on one event loop in a thread."""
+
+    def __init__(self, endpoint: str, n: int) -> None:
+        self.job = JobKeys(f"scale-{uuid.uuid4().hex[:8]}")
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.paths: list[str] = []
+        self._servers: list[ControlServer] = []
+        self.store: Store | None = None
+        self._call(self._start(endpoint, n))
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    async def _start(self, endpoint: str, n: int) -> None:
+        self.store = Store(parse_endpoints(endpoint), timeout=10)
+        for _ in range(n):
+            server = ControlServer()
+            link = WorkerLink(self.store, self.job, lambda: 0, lambda *a, **k: None, lambda: None)
+            link.register(server)
+            await server.start()
+            self._servers.append(server)
+            self.paths.append(server.path)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server in self._servers:
+                await server.close()
+            if self.store is not None:
+                await self.store.delete_prefix(self.job.prefix)
+                await self.store.close()
+
+        self._call(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+    def worker_store(self, rank: int, ranks_per_agent: int) -> AgentStore:
+        """Rank ``rank``'s store (``build_gloo`` wraps it in a prefix store per group)."""
+        return AgentStore(AgentLink(self.paths[rank // ranks_per_agent], rank % ranks_per_agent), TIMEOUT)
+
+
+@pytest.fixture
+def agents_factory(endpoint: str) -> Iterator[Callable[[int], Agents]]:
+    made: list[Agents] = []
+
+    def make(n: int) -> Agents:
+        made.append(Agents(endpoint, n))
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def test_exact_read_does_not_transfer_longer_keys(endpoint: str) -> None:
+    """Reading ``.../1`` must not transfer ``.../10`` and up: here those hold 6 MiB, more than
+    gRPC's 4 MiB reply limit, so a prefix read filtered afterwards fails outright."""
+    p = f"/rlaunch-test/{uuid.uuid4().hex[:8]}/kv/"
+    big = b"x" * (1 << 20)
+
+    async def go(store: Store) -> None:
+        try:
+            await store.put(p + "1", b"mine")
+            for i in range(10, 16):
+                await store.put(p + str(i), big)
+            kv, revision = await store.get_at(p + "1")
+            assert kv is not None and kv.value == b"mine" and kv.key == p + "1"
+            assert revision >= kv.mod_revision
+            absent, rev2 = await store.get_at(p + "2")
+            assert absent is None and rev2 >= revision, "an absent key still gives the revision to watch from"
+        finally:
+            await store.delete_prefix(p)
+
+    run_store(endpoint, go)
+
+
+def test_control_frames_carry_values_past_64_kib(agents_factory: Callable[[int], Agents]) -> None:
+    """A 1 MiB store value makes the round trip worker → agent → etcd → worker intact (the old
+    line protocol stopped at asyncio's 64 KiB ``readline`` limit)."""
+    agents = agents_factory(1)
+    store = agents.worker_store(0, 1)
+    value = bytes(range(256)) * 4096
+    store.set("big", value)
+    assert store.get("big") == value
+    assert store.add("count", 3) == 3 and store.add("count", 4) == 7
+    assert store.check(["big", "count"]) and not store.check(["absent"])
+
+
+def test_gloo_world_group_builds_through_the_agent_store(agents_factory: Callable[[int], Agents]) -> None:
+    """A real gloo group (16 ranks on 4 agents) is built on the agent store and all-reduces."""
+    world, per_agent = 16, 4
+    agents = agents_factory(world // per_agent)
+
+    def rank_main(rank: int) -> float:
+        store = agents.worker_store(rank, per_agent)  # kept referenced: torch calls back into it
+        pg = ProcessGroupGloo(dist.PrefixStore("g1/world/", store), rank, world, timeout=TIMEOUT)
+        t = torch.tensor([float(rank)])
+        pg.allreduce([t]).wait()
+        return float(t.item())
+
+    with ThreadPoolExecutor(world) as pool:
+        results = list(pool.map(rank_main, range(world)))
+    assert results == [float(sum(range(world)))] * world
+
+
+def test_512_rank_world_group_rendezvous_through_the_store(agents_factory: Callable[[int], Agents]) -> None:
+    """512 fake ranks on 8 agents run gloo's rendezvous protocol on the store with gloo-sized
+    values: each sets ``0/<rank>``, waits for and gets its peers' values. Every rank reads its two
+    neighbours (often before they are set, so the wait's watch is exercised); four ranks read all
+    512 values, as every rank of a real group does (all 512 × 512 reads would take minutes here)."""
+    world, per_agent = 512, 64
+    agents = agents_factory(world // per_agent)
+    size = gloo_blob_size(world)
+
+    def blob(rank: int) -> bytes:
+        return (rank.to_bytes(2, "big") * (size // 2 + 1))[:size]
+
+    def rank_main(rank: int) -> int:
+        store = agents.worker_store(rank, per_agent)  # the keys as gloo's prefix store writes them:
+        store.set(f"g1/world/0/{rank}", blob(rank))
+        peers = range(world) if rank in (0, 1, 255, 511) else ((rank - 1) % world, (rank + 1) % world)
+        for peer in peers:
+            store.wait([f"g1/world/0/{peer}"])
+            assert store.get(f"g1/world/0/{peer}") == blob(peer), f"rank {rank} read a wrong value for rank {peer}"
+        return len(peers)
+
+    with ThreadPoolExecutor(world) as pool:
+        reads = list(pool.map(rank_main, range(world)))
+    assert sum(reads) == 508 * 2 + 4 * world
