@@ -201,6 +201,11 @@ class Store:
         revision = rng.header.revision if rng.header is not None else 0
         return next((_kv(kv) for kv in rng if kv.key == raw), None), revision
 
+    async def count_prefix(self, prefix: str) -> int:
+        """How many keys are under ``prefix`` (their keys alone are read, not their values)."""
+        rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
+        return sum(1 for _ in rng)
+
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from rlaunch.agent.control import ControlServer
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.runtime.agent_link import AgentLink
 from rlaunch.runtime.store import AgentStore
-from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.client import REQUEST_SECONDS, Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from tests.cluster import run_store
 
@@ -168,3 +169,29 @@ def test_512_rank_world_group_rendezvous_through_the_store(agents_factory: Calla
     with ThreadPoolExecutor(world) as pool:
         reads = list(pool.map(rank_main, range(world)))
     assert sum(reads) == 508 * 2 + 4 * world
+
+
+def _etcd_requests() -> float:
+    """Requests this process has sent to etcd so far (every try of every call)."""
+    return next(s.value for m in REQUEST_SECONDS.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+def test_commit_rule_exchange_costs_o_n_store_requests(agents_factory: Callable[[int], Agents]) -> None:
+    """128 survivors exchange their reports as ``Runtime._recover`` does (``gather``): each gets
+    every report, in rank order, for a few etcd requests each (reading every other's report, as
+    before, took 128 × 128)."""
+    survivors, per_agent = 128, 16
+    agents = agents_factory(survivors // per_agent)
+    before = _etcd_requests()
+
+    def survivor(rank: int) -> list[bytes]:
+        store = agents.worker_store(rank, per_agent)
+        store.set(f"g7/recover/{rank:04d}", json.dumps({"applied": rank % 2, "dirty": []}).encode())
+        return store.gather("g7/recover/", "g7/recovered", survivors)
+
+    with ThreadPoolExecutor(survivors) as pool:
+        results = list(pool.map(survivor, range(survivors)))
+    expected = [json.dumps({"applied": r % 2, "dirty": []}).encode() for r in range(survivors)]
+    assert all(r == expected for r in results), "every survivor must see every report, in key order"
+    sent = _etcd_requests() - before
+    assert sent <= 6 * survivors, f"the exchange sent {sent:.0f} etcd requests for {survivors} survivors"
