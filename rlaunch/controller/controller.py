@@ -75,9 +75,10 @@ class Controller:
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         """Campaign for leadership and tick while leading, until ``stop`` is set.
 
-        ``wake`` is set by the agent's watch on every change of the job's keys and whenever the
-        watch (re)starts; between changes nothing is sent to etcd, except every
-        ``DEADLINE_TICK_S`` while a deadline is pending.
+        ``wake`` is set by the agent's watch: while leading, on every change of the keys the planner
+        reads; while not, only when the leader key is deleted; and whenever the watch (re)starts.
+        Between changes nothing is sent to etcd, except every ``DEADLINE_TICK_S`` while a deadline
+        is pending.
         """
         work = True
         while not stop.is_set():

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 # gRPC logs an INFO line on every fork() while a channel is open (each worker spawn).
@@ -340,3 +340,36 @@ class Store:
                 await asyncio.wait_for(watch.cancel(), 1.0)
             except Exception:  # noqa: BLE001 - the stream may already be gone
                 pass
+
+    async def watch_many(
+        self, ranges: Sequence[tuple[str, bool]], start_revision: int | None = None
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Yield changes of several ``(key_or_prefix, exact)`` ranges, merged, from ``start_revision``.
+
+        One watch per range, so a reader follows just the keys it acts on instead of a whole job
+        prefix. Raises :class:`StoreError` when any of them breaks. Close it (``aclosing``) to stop.
+        """
+        queue: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+
+        async def pump(key: str, exact: bool) -> None:
+            try:
+                async for ev in self.watch_prefix(key, start_revision=start_revision, exact=exact):
+                    queue.put_nowait(ev)
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader below
+                queue.put_nowait(exc)
+                raise
+            queue.put_nowait(StoreUnavailableError(f"The watch on {key} at etcd {self.endpoint} ended."))
+
+        tasks = [asyncio.create_task(pump(key, exact)) for key, exact in ranges]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, StoreError):
+                        raise item
+                    raise StoreUnavailableError(f"A watch on etcd at {self.endpoint} failed: {item!r}.") from item
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
