@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +24,14 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.worker_link import WorkerLink
+from rlaunch.controller.controller import Controller
+from rlaunch.controller.planner import PlannerConfig
+from rlaunch.events import EventLog
 from rlaunch.runtime.agent_link import AgentLink
 from rlaunch.runtime.store import AgentStore
 from rlaunch.store.client import REQUEST_SECONDS, Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Generation, GenerationStatus, JobSpec, NodeRecord, NodeState, encode
 from tests.cluster import run_store
 
 TIMEOUT = datetime.timedelta(seconds=120)
@@ -195,3 +200,45 @@ def test_commit_rule_exchange_costs_o_n_store_requests(agents_factory: Callable[
     assert all(r == expected for r in results), "every survivor must see every report, in key order"
     sent = _etcd_requests() - before
     assert sent <= 6 * survivors, f"the exchange sent {sent:.0f} etcd requests for {survivors} survivors"
+
+
+def test_the_leader_prunes_the_store_prefixes_of_settled_generations(endpoint: str) -> None:
+    """Generation 3 runs on every node: the leader deletes ``kv/g1/`` and ``kv/g2/``, keeps ``kv/g3/``
+    (and the store's keys outside generation prefixes)."""
+    keys = JobKeys(f"prune-{uuid.uuid4().hex[:8]}")
+    spec = JobSpec(job_id=keys.job_id, nnodes=2, nproc_per_node=1, max_restarts=3, entrypoint="x", args=[],
+                   fingerprint="f", rlaunch_version="t")  # fmt: skip
+
+    def record(node: str, state: NodeState, generation: int) -> bytes:
+        rec = NodeRecord(node_id=node, host="h", addr="127.0.0.1", pid=1, nproc=1, standby_only=False, state=state,
+                         generation=generation, restarts=0, master_port=1, updated_at=0.0)  # fmt: skip
+        return encode(rec)
+
+    async def go(store: Store) -> None:
+        lease = await store.grant_lease(30)
+        events = EventLog(store, keys, "a", None, time.time)
+        events.start()
+        try:
+            gen = Generation(number=3, status=GenerationStatus.RUNNING, assignment={"a": 0, "b": 1}, nnodes=2,
+                             nproc_per_node=1, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="",
+                             controller="a", created_at=0.0)  # fmt: skip
+            await store.put(keys.spec, encode(spec))
+            await store.put(keys.generation, encode(gen))
+            await store.put(keys.node("a"), record("a", NodeState.RUNNING, 3), lease=lease)
+            await store.put(keys.node("b"), record("b", NodeState.RESTARTING, 3), lease=lease)
+            for k in ("g1/world/0/0", "g2/recover/0", "g3/world/0/0", "g10/world/0/0", "other"):
+                await store.put(keys.kv(k), b"v")
+            ctl = Controller(store, keys, spec, PlannerConfig("a", 60.0), lease, events)
+            assert await store.create(keys.leader, b"a", lease=lease)
+            await ctl.tick()
+            assert await store.count_prefix(keys.kv("")) == 5, "b is still setting up generation 3: nothing goes"
+            await store.put(keys.node("b"), record("b", NodeState.RUNNING, 3), lease=lease)
+            await ctl.tick()
+            left, _ = await store.get_prefix(keys.kv(""))
+            assert sorted(kv.key[len(keys.kv("")) :] for kv in left) == ["g10/world/0/0", "g3/world/0/0", "other"]
+        finally:
+            await events.close()
+            await store.revoke_lease(lease)
+            await store.delete_prefix(keys.prefix)
+
+    run_store(endpoint, go)
