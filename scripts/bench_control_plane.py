@@ -48,6 +48,9 @@ from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Ack, Generation, JobSpec, NodeRecord, NodeState, decode, encode
 
 LEASE_TTL = 3
+#: Simulated nodes' lease TTL: renewed every third of it, as agents do; long enough that a
+#: thousand tasks on a loaded machine renew in time.
+SIM_TTL = 30
 QUIET_S = 6.0
 WORKER = "import time\ntime.sleep(3600)\n"
 TORCHRUN_WORKER = "import os, time\nprint('formed', os.environ.get('RANK'), time.time(), flush=True)\n"
@@ -107,13 +110,13 @@ class SimNode:
         ))  # fmt: skip
 
     async def join(self) -> None:
-        self.lease = await self.store.grant_lease(LEASE_TTL * 4)
+        self.lease = await self.store.grant_lease(SIM_TTL)
         await self.store.put(self.keys.node(self.node_id), self.record(NodeState.WAITING, 0), lease=self.lease)
 
     async def keepalive(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), LEASE_TTL * 4 / 3)
+                await asyncio.wait_for(stop.wait(), SIM_TTL / 3)
             except asyncio.TimeoutError:
                 pass
             if not stop.is_set() and self.lease:
@@ -171,7 +174,7 @@ async def simulated(endpoint: str, n: int) -> dict[str, Any]:
                    args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
     await main.put(keys.spec, encode(spec))
     stop, wake = asyncio.Event(), asyncio.Event()
-    ctl_lease = await main.grant_lease(LEASE_TTL * 4)
+    ctl_lease = await main.grant_lease(SIM_TTL)
     events = EventLog(main, keys, "ctl", None, time.time)
     events.start()
     ctl = Controller(main, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), ctl_lease, events)
@@ -180,16 +183,19 @@ async def simulated(endpoint: str, n: int) -> dict[str, Any]:
 
     async def ctl_keepalive() -> None:
         while not stop.is_set():
-            await asyncio.sleep(LEASE_TTL)
+            await asyncio.sleep(SIM_TTL / 3)
             await main.refresh_lease(ctl_lease)
 
     tasks.append(asyncio.create_task(ctl_keepalive()))
     began = time.monotonic()
-    for batch in range(0, n, 64):  # join in join order; the last one is the standby
-        await asyncio.gather(*(node.join() for node in nodes[batch : batch + 64]))
-    for node in nodes:
-        tasks += [asyncio.create_task(node.keepalive(stop)), asyncio.create_task(node.follow(stop))]
+    for batch in range(0, n, 64):  # join in join order; the last ones left out are standbys
+        joining = nodes[batch : batch + 64]
+        await asyncio.gather(*(node.join() for node in joining))
+        for node in joining:  # each renews its lease and follows the generation from now on
+            tasks += [asyncio.create_task(node.keepalive(stop)), asyncio.create_task(node.follow(stop))]
     while not all(1 in node.acted for node in nodes):
+        if time.monotonic() - began > 600:
+            raise RuntimeError(f"{sum(1 in x.acted for x in nodes)} of {n} simulated nodes formed in 600 s.")
         await asyncio.sleep(0.05)
     form_s = max(node.acted[1] for node in nodes) - began
     await asyncio.sleep(2.0)  # let the controller's reaction to the last records settle
@@ -204,22 +210,24 @@ async def simulated(endpoint: str, n: int) -> dict[str, Any]:
         await asyncio.sleep(0.01)
     seen = [node.seen[2] for node in survivors if 2 in node.seen]
     gen = await read_generation(main, keys)
-    stop.set()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await events.close()
-    await main.delete_prefix(keys.prefix)
-    for store in (main, *channels):
-        await store.close()
-    return {
+    result = {
         "n": n, "kind": "simulated", "form_s": round(form_s, 3),
         "fault_to_plan_s": round(min(seen) - fault_at, 3) if seen else None,
         "fault_to_all_acted_s": round(max(seen) - fault_at, 3) if len(seen) == len(survivors) else None,
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
-        "torchrun_form_s": None, "plan": gen.kind if gen else None,
+        "torchrun_form_s": None, "plan": gen.kind if gen else None, "lease_ttl_s": SIM_TTL,
         "steady_methods": methods,
     }  # fmt: skip
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.wait(tasks, timeout=10)
+    await main.delete_prefix(keys.prefix)
+    for store in (main, *channels):
+        store.timeout = 1.0  # closing a channel that had watches on it may not finish: do not wait long
+    await asyncio.gather(events.close(), *(store.close() for store in (main, *channels)), return_exceptions=True)
+    return result
 
 
 # -- real agents ------------------------------------------------------------------------------
