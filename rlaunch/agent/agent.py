@@ -15,6 +15,7 @@ One agent runs per machine (``rlaunch train.py``). It
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -697,7 +698,7 @@ class Agent:
         self._wake.set()
 
     async def _watch(self) -> None:
-        """Follow the job's keys: keep the latest generation, wake the loop and the controller."""
+        """Follow the keys this node acts on: keep the latest generation, wake the loop and the controller."""
         failing = False
         while not self._stop.is_set():
             try:
@@ -707,24 +708,48 @@ class Agent:
                 failing = False
                 if kv is not None:
                     self._take_generation(kv.value)
+                leader, _ = await self.store.get_at(self.keys.leader)
+                leading = leader is not None and leader.value == self.node_id.encode()
+                ranges = self._watch_ranges(leading)
                 self._nodes_changed = True  # anything may have changed while the watch was down
                 self._wake.set()
                 self._ctl_wake.set()
-                async for ev in self.store.watch_prefix(self.keys.prefix, start_revision=revision + 1):
-                    if ev.key.startswith(self.keys.events_prefix):
-                        continue
-                    if ev.key == self.keys.generation and not ev.deleted:
-                        self._take_generation(ev.value)
-                    elif ev.key.startswith(self.keys.nodes_prefix):
-                        self._nodes_changed = True
-                    self._wake.set()
-                    self._ctl_wake.set()
+                async with contextlib.aclosing(self.store.watch_many(ranges, start_revision=revision + 1)) as events:
+                    async for ev in events:
+                        if ev.key == self.keys.generation and not ev.deleted:
+                            self._take_generation(ev.value)
+                        elif ev.key.startswith(self.keys.nodes_prefix):
+                            self._nodes_changed = True
+                        elif ev.key == self.keys.leader:
+                            leading = not ev.deleted and ev.value == self.node_id.encode()
+                        self._wake.set()
+                        # A non-leader campaigns only when the leader key goes (with its lease).
+                        if leading or (ev.key == self.keys.leader and ev.deleted):
+                            self._ctl_wake.set()
+                        if self._watch_ranges(leading) != ranges:
+                            break  # leadership or this node's part changed: follow other keys
             except StoreError as exc:
                 # Said once per outage: the lease keeper reports how long etcd stays away.
                 log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
                         self.node_id, exc)  # fmt: skip
                 failing = True
                 await self._sleep(1.0)
+
+    def _watch_ranges(self, leading: bool) -> tuple[tuple[str, bool], ...]:
+        """The ``(key or prefix, exact)`` ranges this node acts on (never ``kv/`` or ``events/``).
+
+        Every node: the generation, the leader key (to campaign when it goes) and the acks (a
+        restart starts once all are in). Node records only for the leader (its planner reads them)
+        and for a node holding no ranks (a standby decides on warm workers from them); drain
+        requests and marks only for the leader.
+        """
+        k, gen = self.keys, self._generation
+        ranges = [(k.generation, True), (k.leader, True), (k.all_acks_prefix, False)]
+        if leading or gen is None or self.node_id not in gen.assignment:
+            ranges.append((k.nodes_prefix, False))
+        if leading:
+            ranges += [(k.drains_prefix, False), (k.drained_prefix, False)]
+        return tuple(ranges)
 
     def _take_generation(self, raw: bytes) -> None:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +93,7 @@ class WorkerLink:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
             "heartbeat", "replica_sent", "unrecoverable", "done",
-            "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
+            "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count", "kv_gather",
         )  # fmt: skip
         for op in ops:
             server.register(op, getattr(self, "_" + op))
@@ -244,9 +245,32 @@ class WorkerLink:
             kv, revision = await self._store.get_at(key)
             if kv is not None:
                 return kv.value
-            async for ev in self._store.watch_prefix(key, start_revision=revision + 1):
-                if ev.key == key and not ev.deleted:
+            async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
+                if not ev.deleted:
                     return ev.value
+
+    async def _kv_gather(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Every value under ``prefix`` once ``count`` are there, in key order, at O(1) requests per caller.
+
+        Each caller counts the keys (keys only); the one that sees all of them reads their values
+        once and publishes the list under ``done``, which the others wait for (one exact watch), so
+        N callers cost O(N) requests instead of each reading the N others. Several callers may see
+        the full count; they publish the same list.
+        """
+        prefix, done, count = self._key(req["prefix"]), self._key(req["done"]), int(req["count"])
+        timeout = float(req["timeout"])
+        if await self._store.count_prefix(prefix) >= count:
+            kvs, _ = await self._store.get_prefix(prefix)
+            values = [base64.b64encode(kv.value).decode() for kv in sorted(kvs, key=lambda kv: kv.key)]
+            await self._store.put(done, json.dumps(values).encode(), lease=self._lease())
+            return {"values": values}
+        try:
+            blob = await asyncio.wait_for(self._get_when_set(done), timeout)
+        except asyncio.TimeoutError:
+            raise StoreError(
+                f"Fewer than {count} store keys were set under {req['prefix']!r} within {timeout:.0f} s."
+            ) from None
+        return {"values": json.loads(blob)}
 
     async def _kv_add(self, req: dict[str, Any]) -> dict[str, Any]:
         key, amount = self._key(req["key"]), int(req["amount"])

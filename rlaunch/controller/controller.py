@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
+from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
 from rlaunch.detectors.straggler import StragglerWatch
@@ -59,6 +60,7 @@ class Controller:
         self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
         self._stragglers = StragglerWatch(straggler_window)
         self._slow_reported: set[str] = set()
+        self._pruned_below = 1  # kv/g<n>/ of every generation below this one has been deleted
         self.leading = False
 
     @property
@@ -73,9 +75,10 @@ class Controller:
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         """Campaign for leadership and tick while leading, until ``stop`` is set.
 
-        ``wake`` is set by the agent's watch on every change of the job's keys and whenever the
-        watch (re)starts; between changes nothing is sent to etcd, except every
-        ``DEADLINE_TICK_S`` while a deadline is pending.
+        ``wake`` is set by the agent's watch: while leading, on every change of the keys the planner
+        reads; while not, only when the leader key is deleted; and whenever the watch (re)starts.
+        Between changes nothing is sent to etcd, except every ``DEADLINE_TICK_S`` while a deadline
+        is pending.
         """
         work = True
         while not stop.is_set():
@@ -137,6 +140,17 @@ class Controller:
                 self._events.emit("straggler", gen.number if gen else 0, node=node, compute_s=times)
         return found
 
+    async def _prune(self, snap: JobSnapshot) -> None:
+        """Delete the store prefixes of generations no worker can still read (see controller.prune)."""
+        below, _ = prunable_below(snap.generation, snap.nodes)
+        if below <= self._pruned_below:
+            return
+        for number in range(self._pruned_below, below):
+            await self._store.delete_prefix(self._keys.kv_generation_prefix(number))
+        log.info("[%s] controller: pruned the store prefixes of generations %d to %d", self.node_id,
+                 self._pruned_below, below - 1)  # fmt: skip
+        self._pruned_below = below
+
     async def tick(self) -> None:
         snap = await read_snapshot(self._store, self._keys)
         for problem in snap.problems:
@@ -165,6 +179,7 @@ class Controller:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason
         if new is None:
+            await self._prune(snap)
             return
         written = await self._store.put_guarded(
             self._keys.generation,

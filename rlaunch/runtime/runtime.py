@@ -545,7 +545,8 @@ class Runtime:
         survivors = [r for r in range(self.world_size) if r not in moved]
         dirty = sorted(g.label for g in self._mine() if g.failed and not moved & set(g.members))
         self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
-        reports = [json.loads(self._store.get(f"g{gen}/recover/{r}")) for r in survivors]
+        # One exchange, O(1) store requests per survivor (not a read of every other's report).
+        reports = [json.loads(v) for v in self._store.gather(f"g{gen}/recover/", f"g{gen}/recovered", len(survivors))]
         agreed, rolled = commit_point(self._applied, self.step, [int(r["applied"]) for r in reports])
         if rolled:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.

@@ -63,3 +63,12 @@ class AgentStore(Store):  # type: ignore[misc]
 
     def num_keys(self) -> int:
         return int(self._link.call("kv_count")["value"])
+
+    def gather(self, prefix: str, done: str, count: int, timeout: datetime.timedelta | None = None) -> list[bytes]:
+        """Every value under ``prefix`` (in key order) once ``count`` keys are there.
+
+        Not a c10d call: an exchange at O(1) store requests per caller (the agent publishes the
+        whole list once, under ``done``), where reading every other caller's key would be O(N²).
+        """
+        reply = self._link.call("kv_gather", prefix=prefix, done=done, count=count, timeout=self._seconds(timeout))
+        return [base64.b64decode(v) for v in reply["values"]]

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -447,9 +447,20 @@ class Store:
         return [_kv(kv) for kv in rng], revision
 
     async def get_at(self, key: str) -> tuple[KV | None, int]:
-        """``key`` and the store revision it was read at (to start a watch right after)."""
-        kvs, revision = await self.get_prefix(key)
-        return next((kv for kv in kvs if kv.key == key), None), revision
+        """``key`` and the store revision it was read at (to start a watch right after).
+
+        An exact read: the range ``[key, key + "\\0")`` holds ``key`` alone, so reading ``.../1``
+        does not also transfer ``.../10`` and up (a prefix read would, making group setup O(N²)).
+        """
+        raw = key.encode()
+        rng = await self._call(lambda c: c.get_range(raw, raw + b"\0"))
+        revision = rng.header.revision if rng.header is not None else 0
+        return next((_kv(kv) for kv in rng if kv.key == raw), None), revision
+
+    async def count_prefix(self, prefix: str) -> int:
+        """How many keys are under ``prefix`` (their keys alone are read, not their values)."""
+        rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
+        return sum(1 for _ in rng)
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
@@ -552,17 +563,24 @@ class Store:
 
     # -- watches ------------------------------------------------------------------------------
 
-    async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield changes under ``prefix``; raises :class:`StoreError` when the stream breaks.
+    async def watch_prefix(
+        self, prefix: str, start_revision: int | None = None, exact: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Yield changes under ``prefix`` (of the key ``prefix`` alone if ``exact``); raises
+        :class:`StoreError` when the stream breaks.
 
         A broken stream gets a new one at the next watch; the connection itself stays open.
         """
         ep = self.endpoint
         client = self._open()
         try:
-            watch = await asyncio.wait_for(
-                client.watch_prefix(prefix.encode(), start_revision=start_revision), self.timeout
+            raw = prefix.encode()
+            opened = (
+                client.watch(raw, start_revision=start_revision)
+                if exact
+                else client.watch_prefix(raw, start_revision=start_revision)
             )
+            watch = await asyncio.wait_for(opened, self.timeout)
         except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
             self._watch_failed(client, ep, exc)
             raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
@@ -592,3 +610,36 @@ class Store:
             client.reset_watcher()
         if isinstance(exc, (aetcd.exceptions.ConnectionFailedError, asyncio.TimeoutError)):
             self._next_endpoint(ep, exc)
+
+    async def watch_many(
+        self, ranges: Sequence[tuple[str, bool]], start_revision: int | None = None
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Yield changes of several ``(key_or_prefix, exact)`` ranges, merged, from ``start_revision``.
+
+        One watch per range, so a reader follows just the keys it acts on instead of a whole job
+        prefix. Raises :class:`StoreError` when any of them breaks. Close it (``aclosing``) to stop.
+        """
+        queue: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+
+        async def pump(key: str, exact: bool) -> None:
+            try:
+                async for ev in self.watch_prefix(key, start_revision=start_revision, exact=exact):
+                    queue.put_nowait(ev)
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader below
+                queue.put_nowait(exc)
+                raise
+            queue.put_nowait(StoreUnavailableError(f"The watch on {key} at etcd {self.endpoint} ended."))
+
+        tasks = [asyncio.create_task(pump(key, exact)) for key, exact in ranges]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, StoreError):
+                        raise item
+                    raise StoreUnavailableError(f"A watch on etcd at {self.endpoint} failed: {item!r}.") from item
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -60,6 +60,10 @@ class JobKeys:
         """A key of the c10d store that workers build their groups on."""
         return f"{self.prefix}kv/{key}"
 
+    def kv_generation_prefix(self, generation: int) -> str:
+        """The c10d store keys that workers build generation ``generation``'s groups on (``g<n>/``)."""
+        return self.kv(f"g{generation}/")
+
     @property
     def drains_prefix(self) -> str:
         return self.prefix + "requests/drain/"

@@ -1,0 +1,416 @@
+"""Control-plane benchmark: job formation, fault → committed plan → every node acting, etcd traffic.
+
+Prints one JSON object, ``{"sizes": [...], "uptime": ..., "not_run": [...]}``, one entry per N:
+
+- ``kind: "real"``: N real ``rlaunch`` agent processes (N-1 active, 1 standby) with a trivial
+  worker, on an embedded etcd. The fault is a SIGKILL of one active node (agent and worker);
+  the controller learns of it when the node's lease expires (``--lease-ttl``), which dominates
+  ``fault_to_plan_s``. "Acted": every node of the new generation publishes ``running`` at it.
+- ``kind: "simulated"``: N lightweight nodes (asyncio tasks on a few aetcd channels) that hold
+  a lease, a node record and a watch on the generation key, and answer a generation as an agent
+  does (ack, then ``running`` at it); the real :class:`~rlaunch.controller.controller.Controller`
+  and planner decide. The fault is the revocation of one active node's lease (what its expiry
+  does). "Acted": every simulated node has seen the committed generation on its watch.
+- ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
+  window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
+  ``LeaseKeepAlive`` part of it. The target is that they are equal.
+- ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
+  script, from start to every worker running (null where not run).
+
+Usage: ``python scripts/bench_control_plane.py [--real 16,64] [--simulated 1024] [--no-torchrun]``.
+The machine's load changes the numbers: ``uptime`` is included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from rlaunch.controller.controller import Controller
+from rlaunch.controller.planner import PlannerConfig
+from rlaunch.events import EventLog
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.embedded import EmbeddedEtcd, free_port
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Ack, Generation, JobSpec, NodeRecord, NodeState, decode, encode
+
+LEASE_TTL = 3
+#: Simulated nodes' lease TTL: renewed every third of it, as agents do; long enough that a
+#: thousand tasks on a loaded machine renew in time.
+SIM_TTL = 30
+QUIET_S = 6.0
+WORKER = "import time\ntime.sleep(3600)\n"
+TORCHRUN_WORKER = "import os, time\nprint('formed', os.environ.get('RANK'), time.time(), flush=True)\n"
+
+
+# -- etcd's own counters ----------------------------------------------------------------------
+
+
+def etcd_messages(endpoint: str) -> dict[str, float]:
+    """gRPC messages etcd has received, by method (a unary call is one message)."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            counts[method] = counts.get(method, 0.0) + float(value)
+    return counts
+
+
+def steady_rates(endpoint: str, seconds: float) -> tuple[float, float, dict[str, float]]:
+    before = etcd_messages(endpoint)
+    time.sleep(seconds)
+    after = etcd_messages(endpoint)
+    delta = {m: after[m] - before.get(m, 0.0) for m in after if after[m] - before.get(m, 0.0) > 0}
+    return sum(delta.values()) / seconds, delta.get("LeaseKeepAlive", 0.0) / seconds, delta
+
+
+async def read_nodes(store: Store, keys: JobKeys) -> dict[str, NodeRecord]:
+    kvs, _ = await store.get_prefix(keys.nodes_prefix)
+    return {keys.node_id_of(kv.key): decode(NodeRecord, kv.value, kv.key) for kv in kvs}
+
+
+async def read_generation(store: Store, keys: JobKeys) -> Generation | None:
+    kv = await store.get(keys.generation)
+    return decode(Generation, kv.value, kv.key) if kv is not None else None
+
+
+# -- simulated nodes --------------------------------------------------------------------------
+
+
+class SimNode:
+    """One simulated node: a lease kept alive, a node record, a watch on the generation key."""
+
+    def __init__(self, node_id: str, store: Store, keys: JobKeys, standby: bool) -> None:
+        self.node_id, self.store, self.keys, self.standby = node_id, store, keys, standby
+        self.lease = 0
+        self.seen: dict[int, float] = {}  # generation number -> when this node saw it
+        self.acted: dict[int, float] = {}
+        self.join_revision = 0
+
+    def record(self, state: NodeState, generation: int) -> bytes:
+        return encode(NodeRecord(
+            node_id=self.node_id, host="sim", addr="127.0.0.1", pid=0, nproc=1, standby_only=False,
+            state=state, generation=generation, restarts=0, master_port=29500, updated_at=time.time(),
+            runtime=True,
+        ))  # fmt: skip
+
+    async def join(self) -> None:
+        self.lease = await self.store.grant_lease(SIM_TTL)
+        await self.store.put(self.keys.node(self.node_id), self.record(NodeState.WAITING, 0), lease=self.lease)
+
+    async def keepalive(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), SIM_TTL / 3)
+            except asyncio.TimeoutError:
+                pass
+            if not stop.is_set() and self.lease:
+                try:
+                    await self.store.refresh_lease(self.lease)
+                except Exception:  # noqa: BLE001 - a revoked lease (the fault) ends renewals
+                    return
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Act on each generation as an agent does: ack, then ``running`` (or ``standby``)."""
+        kv, revision = await self.store.get_at(self.keys.generation)
+        if kv is not None:
+            await self._act(decode(Generation, kv.value, kv.key))
+        async for ev in self.store.watch_prefix(self.keys.generation, start_revision=revision + 1, exact=True):
+            if stop.is_set():
+                return
+            if not ev.deleted:
+                await self._act(decode(Generation, ev.value, ev.key))
+
+    async def _act(self, gen: Generation) -> None:
+        self.seen.setdefault(gen.number, time.monotonic())
+        if self.lease == 0:
+            return
+        try:
+            if gen.node_rank(self.node_id) is None:
+                await self.store.put(self.keys.node(self.node_id), self.record(NodeState.STANDBY, gen.number),
+                                     lease=self.lease)  # fmt: skip
+            else:
+                ack = encode(Ack(node_id=self.node_id, generation=gen.number))
+                await self.store.put(self.keys.ack(gen.number, self.node_id), ack, lease=self.lease)
+                await self.store.put(self.keys.node(self.node_id), self.record(NodeState.RUNNING, gen.number),
+                                     lease=self.lease)  # fmt: skip
+        except Exception:  # noqa: BLE001 - the faulted node's lease is gone
+            return
+        self.acted.setdefault(gen.number, time.monotonic())
+
+
+async def controller_wake(store: Store, keys: JobKeys, wake: asyncio.Event, stop: asyncio.Event) -> None:
+    """What the leader's agent does for its controller: wake it on changes of the keys it plans on."""
+    _, revision = await store.get_at(keys.generation)
+    wake.set()
+    async for ev in store.watch_prefix(keys.prefix, start_revision=revision + 1):
+        if stop.is_set():
+            return
+        if not ev.key.startswith((keys.events_prefix, keys.prefix + "kv/")):
+            wake.set()
+
+
+async def simulated(endpoint: str, n: int) -> dict[str, Any]:
+    keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
+    eps = parse_endpoints(endpoint)
+    channels = [Store(eps, timeout=30) for _ in range(max(1, n // 32))]
+    main = Store(eps, timeout=30)
+    spec = JobSpec(job_id=keys.job_id, nnodes=n - 1, nproc_per_node=1, max_restarts=3, entrypoint="sim",
+                   args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
+    await main.put(keys.spec, encode(spec))
+    stop, wake = asyncio.Event(), asyncio.Event()
+    ctl_lease = await main.grant_lease(SIM_TTL)
+    events = EventLog(main, keys, "ctl", None, time.time)
+    events.start()
+    ctl = Controller(main, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), ctl_lease, events)
+    nodes = [SimNode(f"s{i:05d}", channels[i % len(channels)], keys, standby=i == n - 1) for i in range(n)]
+    tasks = [asyncio.create_task(controller_wake(main, keys, wake, stop)), asyncio.create_task(ctl.run(stop, wake))]
+
+    async def ctl_keepalive() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(SIM_TTL / 3)
+            await main.refresh_lease(ctl_lease)
+
+    tasks.append(asyncio.create_task(ctl_keepalive()))
+    began = time.monotonic()
+    for batch in range(0, n, 64):  # join in join order; the last ones left out are standbys
+        joining = nodes[batch : batch + 64]
+        await asyncio.gather(*(node.join() for node in joining))
+        for node in joining:  # each renews its lease and follows the generation from now on
+            tasks += [asyncio.create_task(node.keepalive(stop)), asyncio.create_task(node.follow(stop))]
+    while not all(1 in node.acted for node in nodes):
+        if time.monotonic() - began > 600:
+            raise RuntimeError(f"{sum(1 in x.acted for x in nodes)} of {n} simulated nodes formed in 600 s.")
+        await asyncio.sleep(0.05)
+    form_s = max(node.acted[1] for node in nodes) - began
+    await asyncio.sleep(2.0)  # let the controller's reaction to the last records settle
+    rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, QUIET_S)
+    victim = nodes[n // 2]
+    lease, victim.lease = victim.lease, 0
+    fault_at = time.monotonic()
+    await victim.store.revoke_lease(lease)
+    survivors = [node for node in nodes if node is not victim]
+    deadline = time.monotonic() + 120
+    while not all(2 in node.seen for node in survivors) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    seen = [node.seen[2] for node in survivors if 2 in node.seen]
+    gen = await read_generation(main, keys)
+    result = {
+        "n": n, "kind": "simulated", "form_s": round(form_s, 3),
+        "fault_to_plan_s": round(min(seen) - fault_at, 3) if seen else None,
+        "fault_to_all_acted_s": round(max(seen) - fault_at, 3) if len(seen) == len(survivors) else None,
+        "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
+        "torchrun_form_s": None, "plan": gen.kind if gen else None, "lease_ttl_s": SIM_TTL,
+        "steady_methods": methods,
+    }  # fmt: skip
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.wait(tasks, timeout=10)
+    await main.delete_prefix(keys.prefix)
+    for store in (main, *channels):
+        store.timeout = 1.0  # closing a channel that had watches on it may not finish: do not wait long
+    await asyncio.gather(events.close(), *(store.close() for store in (main, *channels)), return_exceptions=True)
+    return result
+
+
+# -- real agents ------------------------------------------------------------------------------
+
+
+def _kill_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for pid in family:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def real(endpoint: str, n: int, tmp: Path) -> dict[str, Any]:
+    keys = JobKeys(f"bench-real-{uuid.uuid4().hex[:6]}")
+    script = tmp / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    store = Store(parse_endpoints(endpoint), timeout=30)
+
+    def agent(node_id: str) -> subprocess.Popen[bytes]:
+        argv = [
+            sys.executable, "-m", "rlaunch", "--nnodes", str(n - 1), "--nproc-per-node", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", keys.job_id, "--node-id", node_id,
+            "--lease-ttl", str(LEASE_TTL), "--rdzv-timeout", "600", str(script),
+        ]  # fmt: skip
+        log = (tmp / f"{keys.job_id}-{node_id}.log").open("wb")
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_nodes(pred: Any, timeout: float) -> dict[str, NodeRecord]:
+        end = time.monotonic() + timeout
+        while True:
+            recs = asyncio.run(_read(store, keys))
+            if pred(recs) or time.monotonic() > end:
+                return recs
+            time.sleep(0.05)
+
+    try:
+        began = time.monotonic()
+        for i in range(n):  # the first n-1 to register are active; the last is the standby
+            node_id = f"r{i:03d}"
+            procs[node_id] = agent(node_id)
+            wait_nodes(lambda r, nid=node_id: nid in r, 120)
+        running = lambda r, g: sum(x.state is NodeState.RUNNING and x.generation == g for x in r.values())  # noqa: E731
+        wait_nodes(lambda r: running(r, 1) >= n - 1, 600)
+        form_s = time.monotonic() - began
+        time.sleep(2.0)
+        rate, keepalives, methods = steady_rates(endpoint, QUIET_S)
+        victim = "r001"
+        fault_at = time.monotonic()
+        _kill_tree(procs[victim], signal.SIGKILL)
+        plan_at = None
+        while time.monotonic() - fault_at < 120:
+            gen = asyncio.run(_gen(store, keys))
+            if gen is not None and gen.number > 1 and not gen.status.terminal and gen.status.value == "running":
+                plan_at = time.monotonic()
+                break
+            time.sleep(0.02)
+        recs = wait_nodes(lambda r: running(r, 2) >= n - 1, 300)
+        acted_at = time.monotonic() if running(recs, 2) >= n - 1 else None
+        return {
+            "n": n, "kind": "real", "form_s": round(form_s, 3),
+            "fault_to_plan_s": round(plan_at - fault_at, 3) if plan_at else None,
+            "fault_to_all_acted_s": round(acted_at - fault_at, 3) if acted_at else None,
+            "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
+            "torchrun_form_s": None, "lease_ttl_s": LEASE_TTL, "steady_methods": methods,
+        }  # fmt: skip
+    finally:
+        for p in procs.values():
+            _kill_tree(p, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                _kill_tree(p, signal.SIGKILL)
+                p.wait(10)
+        asyncio.run(_cleanup(store, keys))
+
+
+async def _read(store: Store, keys: JobKeys) -> dict[str, NodeRecord]:
+    try:
+        return await read_nodes(store, keys)
+    finally:
+        await store.close()
+
+
+async def _gen(store: Store, keys: JobKeys) -> Generation | None:
+    try:
+        return await read_generation(store, keys)
+    finally:
+        await store.close()
+
+
+async def _cleanup(store: Store, keys: JobKeys) -> None:
+    await store.delete_prefix(keys.prefix)
+    await store.close()
+
+
+def torchrun(n: int, tmp: Path) -> float | None:
+    """Seconds from starting N torchrun c10d agents to every worker running (None: it failed)."""
+    script = tmp / "torchrun_worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    port = free_port()
+    began = time.time()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "bench",
+                "--rdzv-conf",
+                f"is_host={int(i == 0)}",
+                "--monitor-interval",
+                "0.1",
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        for i in range(n)
+    ]
+    formed: list[float] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            formed += [float(line.split()[2]) for line in out.decode().splitlines() if line.startswith("formed")]
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p, signal.SIGKILL)
+                p.wait(10)
+    if len(formed) < n:
+        return None
+    return round(max(formed) - began, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real", default="16", help="comma-separated N of real agent processes ('' for none)")
+    parser.add_argument("--simulated", default="1024", help="comma-separated N of simulated nodes ('' for none)")
+    parser.add_argument("--no-torchrun", action="store_true")
+    args = parser.parse_args()
+    sizes: list[dict[str, Any]] = []
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="rlaunch-bench-") as tmpdir, EmbeddedEtcd() as etcd:
+        tmp = Path(tmpdir)
+        for n in [int(x) for x in args.simulated.split(",") if x]:
+            sizes.append(asyncio.run(simulated(etcd.endpoint, n)))
+            print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
+        for n in [int(x) for x in args.real.split(",") if x]:
+            entry = real(etcd.endpoint, n, tmp)
+            if not args.no_torchrun:
+                entry["torchrun_form_s"] = torchrun(n, tmp)
+            sizes.append(entry)
+            print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
+    print(
+        json.dumps(
+            {
+                "sizes": sizes,
+                "uptime_before": uptime,
+                "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
