@@ -64,6 +64,7 @@ from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
+from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
@@ -132,7 +133,7 @@ class Runtime:
         self._mesh: RuntimeMesh | None = None
         self.step = 0
         if link is not None:
-            _register(self.group, store, {i: i for i in range(world_size)}, default=True)
+            register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
             if not standby:
                 self._start_listener()
@@ -229,7 +230,7 @@ class Runtime:
         group = SwitchableGroup(name, members, self.rank, comm, self.generation, guarded=self._link is not None)
         self._groups[name] = group
         if self._link is not None and self.rank in members:
-            _register(group, self._store, {g: i for i, g in enumerate(members)})
+            register(group, self._store, {g: i for i, g in enumerate(members)})
         return group
 
     def device_mesh(
@@ -262,7 +263,7 @@ class Runtime:
                 comm = self._group_comm(name, members, rank, self.generation)
             group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True)
             self._groups[name] = group
-            _register(group, self._store, {g: i for i, g in enumerate(members)})
+            register(group, self._store, {g: i for i, g in enumerate(members)})
             groups.append(group)
         self._mesh = mesh
         if self.standby:
@@ -276,7 +277,7 @@ class Runtime:
         for old, group, new in self._mesh.rebind(rank):
             del self._groups[old]
             self._groups[new] = group
-            _register(group, self._store, {g: i for i, g in enumerate(group.members)})
+            register(group, self._store, {g: i for i, g in enumerate(group.members)})
 
     def _replica_sources(self, plan: dict[str, Any], survivors: list[int]) -> dict[int, int]:
         """Who sends each replaced rank its state: a rank holding the same shards (any rank without a mesh)."""
@@ -412,7 +413,7 @@ class Runtime:
         """
         self._stopped.set()
         for group in self._groups.values():
-            _unregister(group)
+            unregister(group)
             group.comm = None
         gc.collect()
 
@@ -454,7 +455,7 @@ class Runtime:
             if name in comms:
                 group.swap(comms[name], plan["generation"])
                 if name != WORLD:
-                    _register(group, self._store, {g: i for i, g in enumerate(group.members)})
+                    register(group, self._store, {g: i for i, g in enumerate(group.members)})
         next_step = recv_state(comms["channel"], self._tracked)
         self._applied = next_step - 1
         self.generation = int(plan["generation"])
@@ -690,23 +691,6 @@ def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, boo
     return agreed, agreed > mine
 
 
-def _unregister(group: SwitchableGroup) -> None:
-    """Forget ``group`` in torch.distributed's Python and C++ registries (see Runtime._shutdown)."""
-    name = group.registered_name
-    if name is None:
-        return
-    world = c10d._world
-    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
-        table.pop(group, None)
-    for members in world.tags_to_pg.values():
-        while group in members:
-            members.remove(group)
-    c10d._unregister_process_group(name)
-    if world.default_pg is group:
-        c10d._update_default_pg(None)
-    group.registered_name = None
-
-
 def _report_refusals_as_sentences() -> None:
     """An uncaught rlaunch error ends the worker with its sentence, not a traceback through the
     script: it names the object at fault and what to do, and the script's frames add nothing."""
@@ -719,17 +703,6 @@ def _report_refusals_as_sentences() -> None:
             previous(kind, exc, tb)
 
     sys.excepthook = hook
-
-
-def _register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
-    """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
-    name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
-    _unregister(group)  # registered before (a joiner's sandbox groups): the rank mapping changed
-    c10d._register_pg_in_world(group, "gloo", store, name, "gloo", rank_mapping=ranks, add_to_default_tag=default)
-    group.registered_name = name
-    if default:
-        c10d._update_default_pg(group)
-        c10d._world.pg_group_ranks[c10d.GroupMember.WORLD] = dict(ranks)
 
 
 def init(timeout_s: float = 300.0) -> Runtime:

@@ -1,0 +1,45 @@
+"""Making the runtime's groups known to ``torch.distributed`` (its Python and C++ registries).
+
+A :class:`SwitchableGroup` is built by the runtime, not by ``new_group``, so torch does not know
+it: :func:`register` enters it where ``dist.get_rank(group)``, ``DeviceMesh`` and functional
+collectives look groups up (as the default group for ``rt.group``), and :func:`unregister` takes
+it out again, at exit or before a joiner re-registers a group whose rank mapping changed. These
+are torch's private tables (``distributed_c10d._world``); this module is the one place that
+touches them.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import Store
+from torch.distributed import distributed_c10d as c10d
+
+from rlaunch.runtime.groups import SwitchableGroup
+
+
+def unregister(group: SwitchableGroup) -> None:
+    """Forget ``group`` in torch.distributed's Python and C++ registries (at exit, or before it is
+    registered again)."""
+    name = group.registered_name
+    if name is None:
+        return
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
+        table.pop(group, None)
+    for members in world.tags_to_pg.values():
+        while group in members:
+            members.remove(group)
+    c10d._unregister_process_group(name)
+    if world.default_pg is group:
+        c10d._update_default_pg(None)
+    group.registered_name = None
+
+
+def register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
+    """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
+    name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
+    unregister(group)  # registered before (a joiner's sandbox groups): the rank mapping changed
+    c10d._register_pg_in_world(group, "gloo", store, name, "gloo", rank_mapping=ranks, add_to_default_tag=default)
+    group.registered_name = name
+    if default:
+        c10d._update_default_pg(group)
+        c10d._world.pg_group_ranks[c10d.GroupMember.WORLD] = dict(ranks)
