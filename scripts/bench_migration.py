@@ -26,7 +26,7 @@ init (rlaunch.init or init_process_group), after the model, after step 0, at the
 machine (torch 2.13 CPU, Python 3.11), with the method named:
   imports   python -c, RSS before and after ``import rlaunch.runtime.runtime`` in a process that
             already imported torch and DDP: 0.68 MB with bytecode cached, of which ``statistics``
-            (it pulls in decimal and fractions) was 0.50 MB: no longer imported, 0.19 MB left.
+            (it pulls in decimal and fractions) was 0.50 MB: no longer imported, 0.14 MB left.
             Compiled from source (PYTHONDONTWRITEBYTECODE, as earlier runs of this benchmark
             did, while torch's bytecode is installed): 2.5 MB, so the run precompiles rlaunch.
             A worker imports no agent, CLI or etcd module (no aetcd, grpc, rich, typer):
@@ -87,14 +87,14 @@ def memory_env() -> dict[str, str]:
     return {**ENV, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
-def precompile(cache: Path) -> None:
-    """Compile rlaunch's bytecode once into ``cache``, where every process of the run reads it.
+def precompile() -> None:
+    """Compile rlaunch's bytecode into its __pycache__ folders (git ignores them), as installing it does.
 
-    An installed rlaunch has its .pyc files; run from a checkout under PYTHONDONTWRITEBYTECODE
-    (as here), each worker would compile the runtime from source, and the compiler's arenas add
-    1.8 MB to its RSS that a plain DDP worker, with torch's bytecode installed, does not pay.
+    Run from a checkout under PYTHONDONTWRITEBYTECODE (as here), each worker would compile the
+    runtime from source, and the compiler's arenas add 1.8 MB to its RSS that a plain DDP worker,
+    whose torch is installed with its bytecode, does not pay. (Not PYTHONPYCACHEPREFIX: that
+    moves every module's cache, torch's included, and each process would compile torch.)
     """
-    ENV["PYTHONPYCACHEPREFIX"] = str(cache)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "rlaunch")], env=ENV, check=True)
 
 
@@ -537,7 +537,7 @@ def main() -> None:
                  f"and --event-every at least 7 (the 6-step windows of two events must not overlap).")  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="rlaunch-bench-"))
     log(f"logs in {root}; load average {os.getloadavg()}")
-    precompile(root / "pycache")
+    precompile()
     log("measuring loopback bandwidth")
     bandwidth = loopback_bandwidth()
     with EmbeddedEtcd() as etcd:
