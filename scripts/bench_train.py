@@ -4,7 +4,8 @@
 script as torchrun users write it today, which saves a checkpoint when it receives SIGTERM (and
 every N steps with ``--ckpt-every N``) and resumes from it after a restart. Both write one line
 per step to ``--timeline`` (append-only, so restarted processes add to it) and print their final
-digests and peak RSS.
+digests, peak RSS and the memory at each stage (after imports, after the runtime's or torch's
+init, after the model, after the first step, at the end), measured the same way in both modes.
 """
 
 from __future__ import annotations
@@ -15,12 +16,37 @@ import json
 import os
 import resource
 import signal
+import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+#: Modules of the agent and CLI stack that a worker must never import (etcd client, gRPC, CLI).
+HEAVY = ("aetcd", "grpc", "rich", "typer", "rlaunch.agent", "rlaunch.cli", "rlaunch.controller", "rlaunch.store")
+
+
+def memory_kb() -> dict[str, int]:
+    """This process's memory now (kB, from /proc/self/smaps_rollup and status), and its thread count.
+
+    ``rss``: resident now; ``anon``: resident anonymous (heap, tensors, thread stacks); ``file``:
+    resident file-backed (shared libraries, mostly torch's); ``peak``: the high-water mark of rss.
+    """
+    rollup = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                rollup[parts[0].rstrip(":")] = int(parts[1])
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return {
+        "rss": rollup["Rss"], "anon": rollup["Anonymous"], "file": rollup["Rss"] - rollup["Anonymous"],
+        "peak": int(status["VmHWM"].split()[0]), "threads": int(status["Threads"]),
+    }  # fmt: skip
 
 
 def make_model(seed: int, width: int, depth: int) -> nn.Module:
@@ -61,24 +87,31 @@ def main() -> None:
     ap.add_argument("--timeline", required=True, help="directory for per-rank step timelines")
     ap.add_argument("--ckpt", default="", help="plain mode: checkpoint written on SIGTERM, resumed from")
     ap.add_argument("--ckpt-every", type=int, default=0, help="plain mode: rank 0 also checkpoints every N steps")
+    ap.add_argument("--start-file", default="", help="active ranks wait for this file before step 0 (not timed)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
+    stages = {"imported": memory_kb()}
     stop = {"now": False}
     rt = None
     if args.mode == "rlaunch":
         import rlaunch
+        import rlaunch.runtime.runtime  # noqa: F401 - imported here only to measure its RSS apart
 
+        stages["runtime_imported"] = memory_kb()
         rt = rlaunch.init()
         group = rt.group
     else:
+        stages["runtime_imported"] = memory_kb()  # nothing to import: torch.distributed is loaded
         dist.init_process_group("gloo")
         group = None
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    stages["initialized"] = memory_kb()
     model = DDP(make_model(0, args.width, args.depth), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if rt is not None:
         rt.track(model=model, optimizer=opt)
+    stages["model"] = memory_kb()
     start = 0
     if args.mode == "plain" and args.ckpt and os.path.exists(args.ckpt):
         state = torch.load(args.ckpt, weights_only=True)
@@ -89,6 +122,8 @@ def main() -> None:
     steps = rt.steps(args.steps) if rt is not None else range(start, args.steps)
     role = "standby" if rt is not None and rt.standby else "active"
     for step in steps:
+        while args.start_file and not (rt is not None and rt.standby) and not os.path.exists(args.start_file):
+            time.sleep(0.05)  # the benchmark's standbys warm up first (before step 0 completes: no hang watch)
         began = time.time()  # the step's own work: time spent inside rt.steps() between steps is not in it
         rank = rt.rank if rt is not None else dist.get_rank()
         x, y = batch(0, step, rank, args.batch, args.width)
@@ -101,6 +136,8 @@ def main() -> None:
         else:
             opt.step()
         end = time.time()
+        if step == start:
+            stages["first_step"] = memory_kb()
         with open(os.path.join(args.timeline, f"rank{rank}.txt"), "a") as f:
             f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
         if stop["now"]:
@@ -111,9 +148,12 @@ def main() -> None:
             save(args.ckpt, model, opt, step + 1)  # DDP replicas are equal: one copy is enough
     opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     rank = rt.rank if rt is not None else dist.get_rank()
+    stages["end"] = memory_kb()
     print("FINAL " + json.dumps({
         "rank": rank, "params": digest(list(model.parameters())), "optim": digest(opt_state),
-        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rss_kb": stages["end"]["rss"],
+        "memory_kb": stages, "threads": sorted(t.name for t in threading.enumerate()),
+        "modules": len(sys.modules), "heavy_modules": sorted(m for m in HEAVY if m in sys.modules),
     }), flush=True)  # fmt: skip
 
 
