@@ -538,7 +538,14 @@ def main() -> None:
     ap.add_argument("--event-every", type=int, default=8, help="steps between repeated events")
     ap.add_argument("--repeats", type=int, default=3, help="how often each event is repeated")
     ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument(
+        "--layouts", default="ddp,fsdp",
+        help="comma-separated: ddp (the top-level keys) and fsdp (FSDP2 over both ranks, under layouts.fsdp)",
+    )  # fmt: skip
     args = ap.parse_args()
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or any(x not in ("ddp", "fsdp") for x in layouts):
+        ap.error(f"--layouts {args.layouts!r} must name ddp, fsdp or both, separated by commas.")
     last = args.event_at + (args.repeats - 1) * args.event_every
     if args.repeats < 1 or args.event_every < 7 or args.steps < last + 5:
         ap.error(f"--steps {args.steps} must be at least {last + 5} (the last event at step {last}, plus its window), "
@@ -549,15 +556,22 @@ def main() -> None:
     log("measuring loopback bandwidth")
     bandwidth = loopback_bandwidth()
     with EmbeddedEtcd() as etcd:
-        ddp = measure_layout(root, etcd.endpoint, "ddp", (), args, bandwidth)
+        ddp = measure_layout(root, etcd.endpoint, "ddp", (), args, bandwidth) if "ddp" in layouts else {}
+        # The same model sharded by FSDP2 over the two ranks (its head widened to 8 outputs so
+        # that it shards evenly): each rank moves only its own shards.
+        fsdp = (
+            measure_layout(root, etcd.endpoint, "fsdp", ("--layout", "fsdp"), args, bandwidth)
+            if "fsdp" in layouts
+            else None
+        )
     out = {
         "params_m": round(PARAMS / 1e6, 2),
         "loopback_bytes_per_s": round(bandwidth),
         **ddp,
+        "layouts": {"fsdp": fsdp} if fsdp is not None else {},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }
-    # Other layouts (FSDP2, HSDP) go under out["layouts"][name] = measure_layout(..., train_args).
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

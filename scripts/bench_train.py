@@ -2,7 +2,14 @@
 
 ``--mode rlaunch`` uses the rlaunch runtime (live migration); ``--mode plain`` is a plain DDP
 script as torchrun users write it today, which saves a checkpoint when it receives SIGTERM (and
-every N steps with ``--ckpt-every N``) and resumes from it after a restart. Both write one line
+every N steps with ``--ckpt-every N``) and resumes from it after a restart.
+
+``--layout fsdp`` shards the same model with FSDP2 over all ranks instead of DDP: on
+``rt.device_mesh`` under rlaunch, on ``init_device_mesh`` under torchrun. Its plain mode saves each
+rank's own shards (``CKPT.rank<r>``); since a SIGTERM reaches one node only, every step ends with
+a one-flag allreduce "someone was asked to stop", so that all ranks save the same step before
+they exit, as a careful FSDP script does on preemption (a few microseconds a step: torchrun's
+side pays it, not rlaunch's). Both write one line
 per step to ``--timeline`` (append-only, so restarted processes add to it) and print their final
 digests, peak RSS and the memory at each stage (after imports, after the runtime's or torch's
 init, after the model, after the first step, at the end), measured the same way in both modes.
@@ -23,6 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 #: Modules of the agent and CLI stack that a worker must never import (etcd client, gRPC, CLI).
@@ -49,12 +59,12 @@ def memory_kb() -> dict[str, int]:
     }  # fmt: skip
 
 
-def make_model(seed: int, width: int, depth: int) -> nn.Module:
+def make_model(seed: int, width: int, depth: int, out: int = 1) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(width, width), nn.Tanh()]
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
+    return nn.Sequential(*layers, nn.Linear(width, out))
 
 
 def batch(seed: int, step: int, rank: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +80,38 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def save_shards(path: str, model: nn.Module, opt: torch.optim.Optimizer, next_step: int) -> None:
+    """FSDP: this rank's own shards of the parameters and of the optimizer state, atomically."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {
+        "model": [local(p).detach() for p in params],
+        "optimizer": [{k: local(v) for k, v in opt.state[p].items()} for p in params],
+        "step": next_step,
+    }
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_shards(path: str, opt: torch.optim.Optimizer) -> int:
+    """FSDP: write this rank's saved shards into the live parameters and optimizer state."""
+    state = torch.load(path, weights_only=True)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    with torch.no_grad():
+        for p, saved, moments in zip(params, state["model"], state["optimizer"], strict=True):
+            local(p).copy_(saved)
+            opt.state[p] = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if v.dim()
+                else v
+                for k, v in moments.items()
+            }
+    return int(state["step"])
+
+
 def save(path: str, model: DDP, opt: torch.optim.Optimizer, next_step: int) -> None:
     """Write a checkpoint atomically: a reader sees the previous one or this one, never a torn file."""
     state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": next_step}
@@ -80,6 +122,7 @@ def save(path: str, model: DDP, opt: torch.optim.Optimizer, next_step: int) -> N
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["rlaunch", "plain"], required=True)
+    ap.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=6)
@@ -107,13 +150,28 @@ def main() -> None:
         group = None
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     stages["initialized"] = memory_kb()
-    model = DDP(make_model(0, args.width, args.depth), process_group=group)
+    fsdp = args.layout == "fsdp"
+    model: nn.Module
+    if fsdp:
+        world = rt.world_size if rt is not None else dist.get_world_size()
+        mesh = rt.device_mesh((world,), ("shard",)) if rt is not None else init_device_mesh("cpu", (world,))
+        # a head of 8 outputs: rows that shard evenly over 2 or 4 ranks (rt.track refuses uneven shards)
+        model = make_model(0, args.width, args.depth, out=8)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(make_model(0, args.width, args.depth), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if rt is not None:
         rt.track(model=model, optimizer=opt)
     stages["model"] = memory_kb()
     start = 0
-    if args.mode == "plain" and args.ckpt and os.path.exists(args.ckpt):
+    shard_ckpt = f"{args.ckpt}.rank{dist.get_rank()}" if fsdp and args.ckpt and rt is None else ""
+    if shard_ckpt and os.path.exists(shard_ckpt):
+        start = load_shards(shard_ckpt, opt)
+    elif args.mode == "plain" and not fsdp and args.ckpt and os.path.exists(args.ckpt):
         state = torch.load(args.ckpt, weights_only=True)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -127,7 +185,8 @@ def main() -> None:
         began = time.time()  # the step's own work: time spent inside rt.steps() between steps is not in it
         rank = rt.rank if rt is not None else dist.get_rank()
         x, y = batch(0, step, rank, args.batch, args.width)
-        loss = nn.functional.mse_loss(model(x), y)
+        pred = model(x)
+        loss = nn.functional.mse_loss(pred, y.expand_as(pred))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if rt is not None:
@@ -140,17 +199,28 @@ def main() -> None:
             stages["first_step"] = memory_kb()
         with open(os.path.join(args.timeline, f"rank{rank}.txt"), "a") as f:
             f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
+        if shard_ckpt:
+            asked = torch.tensor([1.0 if stop["now"] else 0.0])
+            dist.all_reduce(asked)  # a SIGTERM reaches one node: every rank saves the same step
+            if asked.item() > 0:
+                save_shards(shard_ckpt, model, opt, step + 1)
+                raise SystemExit(0)
+            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+                save_shards(shard_ckpt, model, opt, step + 1)
+            continue
         if stop["now"]:
             if args.ckpt:
+                assert isinstance(model, DDP)
                 save(args.ckpt, model, opt, step + 1)
             raise SystemExit(0)
         if rt is None and args.ckpt and args.ckpt_every and (step + 1) % args.ckpt_every == 0 and rank == 0:
+            assert isinstance(model, DDP)
             save(args.ckpt, model, opt, step + 1)  # DDP replicas are equal: one copy is enough
-    opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    opt_state = [local(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     rank = rt.rank if rt is not None else dist.get_rank()
     stages["end"] = memory_kb()
     print("FINAL " + json.dumps({
-        "rank": rank, "params": digest(list(model.parameters())), "optim": digest(opt_state),
+        "rank": rank, "params": digest([local(p) for p in model.parameters()]), "optim": digest(opt_state),
         "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rss_kb": stages["end"]["rss"],
         "memory_kb": stages, "threads": sorted(t.name for t in threading.enumerate()),
         "modules": len(sys.modules), "heavy_modules": sorted(m for m in HEAVY if m in sys.modules),

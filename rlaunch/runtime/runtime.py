@@ -157,7 +157,7 @@ class Runtime:
             self._tracked[name] = obj
         why = shards.uneven(objects) if self._link is not None else ""
         if why:
-            raise ValueError(f"rt.track(): {why}.")
+            raise RefusedError(f"rt.track(): {why}.")
 
     def track_per_rank(self, **objects: Any) -> None:
         """Register state that differs from rank to rank (a data loader over this rank's shard).
