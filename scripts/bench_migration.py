@@ -2,9 +2,9 @@
 """Benchmark: a planned node move with rlaunch against what torchrun users do today.
 
 One run, one model (25M parameters, AdamW, a step of several hundred ms here), 2 active nodes
-plus standbys, one process per node, 1 thread each. For each layout (today plain DDP; the
-function measure_layout takes the training script's arguments, so other layouts can be added
-under a ``layouts`` object):
+plus standbys, one process per node, 1 thread each. For each layout (plain DDP, whose keys are
+the JSON's top level, and FSDP2 sharding the same model over both ranks, under
+``layouts.fsdp`` with the same keys; ``--layouts`` picks them):
   steady   rlaunch with no event, and plain DDP under torchrun with no event, twice each,
            interleaved: the reference digests and the steady step-time overhead;
   memory   the same pair twice more with glibc's mmap threshold fixed in both (see below);
@@ -17,7 +17,7 @@ Downtime of an event = wall time of the 6 steps around it minus 6 median steps. 
 repeated (default 3 times, at steps 15, 23, 31); the JSON keeps its keys as the median and adds
 ``_runs``, ``_min`` and ``_max``. The targets are judged on medians, except where named ``max``.
 Prints one JSON object. Usage: scripts/bench_migration.py [--steps 45] [--event-at 15]
-[--event-every 8] [--repeats 3] [--out FILE]
+[--event-every 8] [--repeats 3] [--layouts ddp,fsdp] [--out FILE]
 
 Memory. Each worker reports its RSS (smaps_rollup: resident, anonymous, file-backed; VmHWM for
 the peak) at the same points in both modes: after imports, after importing the runtime, after
