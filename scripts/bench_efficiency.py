@@ -24,28 +24,42 @@ the job trains (its third step done) and, for rlaunch, its standby is warm:
             any scheduler delay, in torchrun's favour. A kill waits until the restarted job has
             done a step, so each period trains at least once.
 
-Definitions (rank 0's timeline, one line per step: step, start, end, role, pid):
+Definitions (rank 0's timeline, one line per step: step, start, end, role, pid; the rank-0
+process changes when its node is drained, and the file goes on):
   progress(t)      1 + the step of the last step completed by time t (by end time). After a
                    restart from a checkpoint, steps start again from the checkpoint's, so lost
                    steps are taken back: progress is the training state the job holds at t.
   useful steps     progress(window end) - progress(window start): distinct steps applied and
                    kept, each counted once however many times it ran.
-  useful-step time useful steps x the run's own median step time (the start-to-end time of a
-                   step, over the window). The run's own median, not the base run's, because
-                   the runs follow each other on a shared machine whose load drifts: a median
-                   moves with the load but hardly with a few slow steps around each event.
-  useful fraction  useful-step time / window wall time (below 1 even with no event: the time
-                   between steps, e.g. writing the timeline, is not step time).
-  efficiency       a run's useful fraction / the base run's. `*_same_step` is the same with the
-                   base run's median step time for every run (useful steps / the base run's).
+  kept execution   of a step: its last run, if no restart took it back (walking the steps by
+                   end time, a step supersedes every kept run of the same or a later step).
+  useful-step time the seconds of the window inside kept executions (start to end of each),
+                   except that the first 3 steps begun after each event (a drain's switch, a
+                   torchrun kill, the base run's standby restart; from the end of the last step
+                   before it) count at most the run's median step time: a slow first step after
+                   a switch or a restart is downtime. The time between steps, a switch,
+                   a restart, lost steps and the step under way at the window's end are not in
+                   it. Step durations are each run's own, not the base run's median: the runs
+                   follow each other on a shared machine whose load drifts, and a step that
+                   takes longer because the machine is busier is still training.
+  useful fraction  useful-step time / the window's wall time (base: the time between steps is
+                   the only loss, under 1 %).
+  efficiency       a run's useful fraction / the base run's. Two variants are printed too:
+                   `*_median` counts each useful step as the run's median step time (steps
+                   under load are skewed: the mean is above the median, by a share that moves
+                   with the load), and `*_same_step` counts it as the base run's median (useful
+                   steps / the base run's): both move with the machine's load between runs.
   downtime         of one event: prev = the last step done before the event (for a drain, the
                    start of the joiner's first step, i.e. the switch; for torchrun, the kill);
                    the wall time from prev's end until progress is 3 steps beyond it, minus 3
                    median steps. For torchrun it includes the restart and the redone steps.
+                   `median_reported_downtime_s` is what `rlaunch drain` reports (the workers'
+                   `switched` events: a survivor's first step after the switch over its median).
 The prepare phase of a drain runs while training continues: its cost (CPU on this machine) is
 in the efficiency, not in the downtime.
 
-Prints one JSON object. Usage:
+Prints one JSON object; the logs, timelines and each run's run.json stay in a temporary
+directory (`logs` in the JSON), from which `--analyze DIR` prints the JSON again. Usage:
   scripts/bench_efficiency.py [--minutes 10] [--every 60] [--ckpt-every 10] [--out FILE]
 """
 
@@ -374,8 +388,9 @@ def kept_seconds(rows: list[Row], t0: float, t_end: float, events: list[float], 
 
     Rows are walked by end time; a step that ends supersedes every kept execution of the same
     or a later step (a restart from a checkpoint redoes them: the earlier runs were lost). The
-    first AFTER steps begun after each event count at most ``median``: a slow first step after
-    a switch or a restart is downtime.
+    first AFTER steps begun after the last step that ended before each event count at most
+    ``median``: a slow first step after a switch or a restart is downtime (a survivor may begin
+    its first step after a switch before the joiner does, and wait for it there).
     """
     kept: list[Row] = []
     for r in rows:
@@ -385,7 +400,8 @@ def kept_seconds(rows: list[Row], t0: float, t_end: float, events: list[float], 
             kept.append(r)
     capped: set[Row] = set()
     for t in events:
-        capped.update([r for r in kept if r[1] >= t][:AFTER])
+        anchor = max((r[2] for r in rows if r[2] <= t), default=t)  # the end of the last step before it
+        capped.update([r for r in kept if r[1] >= anchor][:AFTER])
     total = 0.0
     for r in kept:
         seconds = r[2] - max(r[1], t0)
@@ -417,7 +433,8 @@ def analyze(root: Path) -> dict[str, Any]:
         switches.append(t)
     tr_run = json.loads((root / "torchrun" / "run.json").read_text())
     kills = [ev["t"] for ev in tr_run["events"]]
-    m_base = measure(root / "base", [])
+    base_run = json.loads((root / "base" / "run.json").read_text())
+    m_base = measure(root / "base", [ev["t"] for ev in base_run["events"]])  # its standby restarts: the same caps
     m_rl = measure(root / "rlaunch", [t for t in switches if t is not None])
     m_tr = measure(root / "torchrun", kills)
     runs = {"base": m_base, "rlaunch": m_rl, "torchrun": m_tr}
