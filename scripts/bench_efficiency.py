@@ -43,7 +43,7 @@ process changes when its node is drained, and the file goes on):
                    follow each other on a shared machine whose load drifts, and a step that
                    takes longer because the machine is busier is still training.
   useful fraction  useful-step time / the window's wall time (base: the time between steps is
-                   the only loss, under 1 %).
+                   and the capped steps after its standby restarts are the only losses: about 1 %).
   efficiency       a run's useful fraction / the base run's. Two variants are printed too:
                    `*_median` counts each useful step as the run's median step time (steps
                    under load are skewed: the mean is above the median, by a share that moves
@@ -235,7 +235,8 @@ class Procs:
 
 def _children(pid: int) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children(recursive=True)
+        children: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
+        return children
     except psutil.NoSuchProcess:
         return []
 
@@ -450,7 +451,7 @@ def analyze(root: Path) -> dict[str, Any]:
         return None if x is None else round(x, 3)
 
     def rel(key: str, run: dict[str, Any]) -> float:
-        return round(run[key] / m_base[key], 4)
+        return round(float(run[key]) / float(m_base[key]), 4)
 
     width, depth = meta["width"], meta["depth"]
     params = depth * (width * width + width) + width + 1
