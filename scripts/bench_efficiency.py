@@ -42,8 +42,9 @@ process changes when its node is drained, and the file goes on):
                    it. Step durations are each run's own, not the base run's median: the runs
                    follow each other on a shared machine whose load drifts, and a step that
                    takes longer because the machine is busier is still training.
-  useful fraction  useful-step time / the window's wall time (base: the time between steps is
-                   and the capped steps after its standby restarts are the only losses: about 1 %).
+  useful fraction  useful-step time / the window's wall time (base: the time between steps
+                   and the capped steps after its standby restarts are its only losses, about
+                   1 %).
   efficiency       a run's useful fraction / the base run's. Two variants are printed too:
                    `*_median` counts each useful step as the run's median step time (steps
                    under load are skewed: the mean is above the median, by a share that moves
