@@ -60,7 +60,9 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
     assert _finals(c, d) == _reference("hsdp"), "every shard must end as in an uninterrupted run"
     # ranks 2 and 3 (replicate row 1) get their shards from ranks 0 and 1 (row 0), now on c
     assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), c.output()[-3000:]
-    assert "event replica_sent" in c.output() and "'plan': 'replace'" in c.output()
+    assert "event replica_sent" in c.output()
+    # the controller (c or d, whichever won the election after a left) logs the plan
+    assert any("'plan': 'replace'" in x.output() for x in (c, d))
 
 
 def test_tensor_x_data_parallel_drain_is_bit_identical(cluster: Cluster) -> None:
