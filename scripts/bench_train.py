@@ -204,7 +204,10 @@ def main() -> None:
             dist.all_reduce(asked)  # a SIGTERM reaches one node: every rank saves the same step
             if asked.item() > 0:
                 save_shards(shard_ckpt, model, opt, step + 1)
-                raise SystemExit(0)
+                # The rank that was not signalled exits 1, as a DDP rank fails when its peer goes:
+                # its torchrun agent then ends at once instead of waiting at its exit barrier for
+                # the agent that was stopped.
+                raise SystemExit(0 if stop["now"] else 1)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 save_shards(shard_ckpt, model, opt, step + 1)
             continue
