@@ -262,7 +262,12 @@ class Runtime:
                 comm = self._group_comm(name, members, rank, self.generation)
             group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True)
             self._groups[name] = group
-            register(group, self._store, {g: i for i, g in enumerate(members)})
+            ranks = {g: i for i, g in enumerate(members)}
+            if self.standby:
+                # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays
+                # the model out as holds it until the standby joins (rebind registers it anew)
+                ranks[-1] = members.index(rank)
+            register(group, self._store, ranks)
             groups.append(group)
         self._mesh = mesh
         if self.standby:

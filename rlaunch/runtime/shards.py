@@ -34,6 +34,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def like(local_shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local_shard`` as the same shard of a tensor shaped and placed like ``param`` (a DTensor
+    around it when ``param`` is one): optimizer state a joiner creates for a sharded parameter."""
+    if not _is_dtensor(param):
+        return local_shard
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(
+        local_shard, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
 def describe(t: torch.Tensor) -> dict[str, Any] | None:
     """What identifies ``t``'s shard (None for a plain tensor): JSON-ready."""
     if not _is_dtensor(t):

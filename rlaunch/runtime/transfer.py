@@ -220,7 +220,13 @@ def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> t
     if not isinstance(dtype, torch.dtype):
         raise TransferError(f"The sender's {name} has dtype {entry['dtype']!r}, which this joiner does not know.")
     t = torch.empty(tuple(entry["shape"]), dtype=dtype)
-    opt.state[params[int(index)]][key] = t
+    param = params[int(index)]
+    # A sharded parameter's moments are DTensors with its layout; the joiner receives into the shard.
+    state = shards.like(t, param) if entry.get("shard") is not None else t
+    why = shards.mismatch(name, shards.describe(state), entry.get("shard"))
+    if why:
+        raise TransferError(why)
+    opt.state[param][key] = state
     return t
 
 

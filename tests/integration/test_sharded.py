@@ -65,8 +65,10 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
     assert any("'plan': 'replace'" in x.output() for x in (c, d))
 
 
-def test_tensor_x_data_parallel_drain_is_bit_identical(cluster: Cluster) -> None:
-    a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"])
+def test_tensor_x_data_parallel_drain_onto_a_cold_standby_is_bit_identical(cluster: Cluster) -> None:
+    # --sandbox-steps 0: the joiner never ran a step, so it has no optimizer state yet and creates
+    # the DTensor moments of its sharded parameters as the state arrives
+    a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"], flags=("--sandbox-steps", "0"))
     assert "drained" in drain(cluster, "b")
     for agent in (a, b, c):
         assert agent.wait(240) == 0, agent.output()[-3000:]
