@@ -16,7 +16,7 @@ import time
 import typer
 
 from rlaunch.cli.drain import DrainRefused, _drain, check_drain
-from rlaunch.cli.options import ENDPOINT, JOB_ID, fail, setup_logging
+from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, USER, connection, fail, setup_logging
 from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.integrations.slurm import SlurmNode, parse_fields
@@ -32,14 +32,15 @@ from rlaunch.integrations.slurm_watch import (
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, encode
+from rlaunch.store.security import EtcdSecurity
 
 log = logging.getLogger(__name__)
 
 
-async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> Outcome:
+async def drain_node(endpoint: str, job_id: str, node: str, timeout: float, security: EtcdSecurity) -> Outcome:
     """Drain ``node`` as ``rlaunch drain`` does (no ``--wait``); a refusal comes back as its sentence."""
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     try:
         await store.connect(10.0)
         snap = await read_snapshot(store, keys)
@@ -50,7 +51,7 @@ async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> O
         except DrainRefused:
             check_drain(snap, node, job_id, wait=True)  # refused for another reason: that sentence
             return Outcome(False, f"The rlaunch job {job_id} has no ready standby yet to take node {node}'s ranks.")
-        result = await _drain(endpoint, job_id, node, False, timeout)
+        result = await _drain(endpoint, job_id, node, False, timeout, security)
     except RlaunchError as exc:
         return Outcome(False, str(exc))
     finally:
@@ -63,9 +64,9 @@ async def drain_node(endpoint: str, job_id: str, node: str, timeout: float) -> O
     )
 
 
-async def agent_present(endpoint: str, job_id: str, node: str) -> bool:
+async def agent_present(endpoint: str, job_id: str, node: str, security: EtcdSecurity) -> bool:
     """Whether ``node``'s agent is still registered in the rlaunch job (its lease alive)."""
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     try:
         await store.connect(10.0)
         return node in (await read_snapshot(store, JobKeys(job_id))).nodes
@@ -73,10 +74,10 @@ async def agent_present(endpoint: str, job_id: str, node: str) -> bool:
         await store.close()
 
 
-async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str) -> None:
+async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str, security: EtcdSecurity) -> None:
     """Record in the job's event stream that Slurm marked ``node`` (best effort: a failure is logged)."""
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     now = time.time()
     data = {"node": node.name, "state": node.state_text, "reason": node.reason or "", "message": why}
     try:
@@ -89,7 +90,14 @@ async def announce(endpoint: str, job_id: str, node: SlurmNode, why: str) -> Non
 
 
 async def _watch(
-    endpoint: str, job_id: str, nodes: str, interval: float, scontrol: str, timeout: float, slurm_job: str | None
+    endpoint: str,
+    job_id: str,
+    nodes: str,
+    interval: float,
+    scontrol: str,
+    timeout: float,
+    slurm_job: str | None,
+    security: EtcdSecurity,
 ) -> None:
     keep: frozenset[str] = frozenset()
     if slurm_job:
@@ -101,13 +109,13 @@ async def _watch(
         loop.add_signal_handler(sig, stop.set)
     watch = SlurmDrainWatch(
         read=lambda: read_nodes(nodes, scontrol),
-        drain=lambda node: drain_node(endpoint, job_id, node, timeout),
-        announce=lambda node, why: announce(endpoint, job_id, node, why),
+        drain=lambda node: drain_node(endpoint, job_id, node, timeout, security),
+        announce=lambda node, why: announce(endpoint, job_id, node, why, security),
         interval=interval,
         stop=stop,
         release=Releaser(
             slurm_job,
-            present=lambda node: agent_present(endpoint, job_id, node),
+            present=lambda node: agent_present(endpoint, job_id, node, security),
             shrink=lambda node: release_node(slurm_job, node, scontrol),
         )
         if slurm_job
@@ -136,6 +144,10 @@ def slurm_watch(
     release: bool = typer.Option(
         True, "--release/--no-release", help="Release each drained node from the Slurm job, so that Slurm can take it."
     ),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:
     """Drain live, from the job, each node Slurm marks DRAIN, FAIL or MAINTENANCE (run inside the Slurm job)."""
     setup_logging()
@@ -145,6 +157,7 @@ def slurm_watch(
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is not valid: give a positive number of seconds.")
         job = slurm_job if release else None
-        asyncio.run(_watch(rdzv_endpoint, rdzv_id, nodes or job_nodes(), interval, scontrol, timeout, job))
+        _, security = connection(rdzv_endpoint, cacert, cert, key, user)
+        asyncio.run(_watch(rdzv_endpoint, rdzv_id, nodes or job_nodes(), interval, scontrol, timeout, job, security))
     except RlaunchError as exc:
         fail(exc)

@@ -322,7 +322,9 @@ class Runtime:
             last = time.perf_counter()
             step += 1
         if self._link is not None:
-            # Done stepping: what follows (saving, teardown) is not a hang, however long it takes.
+            # Done stepping: take no more plans, and what follows (saving, teardown) is not a
+            # hang, however long it takes.
+            self._stopped.set()
             self._link.call("done")
 
     def _begin_step(self, step: int) -> None:
@@ -496,6 +498,10 @@ class Runtime:
         while True:
             try:
                 plan = self._wait_plan(after)
+                if self._stopped.is_set():
+                    # rt.steps() has ended: this rank is tearing down, and building communicators
+                    # now would leave C++ threads running at exit (an abort). The move is moot.
+                    return
                 if plan.get("kind") == "replace":
                     self._on_replace(plan)
                     after = int(plan["generation"])

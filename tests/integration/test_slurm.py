@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -23,8 +24,10 @@ from typing import Any
 import psutil
 import pytest
 
+from rlaunch.store.client import parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
+from rlaunch.store.security import EtcdSecurity, resolve_security
 from tests.cluster import REPO, TAG_VAR, leftovers, run_store, wait_for
 
 SLURM = REPO / "tests" / "slurm"
@@ -85,20 +88,30 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         assert not left, f"processes left running after Slurm stopped: {[(p.pid, p.cmdline()) for p in left]}"
 
 
-def job_events(endpoint: str, job: str) -> list[Event]:
+def etcd_security(endpoint: str, job_out: str) -> EtcdSecurity:
+    """The TLS settings the batch script printed for its etcd (its ``export ETCDCTL_...`` line)."""
+    line = next(x for x in job_out.splitlines() if x.startswith("export ETCDCTL_"))
+    env = dict(word.split("=", 1) for word in shlex.split(line)[1:])
+    return resolve_security(
+        parse_endpoints(endpoint), cacert=env.get("ETCDCTL_CACERT"), cert=env.get("ETCDCTL_CERT"),
+        key=env.get("ETCDCTL_KEY"),
+    )  # fmt: skip
+
+
+def job_events(endpoint: str, job: str, security: EtcdSecurity) -> list[Event]:
     async def read(store: Any) -> list[Event]:
         kvs, _ = await store.get_prefix(JobKeys(job).events_prefix)
         return [decode(Event, kv.value, kv.key) for kv in kvs]
 
-    return run_store(endpoint, read)  # type: ignore[no-any-return]
+    return run_store(endpoint, read, security)  # type: ignore[no-any-return]
 
 
-def job_status(endpoint: str, job: str) -> dict[str, Any]:
+def job_status(endpoint: str, job: str, security: EtcdSecurity) -> dict[str, Any]:
     import asyncio
 
     from rlaunch.cli.status import fetch_status
 
-    return asyncio.run(fetch_status(endpoint, job, 5.0)) or {"generation": 0, "nodes": []}
+    return asyncio.run(fetch_status(endpoint, job, 5.0, security)) or {"generation": 0, "nodes": []}
 
 
 @pytest.mark.timeout(540)
@@ -124,10 +137,12 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
     try:
         found = wait_for(lambda: re.search(r"etcd at (\S+)", text()), 90, "the batch script to start etcd")
         endpoint = found.group(1)
+        assert endpoint.startswith("https://"), "the batch script's etcd serves mutual TLS"
+        tls = wait_for(lambda: "export ETCDCTL_" in text() and etcd_security(endpoint, text()), 30, "its TLS settings")
         assert f"rlaunch job {job}: 2 active + 1 standby nodes of n[1-3]" in text()
 
         status = wait_for(
-            lambda: (s := job_status(endpoint, job))["generation"] >= 1 and len(s["nodes"]) == 3 and s, 120,
+            lambda: (s := job_status(endpoint, job, tls))["generation"] >= 1 and len(s["nodes"]) == 3 and s, 120,
             "the rlaunch job's first generation with 3 nodes",
         )  # fmt: skip
         roles = {n["node_id"]: n["node_rank"] for n in status["nodes"]}
@@ -138,11 +153,11 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
 
         slurm.run("scontrol", "update", f"nodename={target}", "state=drain", "reason=maintenance")
         drained = lambda: next(  # noqa: E731
-            (e for e in job_events(endpoint, job) if e.kind == "drained" and e.node_id == target), None
+            (e for e in job_events(endpoint, job, tls) if e.kind == "drained" and e.node_id == target), None
         )
         mark = wait_for(drained, 180, f"rlaunch to drain {target} after Slurm marked it")
-        events = job_events(endpoint, job)
-        status = job_status(endpoint, job)
+        events = job_events(endpoint, job, tls)
+        status = job_status(endpoint, job, tls)
         wait_for(lambda: slurm.job_fields(job_id)["NodeList"] == "n[1,3]", 60, f"{target} to leave the Slurm job")
         assert slurm.job_fields(job_id)["JobState"] == "RUNNING", "the job runs on without the drained node"
         wait_for(
