@@ -36,6 +36,16 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def reap_zombies() -> None:
+    """Wait for this process's zombie children (pytest is a subreaper: orphans land here)."""
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass
+
+
 def leftovers(tag: str) -> list[psutil.Process]:
     """Live (non-zombie) processes carrying ``tag`` in their environment."""
     found = []

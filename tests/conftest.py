@@ -10,24 +10,14 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from rlaunch.store.embedded import EmbeddedEtcd
-from tests.cluster import TRAIN, Cluster, checksums, leftovers
+from tests.cluster import TRAIN, Cluster, checksums, leftovers, reap_zombies
 
 # Orphans of the processes tests start are reparented to pytest, which reaps them: a zombie
 # left after a test is then a defect of rlaunch, not of the container's init.
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-
-
-def _reap() -> None:
-    for child in psutil.Process().children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.NoSuchProcess, ChildProcessError):
-            pass
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +39,7 @@ def cluster(endpoint: str, tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(endpoint, tmp_path, tag=uuid.uuid4().hex)
     yield c
     c.close()
-    _reap()
+    reap_zombies()
     left = leftovers(c.tag)
     for proc in left:
         proc.kill()

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from rlaunch.store.embedded import EmbeddedEtcd
-from tests.cluster import TAG_VAR, AgentProc, leftovers, wait_for
+from tests.cluster import TAG_VAR, AgentProc, leftovers, reap_zombies, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,20 +32,11 @@ pytestmark = pytest.mark.timeout(180)
 def tag() -> Iterator[str]:
     tag = uuid.uuid4().hex
     yield tag
-    _reap()
+    reap_zombies()
     left = leftovers(tag)
     for proc in left:
         proc.kill()
     assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
-
-
-def _reap() -> None:
-    for child in psutil.Process().children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.NoSuchProcess, ChildProcessError):
-            pass
 
 
 def env(tag: str) -> dict[str, str]:
@@ -54,7 +45,7 @@ def env(tag: str) -> dict[str, str]:
 
 
 def gone(pid: int) -> bool:
-    _reap()
+    reap_zombies()
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

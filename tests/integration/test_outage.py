@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import time
@@ -30,7 +29,7 @@ from rlaunch.agent.lease import LeaseKeeper, LeaseState, keepalive_store
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.waiting import wait_event
-from tests.cluster import SCRIPTS, AgentProc, Cluster, leftovers, run_store, wait_for
+from tests.cluster import SCRIPTS, AgentProc, Cluster, leftovers, reap_zombies, run_store, wait_for
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.test_migration import RESILIENT, warm
 
@@ -53,12 +52,7 @@ def etcd_job(tmp_path: Path) -> Iterator[tuple[EtcdCluster, Cluster]]:
     finally:
         cluster.close()
         etcd.stop()
-        for child in psutil.Process().children():
-            try:
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(child.pid, os.WNOHANG)
-            except (psutil.NoSuchProcess, ChildProcessError):
-                pass
+        reap_zombies()
         left = leftovers(tag)
         for proc in left:
             proc.kill()

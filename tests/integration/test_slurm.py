@@ -21,14 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from rlaunch.store.client import parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
 from rlaunch.store.security import EtcdSecurity, resolve_security
-from tests.cluster import REPO, TAG_VAR, leftovers, run_store, wait_for
+from tests.cluster import REPO, TAG_VAR, leftovers, reap_zombies, run_store, wait_for
 
 SLURM = REPO / "tests" / "slurm"
 SBATCH = REPO / "examples" / "slurm" / "rlaunch.sbatch"
@@ -54,15 +53,6 @@ class Slurm:
         return dict(f.split("=", 1) for f in line.split() if "=" in f)
 
 
-def _reap() -> None:
-    for child in psutil.Process().children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.NoSuchProcess, ChildProcessError):
-            pass
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     """munged, slurmctld and slurmd n1..n3 until the module ends; fails (never skips) if they do not start."""
@@ -78,7 +68,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     finally:
         subprocess.run(["bash", str(SLURM / "stop_slurm.sh"), str(cluster.dir)], timeout=120)
         for _ in range(60):  # daemons reparented to pytest (a subreaper) are reaped here
-            _reap()
+            reap_zombies()
             left = leftovers(tag)
             if not left:
                 break
