@@ -385,14 +385,15 @@ def event_downtimes(result: dict[str, Any]) -> tuple[list[float], list[int], flo
 
 
 def joiner_first_steps(result: dict[str, Any], median: float) -> list[float]:
-    """Each joiner's first real step over ``median``: rows of rank 1 from pids that ran a sandbox."""
-    sandbox_pids = {line.split()[4] for line in (result["timeline"] / "rank-1.txt").read_text().splitlines()}
-    first: dict[str, float] = {}  # pid -> duration of its first real step, in the order the joiners came
+    """Each joiner's first real step over ``median``: on rank 1's timeline, the first row of every
+    process after the first (each drain of rank 1 brings a new one; a cold standby wrote no
+    sandbox rows, so the joiners are told apart by pid alone)."""
+    first: dict[str, float] = {}  # pid -> duration of its first step as rank 1, in the order they came
     for line in (result["timeline"] / "rank1.txt").read_text().splitlines():
         _, start, end, _, pid = line.split()
-        if pid in sandbox_pids and pid not in first:
+        if pid not in first:
             first[pid] = (float(end) - float(start)) / median
-    return list(first.values())
+    return list(first.values())[1:]
 
 
 def memory_report(rl: list[dict[str, Any]], tr: list[dict[str, Any]]) -> dict[str, Any]:
