@@ -386,7 +386,7 @@ def _wait_each(works: queue.Queue[tuple[dist.Work, list[torch.Tensor], Callable[
             return t
 
         finished(outcome)
-        del work, tensors, finished  # hold no communicator's work while idle
+        del work, tensors, finished, outcome  # hold no work, and none of its tensors, while idle
 
 
 #: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.
