@@ -89,6 +89,7 @@ from rlaunch.cli.drain import _drain, _undrain  # noqa: E402
 from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.errors import RlaunchError  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from scripts import bench_migration  # noqa: E402
 
 WORKER = REPO / "scripts" / "bench_train.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -103,14 +104,9 @@ def log(msg: str) -> None:
     print(f"[effic {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_until(pred: Any, timeout: float, what: str, interval: float = POLL_S) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+def wait_until(pred: Any, timeout: float, what: str) -> Any:
+    """bench_migration's wait, polling every POLL_S: each read of the job's status costs CPU here."""
+    return bench_migration.wait_until(pred, timeout, what, POLL_S)
 
 
 def poll(pred: Any, deadline: float) -> bool:

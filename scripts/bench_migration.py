@@ -110,13 +110,13 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_until(pred: Any, timeout: float, what: str) -> Any:
+def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = pred()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(interval)
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
