@@ -262,6 +262,8 @@ def build_config(
         module = no_python = False
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be used together; pick one.")
+    if not module and not no_python and Path(script).is_dir():
+        raise UsageError(f"The training script {script!r} is a directory; give the path of the script file in it.")
     if not module and not no_python and not Path(script).is_file():
         raise UsageError(f"The training script {script!r} does not exist; check the path.")
     if max_restarts < 0:

@@ -9,7 +9,7 @@ import json
 import typer
 
 from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, USER, connection, fail
-from rlaunch.errors import RecordError, RlaunchError
+from rlaunch.errors import RecordError, RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
@@ -53,6 +53,8 @@ async def _events(
     try:
         await store.connect(10.0)
         kvs, revision = await store.get_prefix(keys.events_prefix)
+        if not kvs and await store.get(keys.spec) is None:
+            raise UsageError(f"No job {job_id!r} exists in etcd at {endpoint}; check --rdzv-id.")
         for kv in kvs:
             show(kv.value, kv.key)
         if follow:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import typer
 
-from rlaunch.cli.options import JOB_ID, fail
+from rlaunch.cli.options import CACERT, CERT, JOB_ID, KEY, USER, connection, fail
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.report import ReportError, export, render, source, timeline
+from rlaunch.store.security import EtcdSecurity
 
 
 def default_name(job: str) -> str:
@@ -19,7 +20,13 @@ def default_name(job: str) -> str:
 
 
 def make_report(
-    endpoint: str | None, job_id: str, files: list[Path], output: Path | None, csv_dir: Path | None, timeout: float
+    endpoint: str | None,
+    job_id: str,
+    files: list[Path],
+    output: Path | None,
+    csv_dir: Path | None,
+    timeout: float,
+    security: EtcdSecurity | None = None,
 ) -> tuple[Path, list[Path], timeline.Timeline]:
     """Read the events, build the timeline, write the page (and the CSV files); return what was written."""
     note = ""
@@ -28,7 +35,7 @@ def make_report(
         events = source.read_files(files)
         note = f" · from {len(files)} events file(s)"
     elif endpoint:
-        events, bad = asyncio.run(source.read_etcd(endpoint, job_id, timeout))
+        events, bad = asyncio.run(source.read_etcd(endpoint, job_id, timeout, security))
         job = job_id
         note = f" · from etcd at {endpoint}" + (f"; {bad} unreadable record(s) skipped" if bad else "")
     else:
@@ -50,8 +57,8 @@ def make_report(
 
 def report(
     rdzv_endpoint: str = typer.Option(
-        None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
-        help="etcd client endpoint(s), host:port[,host:port...], to read the job's events from.",
+        None, "--rdzv-endpoint", "--rdzv_endpoint", envvar=["PET_RDZV_ENDPOINT", "ETCDCTL_ENDPOINTS"],
+        help="etcd client endpoint(s), [https://]host:port[,...], holding the job's events (or ETCDCTL_ENDPOINTS).",
     ),
     rdzv_id: str = JOB_ID,
     events: list[Path] = typer.Option(
@@ -66,11 +73,16 @@ def report(
         "files into this folder.",
     ),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for etcd."),
+    cacert: str | None = CACERT,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+    user: str | None = USER,
 ) -> None:  # fmt: skip
     """Write a job's report: one self-contained HTML page with its timeline, drains, faults and recoveries
     (with their downtime), and its step time and goodput over time."""
     try:
-        path, tables, tl = make_report(rdzv_endpoint, rdzv_id, events, output, csv_dir, timeout)
+        security = connection(rdzv_endpoint, cacert, cert, key, user)[1] if rdzv_endpoint and not events else None
+        path, tables, tl = make_report(rdzv_endpoint, rdzv_id, events, output, csv_dir, timeout, security)
     except RlaunchError as exc:
         fail(exc)
     s = tl.summary()

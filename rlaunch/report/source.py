@@ -17,6 +17,7 @@ from rlaunch.report import ReportError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
+from rlaunch.store.security import EtcdSecurity
 
 
 def parse_event(obj: Any, where: str) -> Event:
@@ -93,10 +94,12 @@ def job_of(paths: list[Path]) -> str:
     return folder.name or "job"
 
 
-async def read_etcd(endpoint: str, job_id: str, connect_s: float = 10.0) -> tuple[list[Event], int]:
+async def read_etcd(
+    endpoint: str, job_id: str, connect_s: float = 10.0, security: EtcdSecurity | None = None
+) -> tuple[list[Event], int]:
     """The job's events in etcd, in time order, and how many records were unreadable and skipped."""
     keys = JobKeys(job_id)
-    store = Store(parse_endpoints(endpoint), timeout=5.0)
+    store = Store(parse_endpoints(endpoint), timeout=5.0, security=security)
     try:
         await store.connect(connect_s)
         kvs, _ = await store.get_prefix(keys.events_prefix)

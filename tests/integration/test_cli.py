@@ -57,6 +57,9 @@ def test_status_of_a_job_that_does_not_exist(endpoint: str) -> None:
     res = rlaunch("status", "--rdzv-endpoint", endpoint, "--rdzv-id", "no-such-job", "--json")
     assert res.returncode == 1
     assert "no job 'no-such-job' exists" in res.stderr
+    res = rlaunch("events", "--rdzv-endpoint", endpoint, "--rdzv-id", "no-such-job")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "No job 'no-such-job' exists in etcd" in res.stderr
 
 
 def test_unreachable_etcd_is_named_within_the_timeout(tmp_path: Path) -> None:
@@ -76,6 +79,8 @@ def test_missing_script_is_refused_at_once(endpoint: str) -> None:
     res = rlaunch("--rdzv-endpoint", endpoint, "no/such/train.py")
     assert res.returncode == 2
     assert "The training script 'no/such/train.py' does not exist" in res.stderr
+    res = rlaunch("--rdzv-endpoint", endpoint, str(TRAIN.parent))
+    assert res.returncode == 2 and f"The training script '{TRAIN.parent}' is a directory" in res.stderr
     assert time.monotonic() - start < 10
 
 

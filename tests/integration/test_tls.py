@@ -153,6 +153,13 @@ def test_a_job_runs_over_tls_and_auth_end_to_end(etcd: SecureEtcd, tag: str, tmp
                      ETCDCTL_USER="root", ETCDCTL_PASSWORD=PASSWORD)  # fmt: skip
         assert events.returncode == 0, events.stderr
         assert "node_joined" in events.stdout
+        page = tmp_path / "report.html"
+        report = cli(tag, "report", "--rdzv-id", job, "-o", str(page), ETCDCTL_ENDPOINTS=etcd.url,
+                     ETCDCTL_CACERT=str(etcd.ca), ETCDCTL_CERT=str(etcd.files["client"]),
+                     ETCDCTL_KEY=str(etcd.files["client-key"]), ETCDCTL_USER="root",
+                     ETCDCTL_PASSWORD=PASSWORD)  # fmt: skip
+        assert report.returncode == 0, report.stderr
+        assert page.is_file() and job in page.read_text()
         flag.touch()
         assert agent.wait(120) == 0, agent.output()[-3000:]
         assert agent.output().count("tiny done rank") == 2
