@@ -67,6 +67,7 @@ from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import recv_state, send_state
+from rlaunch.runtime.untracked import untracked_state
 from rlaunch.runtime.vote import RefusedError, StepVote
 
 __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
@@ -117,6 +118,7 @@ class Runtime:
         self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._snapshots = StepSnapshots()
         self._start: StepStart | None = None  # what the current step changes besides params and optimizers
+        self._checked_untracked = False  # untracked schedulers and scalers: refused at the first vote
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
         self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
@@ -360,6 +362,11 @@ class Runtime:
                 "rt.optimizer_step(opt1, opt2)."
             )
         self._voted = names
+        if self._link is not None and not self._checked_untracked:
+            self._checked_untracked = True
+            why = untracked_state(self._tracked, optimizers, scaler)
+            if why:
+                raise RefusedError(why)
 
         def apply() -> None:
             for opt in optimizers:

@@ -139,3 +139,11 @@ def test_tracked_state_that_differs_by_rank_undeclared_is_refused_at_the_first_v
     assert code != 0
     assert "The tracked object 'counter' (Counter) holds a different state on different ranks at step 0" in out
     assert "rt.track_per_rank(counter=...)" in out and " final: " not in out
+
+
+def test_an_untracked_lr_scheduler_is_refused_before_the_first_step() -> None:
+    """A joiner's own scheduler would follow another schedule: the replicas would drift apart silently."""
+    code, out = _standalone("--sched", "--misuse", "untracked-sched")
+    assert code != 0
+    assert "The tracked optimizer 'opt0' (AdamW) has an LR scheduler that is not tracked" in out
+    assert "rt.track(sched=...)" in out and " final: " not in out

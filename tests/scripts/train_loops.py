@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
-    ap.add_argument("--misuse", choices=["", "two-votes", "rank-state"], default="")
+    ap.add_argument("--misuse", choices=["", "two-votes", "rank-state", "untracked-sched"], default="")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -98,7 +98,7 @@ def main() -> None:
     if scaler is not None:
         tracked["scaler"] = scaler
     sched = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=7, gamma=0.8) if args.sched else None
-    if sched is not None:
+    if sched is not None and args.misuse != "untracked-sched":
         tracked["sched"] = sched
     if args.misuse == "rank-state":
         tracked["counter"] = Counter(rt.rank)

@@ -1,0 +1,51 @@
+"""State a script forgot to track is named before the first step (rlaunch.runtime.untracked)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LinearLR, SequentialLR, StepLR
+
+from rlaunch.runtime.untracked import untracked_state
+
+
+def _opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+
+
+def test_an_optimizer_without_a_scheduler_needs_nothing_more() -> None:
+    opt = _opt()
+    assert untracked_state({"optimizer": opt}, [opt], None) == ""
+
+
+def test_an_untracked_scheduler_is_named() -> None:
+    opt = _opt()
+    StepLR(opt, step_size=3)
+    why = untracked_state({"optimizer": opt}, [opt], None)
+    assert "The tracked optimizer 'optimizer' (SGD) has an LR scheduler that is not tracked" in why
+    assert "rt.track(sched=...)" in why
+
+
+def test_a_tracked_scheduler_and_a_tracked_chain_count() -> None:
+    opt = _opt()
+    sched = StepLR(opt, step_size=3)
+    assert untracked_state({"optimizer": opt, "sched": sched}, [opt], None) == ""
+    opt2 = _opt()
+    chain = SequentialLR(opt2, [LinearLR(opt2, total_iters=2), StepLR(opt2, step_size=3)], milestones=[2])
+    assert untracked_state({"optimizer": opt2, "sched": chain}, [opt2], None) == ""
+
+
+def test_a_scheduler_of_another_optimizer_does_not_count() -> None:
+    opt, other = _opt(), _opt()
+    StepLR(opt, step_size=3)
+    why = untracked_state({"optimizer": opt, "other": other, "sched": StepLR(other, step_size=2)}, [opt], None)
+    assert "'optimizer'" in why
+
+
+def test_an_untracked_optimizer_or_scaler_is_named() -> None:
+    opt = _opt()
+    assert "The optimizer SGD passed to rt.optimizer_step() is not tracked" in untracked_state({}, [opt], None)
+    scaler = torch.amp.GradScaler("cpu")
+    why = untracked_state({"optimizer": opt}, [opt], scaler)
+    assert "The GradScaler passed to rt.optimizer_step(scaler=...) is not tracked" in why
+    assert untracked_state({"optimizer": opt, "scaler": scaler}, [opt], scaler) == ""
