@@ -20,7 +20,7 @@ from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import DrainRequest, Event, decode, encode
+from rlaunch.store.records import DrainRequest, Event, NodeState, decode, encode
 from rlaunch.store.security import EtcdSecurity
 
 #: How often the command re-reads the job while it waits (bounded by --timeout).
@@ -47,8 +47,11 @@ def check_drain(snap: JobSnapshot, node_id: str, job_id: str, wait: bool) -> Non
     live = all(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
     ready = [n for n, v in snap.nodes.items() if n not in gen.assignment and is_ready(v.record, live)]
     if not ready and not wait:
+        idle = [n for n in snap.nodes if n not in gen.assignment]
+        failed = sorted(n for n in idle if snap.nodes[n].record.state == NodeState.FAILED)
+        why = f" (standby {', '.join(failed)} failed: its log and rlaunch status say why)" if failed else ""
         raise DrainRefused(
-            f"Job {job_id!r} has no ready standby to take node {node_id!r}'s ranks; start one "
+            f"Job {job_id!r} has no ready standby to take the ranks of node {node_id!r}{why}; start one "
             "(rlaunch --standby ...) or pass --wait to wait for one."
         )
 

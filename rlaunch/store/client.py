@@ -347,7 +347,7 @@ class Store:
             remaining = end - loop.time()
             if remaining <= 0:
                 break
-            log.warning("etcd at %s is not answering yet (%s); retrying", self._describe(), last)
+            log.warning("etcd at %s is not answering yet (%s); retrying", self._describe(), str(last).rstrip("."))
             await sleep(min(1.0, remaining))
         raise StoreUnavailableError(
             f"etcd at {self._describe()} did not answer within {deadline_s:.1f} s "

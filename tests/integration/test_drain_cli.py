@@ -62,7 +62,7 @@ def test_drain_without_a_standby_is_refused_and_suggests_wait(cluster: Cluster) 
     running(cluster, ["a", "b"])
     res = cluster.cli("drain", "b", *job_flags(cluster))
     assert res.returncode == 1, res.stderr
-    assert "no ready standby to take node 'b'" in res.stderr and "--wait" in res.stderr
+    assert "no ready standby to take the ranks of node 'b'" in res.stderr and "--wait" in res.stderr
     assert not drain_requested(cluster, "b"), "a refused drain writes no request"
     assert (state(cluster, "a"), state(cluster, "b")) == ("running", "running")
 
