@@ -291,10 +291,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.last_issue = 0.0
         #: guard collectives (under rlaunch); without an agent to recover, errors reach the caller
         self.guarded = guarded
-        self._pending: dict[int, tuple[Future[Any], list[torch.Tensor], threading.Event]] = {}
+        #: operations in flight: their future (None: one its caller waits for), inputs, and "ended"
+        self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._waits: queue.Queue[Any] | None = None
 
     def swap(self, comm: Any, version: int) -> None:
         with self._lock:
@@ -315,18 +315,23 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             self.failed = self.failed or why
         cut(id(self.comm))
         for fut, tensors, ended in pending.values():
-            ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
-            fut.set_result(tensors)
+            if fut is not None:  # an operation its caller waits for ends in that wait: the cut fails it
+                ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
+                fut.set_result(tensors)
 
     def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
-        outer: Future[Any] = Future()
+        try:
+            inner = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatters give no future: their caller's wait() waits
+            inner = None
+        outer: Future[Any] | None = Future() if inner is not None else None
         key = next(self._ids)
         ended = threading.Event()
         with self._lock:
             abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
             if not abandoned:
                 self._pending[key] = (outer, tensors, ended)
-        if abandoned:
+        if abandoned and outer is not None:
             outer.set_result(tensors)
 
         def finished(outcome: Callable[[], Any]) -> None:
@@ -346,24 +351,13 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                         "group %s (rank %d of it): a collective failed (%s); this step will be recovered",
                         self.label, self.group_rank, error,
                     )  # fmt: skip
-            outer.set_result(value)
+            if outer is not None:
+                outer.set_result(value)
 
-        try:
-            inner = work.get_future()
-        except RuntimeError:  # gloo's reduce-scatters give no future: a waiter thread stands in
-            self._waiter().put((work, tensors, finished))
-        else:
-            inner.add_done_callback(lambda f: finished(f.value))
+        if inner is None or outer is None:
+            return _CallerWaits(work, tensors, finished) if not abandoned else _done(tensors)
+        inner.add_done_callback(lambda f: finished(f.value))
         return torch._C._distributed_c10d._create_work_from_future(outer)
-
-    def _waiter(self) -> queue.Queue[tuple[dist.Work, list[torch.Tensor], Callable[[Callable[[], Any]], None]]]:
-        """Operations without a future, waited for in issue order on one thread per group."""
-        if self._waits is None:
-            self._waits = queue.Queue()
-            threading.Thread(
-                target=_wait_each, args=(self._waits,), name=f"rlaunch-wait-{self.label}", daemon=True
-            ).start()
-        return self._waits
 
     def rank(self) -> int:
         return self.group_rank
@@ -376,17 +370,40 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         return isinstance(self.comm, SandboxComm)
 
 
-def _wait_each(works: queue.Queue[tuple[dist.Work, list[torch.Tensor], Callable[[Callable[[], Any]], None]]]) -> None:
-    """Wait for each queued operation, then report it as a future's callback would."""
-    while True:
-        work, tensors, finished = works.get()
+class _CallerWaits(dist.Work):  # type: ignore[misc]
+    """A guarded operation without a future (gloo's reduce-scatters), waited for in its caller's wait().
 
-        def outcome(w: dist.Work = work, t: list[torch.Tensor] = tensors) -> list[torch.Tensor]:
-            w.wait()
-            return t
+    The wait runs in the caller's thread, so the operation's tensors are let go of the moment the
+    caller is done with them, as with torch's own work. (A waiter thread kept the last gradient
+    buffer alive until the thread next ran: a layer's worth of FSDP's peak memory.) A failure, or
+    the cut of an abandoned communicator, ends the wait at once; the caller gets its inputs back.
+    """
 
-        finished(outcome)
-        del work, tensors, finished, outcome  # hold no work, and none of its tensors, while idle
+    def __init__(
+        self, work: dist.Work, tensors: list[torch.Tensor], finished: Callable[[Callable[[], Any]], None]
+    ) -> None:
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._tensors = tensors
+        self._finished: Callable[[Callable[[], Any]], None] | None = finished
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        work, finished, self._work, self._finished = self._work, self._finished, None, None
+        if work is not None and finished is not None:
+            tensors = self._tensors
+
+            def outcome() -> list[torch.Tensor]:
+                work.wait()
+                return tensors
+
+            finished(outcome)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def result(self) -> list[torch.Tensor]:
+        return self._tensors
 
 
 #: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.

@@ -14,12 +14,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
 
 SHARDED = SCRIPTS / "sharded_train.py"
 FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+)")
 FLAGS = ("--nproc-per-node", "2")
+pytestmark = pytest.mark.timeout(600)  # each test runs a job and its 4-rank reference: minutes under load
 
 
 def _args(layout: str, step_time: str = "0.1") -> tuple[str, ...]:
