@@ -49,7 +49,7 @@ class FakeNccl:
         timeout: datetime.timedelta,
         blocking: bool,
     ) -> Any:
-        comm = FakeProcessGroup(rank, size)
+        comm = FakeProcessGroup._create_internal(rank, size)
         with self.lock:
             self.names[id(comm)] = name
             self.calls.append(
@@ -283,3 +283,24 @@ def test_futures_of_cuda_tensors_know_their_devices() -> None:
     found = _cuda_devices([_OnDevice("cuda:1"), _OnDevice("cpu"), _OnDevice("cuda:0"), _OnDevice("cuda:1")])
     assert found == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert _cuda_devices([_OnDevice("cpu")]) == []
+
+
+# --- the runtime's phase 1 builds each group with its own backend -------------------------------
+
+
+def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -> None:
+    from rlaunch.runtime.runtime import Runtime
+
+    rt = Runtime(
+        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
+        standby=False, sandbox_steps=0, timeout=TIMEOUT, backend=Backend.NCCL,
+    )  # fmt: skip
+    rt._groups["cpu_side"] = SwitchableGroup("cpu_side", [0], 0, SandboxComm(0, 1), 1, backend=Backend.GLOO)
+    comms = rt._prepare({"generation": 2, "role": "survivor", "moved_ranks": [0], "rank": 0})
+    assert sorted(comms) == ["cpu_side", "world"]
+    # only the NCCL group made an NCCL call: one non-blocking create of generation 2's communicator
+    assert [(c[0], c[1], c[2]["blocking"]) for c in fake.calls] == [("create", "g2.world", False)]
+    assert backends.current().carries(comms["world"], "cuda")
+    assert not backends.current().carries(comms["cpu_side"], "cuda")
+    for comm in comms.values():
+        backends.current().release(comm)
