@@ -10,8 +10,8 @@ backend per device type, as torch's ``cpu:gloo,cuda:nccl`` default has:
 
 A group's backend comes from an explicit argument (``rt.new_group(..., backend="nccl")``), else from
 the device type of its mesh (``rt.device_mesh(..., device_type="cuda")``), else from the job's
-default (``RLAUNCH_BACKEND``: ``gloo``, ``nccl`` or ``auto``, which is NCCL where CUDA is
-available): :func:`choose` is that decision, pure.
+default (``RLAUNCH_BACKEND``: ``gloo``, ``nccl`` or ``auto``, which is NCCL where the machine has a
+GPU for each of its workers): :func:`choose` and :func:`default_backend` are that decision, pure.
 
 NCCL communicators are created non-blocking (see :mod:`rlaunch.runtime.nccl`): :meth:`Communicators.build`
 returns as soon as NCCL has the setup in hand, so the next generation's communicators are built
@@ -69,12 +69,19 @@ def parse(value: str, what: str) -> Backend | None:
         raise UsageError(f"{what} is {value!r}; use 'gloo', 'nccl' or 'auto'.") from None
 
 
-def default_backend(env: Mapping[str, str], cuda_available: bool) -> Backend:
-    """The job's default: ``RLAUNCH_BACKEND`` if set, else NCCL where CUDA is available."""
+def default_backend(env: Mapping[str, str], gpus: int) -> Backend:
+    """The job's default: ``RLAUNCH_BACKEND`` if set, else NCCL where this machine has a GPU for
+    each of its workers (``LOCAL_WORLD_SIZE``; NCCL refuses two ranks on one GPU), else gloo."""
     chosen = parse(env.get(BACKEND_ENV, "auto"), BACKEND_ENV)
     if chosen is not None:
         return chosen
-    return Backend.NCCL if cuda_available else Backend.GLOO
+    workers = int(env.get("LOCAL_WORLD_SIZE", "1") or "1")
+    return Backend.NCCL if gpus > 0 and gpus >= workers else Backend.GLOO
+
+
+def visible_gpus() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def choose(requested: str | None, device_type: str | None, default: Backend) -> Backend:

@@ -746,7 +746,7 @@ def init(timeout_s: float = 300.0) -> Runtime:
     _report_refusals_as_sentences()
     timeout = datetime.timedelta(seconds=timeout_s)
     addr = os.environ.get("RLAUNCH_AGENT_ADDR")
-    kind = backends.default_backend(os.environ, torch.cuda.is_available())
+    kind = backends.default_backend(os.environ, backends.visible_gpus())
     if kind is backends.Backend.NCCL:
         torch.cuda.set_device(backends.cuda_device(os.environ))
     if not addr:

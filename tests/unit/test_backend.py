@@ -109,17 +109,19 @@ def test_without_either_the_jobs_default_is_used() -> None:
     assert choose(None, None, Backend.GLOO) is Backend.GLOO
 
 
-def test_the_jobs_default_is_nccl_where_cuda_is_available_unless_the_env_says_otherwise() -> None:
-    assert default_backend({}, cuda_available=True) is Backend.NCCL
-    assert default_backend({}, cuda_available=False) is Backend.GLOO
-    assert default_backend({"RLAUNCH_BACKEND": "gloo"}, cuda_available=True) is Backend.GLOO
-    assert default_backend({"RLAUNCH_BACKEND": "nccl"}, cuda_available=False) is Backend.NCCL
-    assert default_backend({"RLAUNCH_BACKEND": "auto"}, cuda_available=False) is Backend.GLOO
+def test_the_jobs_default_is_nccl_where_each_worker_has_a_gpu_unless_the_env_says_otherwise() -> None:
+    assert default_backend({}, gpus=1) is Backend.NCCL
+    assert default_backend({"LOCAL_WORLD_SIZE": "8"}, gpus=8) is Backend.NCCL
+    assert default_backend({"LOCAL_WORLD_SIZE": "4"}, gpus=1) is Backend.GLOO  # NCCL: one rank per GPU
+    assert default_backend({}, gpus=0) is Backend.GLOO
+    assert default_backend({"RLAUNCH_BACKEND": "gloo"}, gpus=1) is Backend.GLOO
+    assert default_backend({"RLAUNCH_BACKEND": "nccl"}, gpus=0) is Backend.NCCL
+    assert default_backend({"RLAUNCH_BACKEND": "auto"}, gpus=0) is Backend.GLOO
 
 
 def test_unknown_backends_and_device_types_are_refused_with_a_sentence() -> None:
     with pytest.raises(UsageError, match=r"RLAUNCH_BACKEND is 'mpi'; use 'gloo', 'nccl' or 'auto'\."):
-        default_backend({"RLAUNCH_BACKEND": "mpi"}, cuda_available=True)
+        default_backend({"RLAUNCH_BACKEND": "mpi"}, gpus=1)
     with pytest.raises(UsageError, match=r"device type 'xpu' has no rlaunch backend"):
         choose(None, "xpu", Backend.GLOO)
 
