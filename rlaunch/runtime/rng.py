@@ -125,7 +125,16 @@ def fingerprints(state: RngState) -> dict[str, int]:
         kind, keys, pos, has_gauss, cached = state.numpy
         out["numpy"] = digest(keys.tobytes(), repr((kind, int(pos), int(has_gauss), float(cached))).encode())
     if state.cuda is not None:
-        out["cuda"] = digest(*(t.numpy().tobytes() for t in state.cuda))
+        # the rank's own GPU's stream: another GPU's state is untouched by this rank (each rank
+        # draws on its own GPU), so it would differ between ranks that hold the same stream
+        own = (
+            state.cuda[state.cuda_device]
+            if state.cuda_device is not None and state.cuda_device < len(state.cuda)
+            else None
+        )
+        out["cuda"] = (
+            digest(own.numpy().tobytes()) if own is not None else digest(*(t.numpy().tobytes() for t in state.cuda))
+        )
     return out
 
 

@@ -61,3 +61,13 @@ def test_workers_and_standbys_start_with_the_nccl_watchdog_settings_unless_the_u
     mine = standby_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, _gen(), **common)
     assert mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert mine["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+def test_the_cuda_fingerprint_is_the_ranks_own_gpus_stream() -> None:
+    def state(gpu0: int, gpu1: int, own: int) -> rng.RngState:
+        cuda = (torch.full((16,), gpu0, dtype=torch.uint8), torch.full((16,), gpu1, dtype=torch.uint8))
+        return rng.RngState(torch.get_rng_state(), random.getstate(), None, cuda, own)
+
+    # rank 0 drew on GPU 0 and rank 1 on GPU 1, as far: the same stream, other GPUs untouched
+    assert rng.fingerprints(state(5, 0, own=0))["cuda"] == rng.fingerprints(state(0, 5, own=1))["cuda"]
+    assert rng.fingerprints(state(5, 0, own=0))["cuda"] != rng.fingerprints(state(6, 0, own=0))["cuda"]
