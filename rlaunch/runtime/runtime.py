@@ -229,7 +229,8 @@ class Runtime:
             raise ValueError(f"The ranks {list(ranks)} of group {name!r} are not all in 0..{self.world_size - 1}.")
         comm: Any = None
         if self._link is None:
-            comm = dist.new_group(members, backend=backends.torch_backend_string(kind))
+            # plain torchrun: the default group's backend unless one is asked for, as torch does
+            comm = dist.new_group(members, backend=backends.torch_backend_string(kind) if backend else None)
         elif self.standby:
             comm = SandboxComm(0, len(members))
         elif self.rank in members:
