@@ -102,19 +102,28 @@ def gloo_part(device: str, steps: int, tmp: Path) -> dict[str, Any]:
     def scenario(kind: str, etcd: EmbeddedEtcd) -> dict[str, Any]:
         cluster = Cluster(etcd.endpoint, tmp / kind, tag=uuid.uuid4().hex)
         (tmp / kind).mkdir(parents=True, exist_ok=True)
+        gate = tmp / kind / "gate"
         started = time.perf_counter()
         try:
-            a, b, c = cluster.agents_in_order(["a", "b", "c"], TRAIN, *args, flags=("--max-restarts", "1"))
-            wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
-            wait_for(lambda: "step 20/" in a.output(), 120, "training to make progress")
-            if kind == "drain":
-                res = cluster.cli(
-                    "drain", "b", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", cluster.job_id, timeout=120
-                )
-                note = res.stdout.strip().splitlines()[-1:] if res.returncode == 0 else res.stderr[-1000:]
+            a, b, c = cluster.agents_in_order(
+                ["a", "b", "c"], TRAIN, *args, "--gate", str(gate), flags=("--max-restarts", "1")
+            )
+            wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+            wait_for(lambda: "step 20/" in a.output(), 120, "training to reach the gate")
+            if kind == "drain":  # planned while the ranks wait at the gate: it lands mid-run
+                drain = subprocess.Popen(
+                    [sys.executable, "-m", "rlaunch", "drain", "b", "--rdzv-endpoint", etcd.endpoint,
+                     "--rdzv-id", cluster.job_id],
+                    env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                wait_for(lambda: "migration_offered" in a.output(), 60, "the drain to be planned")
+                gate.touch()
+                stdout, stderr = drain.communicate(timeout=180)
+                note = stdout.strip().splitlines()[-1:] if drain.returncode == 0 else [stderr[-1000:]]
             else:
                 b.workers()[0].send_signal(signal.SIGKILL)
-                note = ["worker of b killed"]
+                gate.touch()
+                note = ["worker of b killed at the gate"]
             codes = [a.wait(240), c.wait(240), b.wait(120)]
             got = _finals(a.output() + b.output() + c.output())
             same = {r: got.get(r, ("", "", ""))[:2] == reference[r][:2] for r in reference}
@@ -262,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default: $OUT, else none)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the gloo part on the CPU")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--case-timeout", type=float, default=60.0)
     ap.add_argument("--nccl-case", choices=NCCL_CASES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -6,6 +6,8 @@
 refuses two ranks on one GPU). ``--device cpu`` runs the same code on the CPU: how the check's
 plumbing is tested on a machine without a GPU. At the end each rank prints
 ``rank R final: steps=N params=<digest> optim=<digest> versions={...}`` as the example does.
+``--gate FILE`` holds the active ranks at step 20 until FILE exists, so that a drain or a fault
+lands mid-run however long the standby takes to warm up.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
     args = ap.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -64,6 +67,10 @@ def main() -> None:
     rt.track(model=model, optimizer=opt)
     started = time.perf_counter()
     for step in rt.steps(args.steps):
+        if args.gate and step == 20 and not rt.standby:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(args.gate) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the check opens the gate once its standby is warm and its fault is set
         x, y = batch(args.seed, step, rt.rank, device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
