@@ -84,7 +84,7 @@ def main() -> None:
     where = sorted({str(t.device) for t in [*model.parameters(), *opt_state]})
     print(
         f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.parameters()))} "
-        f"optim={digest(opt_state)} versions={json.dumps({'world': rt.group_version('world')})} "
+        f"optim={digest(opt_state)} versions={json.dumps({'world': rt.group_version('world')}, separators=(',', ':'))} "
         f"devices={','.join(where)} seconds={time.perf_counter() - started:.1f}",
         flush=True,
     )
