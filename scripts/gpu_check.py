@@ -224,13 +224,16 @@ def nccl_case(case: str) -> dict[str, Any]:
 
 
 def nccl_part(case_timeout: float) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    from rlaunch.agent.env import NCCL_ENV
+
+    env = {**NCCL_ENV, **os.environ}  # the watchdog settings rlaunch's workers start with
+    out: dict[str, Any] = {"env": {k: env[k] for k in NCCL_ENV}}
     for case in NCCL_CASES:
         t0 = time.perf_counter()
         try:
             res = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--nccl-case", case],
-                capture_output=True, text=True, timeout=case_timeout, cwd=REPO,
+                capture_output=True, text=True, timeout=case_timeout, cwd=REPO, env=env,
             )  # fmt: skip
         except subprocess.TimeoutExpired as exc:
             out[case] = {"ok": False, "error": f"hung: no result within {case_timeout:.0f} s",
