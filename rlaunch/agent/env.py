@@ -1,4 +1,5 @@
-"""The environment a worker process starts with: torchrun's variables plus ``RLAUNCH_*``."""
+"""The environment a worker process starts with: torchrun's variables plus ``RLAUNCH_*``, and the
+NCCL settings under which a hang is the agent's hang detector's to find (:data:`NCCL_ENV`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,26 @@ from rlaunch.store.records import Generation
 
 #: torchrun's default ROLE_NAME (``--role`` changes it)
 ROLE_NAME = "default"
+
+#: ProcessGroupNCCL's watchdog settings for workers, each only where the user has not set it.
+#: Torch's defaults end a worker whose collective hangs: its watchdog aborts the process when the
+#: group's timeout passes (10 min for NCCL), and its monitor thread does when the watchdog itself
+#: is stuck for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 min). Under rlaunch a hung peer is found by the
+#: agent's hang detector, which plans a replacement; the survivors then abort the communicators
+#: that wait on it (``ProcessGroupNCCL.abort()``) and recover in place. So:
+NCCL_ENV = {
+    # on an NCCL error or timeout, abort the communicators but keep the process: the failed
+    # operation's future carries the error, and the runtime recovers the step (2 = CleanUpOnly)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # no monitor thread killing the process when the watchdog is stuck: the agent decides
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # if a user turns the monitor back on, it waits well past the hang detector's timeouts
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800",
+    # a timeout must not first spend time dumping the flight recorder
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # work.wait() does not block the host (the runtime waits on futures it can abandon)
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+}
 
 
 def worker_env(
@@ -48,6 +69,8 @@ def worker_env(
         RLAUNCH_JOB_ID=job_id,
     )
     env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in NCCL_ENV.items():
+        env.setdefault(key, value)
     return env
 
 
@@ -77,4 +100,6 @@ def standby_env(
         RLAUNCH_JOB_ID=job_id,
     )
     env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in NCCL_ENV.items():
+        env.setdefault(key, value)
     return env

@@ -17,6 +17,12 @@ connected sockets (found at build time): the inner operation then fails at once 
 staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
 could still complete it and write stale data into them (a DDP bucket of a later step). A failed
 communicator is cut the same way, and a cut one is destroyed without waiting for its timeout.
+An NCCL communicator (CUDA tensors of a group whose backend is NCCL) is aborted instead
+(``ncclCommAbort`` wakes its pending operations): see :mod:`rlaunch.runtime.backend`.
+
+The sandbox serves CUDA tensors as it serves CPU ones: its copies run on the current CUDA
+stream, and the futures it (and the guard) hands back are CUDA-aware, so a caller waiting on
+them synchronizes with that stream as it would with NCCL's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import itertools
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,15 +40,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, ProcessGroup, Store
-from torch.distributed.distributed_c10d import ProcessGroupGloo
+from torch.distributed import ProcessGroup, Store
 from torch.futures import Future
+
+from rlaunch.runtime import backend as backends
 
 log = logging.getLogger(__name__)
 #: How long a replaced communicator is kept before it is destroyed (see _Retirer).
 RETIRE_AFTER_S = 20.0
 #: How long abandon() waits for a cut operation to fail before handing the tensors back.
 ABANDON_WAIT_S = 1.0
+#: How long a switch waits for a communicator built in the background to be ready.
+READY_TIMEOUT_S = 300.0
 
 #: ProcessGroup methods that carry traffic; each is forwarded to the inner communicator.
 COLLECTIVES = (
@@ -57,62 +65,33 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-#: Connected sockets of each communicator built here, by id(): what cut() shuts down.
-_SOCKETS: dict[int, set[int]] = {}
-_BUILD_LOCK = threading.Lock()
-
-
-def _connected_inet_fds() -> set[int]:
-    """File descriptors of this process's connected (not listening) TCP sockets."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            with socket.socket(fileno=os.dup(int(name))) as s:
-                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                if s.family in (socket.AF_INET, socket.AF_INET6) and not listening:
-                    found.add(int(name))
-        except OSError:
-            continue  # closed meanwhile
-    return found
+def build_gloo(store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroup:
+    """A standalone gloo communicator (see :func:`rlaunch.runtime.backend.build`)."""
+    return backends.build(store, prefix, rank, size, timeout, backends.Backend.GLOO)
 
 
 def cut(comm_id: int) -> None:
-    """Shut down the connections of the communicator ``id(comm)``: its pending operations fail
-    now, here and at every peer. Never its listening socket: gloo's listener thread aborts the
-    process if accept() fails. (By id: a callback on gloo's thread must not hold the communicator,
-    or dropping the last reference there would make it join its own thread.)
+    """Make the operations pending on the communicator ``id(comm)`` fail now.
+
+    See :func:`rlaunch.runtime.backend.cut`.
     """
-    for fd in _SOCKETS.pop(comm_id, ()):
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed by gloo
+    backends.cut(comm_id)
 
 
-def build_gloo(store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroup:
-    """A standalone gloo group of ``size`` ranks on ``prefix`` of ``store`` (no default group needed).
+def _cuda_devices(tensors: Sequence[Any]) -> list[torch.device]:
+    """The CUDA devices among ``tensors``' devices: what a future holding them must know of."""
+    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
 
-    Gloo connects every pair while it is built, so the sockets that appear meanwhile are its own
-    (builds are serialized); they are remembered for cut().
-    """
-    pstore = PrefixStore(prefix, store)
-    with _BUILD_LOCK:
-        before = _connected_inet_fds()
-        backend = ProcessGroupGloo(pstore, rank, size, timeout=timeout)
-        mine = _connected_inet_fds() - before
-    pg = ProcessGroup(pstore, rank, size)
-    _SOCKETS[id(pg)] = mine
-    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
-    pg._set_group_name(prefix.strip("/").replace("/", "."))
-    return pg
+
+def _future(tensors: Sequence[torch.Tensor]) -> Future[Any]:
+    """A future for ``tensors``: CUDA-aware when they are on a GPU, so that its waiters
+    synchronize with the stream current when it is completed (the sandbox: the current stream)."""
+    devices = _cuda_devices(tensors)
+    return Future(devices=devices) if devices else Future()
 
 
 def _done(result: Any) -> dist.Work:
-    fut: Future[Any] = Future()
+    fut = _future(_flat([result]))
     fut.set_result(result)
     return torch._C._distributed_c10d._create_work_from_future(fut)
 
@@ -247,6 +226,7 @@ class _Retirer:
         while True:
             due, comm = self._queue.get()
             self._now.wait(max(0.0, due - time.monotonic()))
+            backends.current().release(comm)
             del comm
             self._queue.task_done()
 
@@ -271,11 +251,19 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     """A named group of global ranks whose communicator is swapped between steps.
 
     ``version`` is the generation whose communicator it holds; it changes only when the group
-    is rebuilt, which is how tests see that an untouched group was kept.
+    is rebuilt, which is how tests see that an untouched group was kept. ``backend`` is the
+    backend its communicators are built with (see :mod:`rlaunch.runtime.backend`).
     """
 
     def __init__(
-        self, name: str, members: Sequence[int], my_rank: int, comm: Any, version: int, guarded: bool = True
+        self,
+        name: str,
+        members: Sequence[int],
+        my_rank: int,
+        comm: Any,
+        version: int,
+        guarded: bool = True,
+        backend: backends.Backend = backends.Backend.GLOO,
     ) -> None:
         self.members = sorted(members)
         self.group_rank = self.members.index(my_rank) if my_rank in self.members else -1
@@ -283,6 +271,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.label = name
         self.comm = comm
         self.version = version
+        self.backend = backend
         #: the name under which torch.distributed knows this group (None: not registered)
         self.registered_name: str | None = None
         #: why the current communicator is unusable ("" while it works); reset by swap()
@@ -296,11 +285,14 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def swap(self, comm: Any, version: int) -> None:
+    def swap(self, comm: Any, version: int, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        """Use ``comm`` from now on. A communicator built in the background (NCCL's non-blocking
+        setup) is waited for here, at the switch, and nowhere before."""
+        backends.current().wait_ready(comm, ready_timeout)
         with self._lock:
             old, self.comm, self.version = self.comm, comm, version
             self.failed = ""
-        _SOCKETS.pop(id(old), None)  # from now on its fds may be reused: never cut them
+        backends.current().forget(id(old))  # from now on its fds may be reused: never cut them
         retire(old)
 
     @property
@@ -309,11 +301,15 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         return bool(self._pending)
 
     def abandon(self, why: str) -> None:
-        """Give up this group's operations in flight: their callers get their inputs back."""
+        """Give up this group's operations in flight: their callers get their inputs back.
+
+        Its communicator is cut: NCCL's is aborted (its pending operations return), gloo's
+        connections are shut down (see :meth:`rlaunch.runtime.backend.Communicators.cut`).
+        """
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
-        cut(id(self.comm))
+        backends.cut(id(self.comm))
         for fut, tensors, ended in pending.values():
             if fut is not None:  # an operation its caller waits for ends in that wait: the cut fails it
                 ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
@@ -324,7 +320,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             inner = work.get_future()
         except RuntimeError:  # gloo's reduce-scatters give no future: their caller's wait() waits
             inner = None
-        outer: Future[Any] | None = Future() if inner is not None else None
+        outer: Future[Any] | None = _future(tensors) if inner is not None else None
         key = next(self._ids)
         ended = threading.Event()
         with self._lock:
@@ -341,7 +337,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 value, error = tensors, str(exc).splitlines()[0]
             ended.set()
             if error:
-                cut(comm_id)  # its other operations must fail too, not complete later (no-op once swapped out)
+                # its other operations must fail too, not complete later (no-op once swapped out); not
+                # waited for: this may be the communicator's own thread, which an NCCL abort joins
+                backends.cut(comm_id, wait=0)
             with self._lock:
                 if self._pending.pop(key, None) is None:
                     return  # abandoned: the caller gets its inputs back

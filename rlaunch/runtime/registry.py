@@ -38,7 +38,8 @@ def register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int],
     """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
     name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
     unregister(group)  # registered before (a joiner's sandbox groups): the rank mapping changed
-    c10d._register_pg_in_world(group, "gloo", store, name, "gloo", rank_mapping=ranks, add_to_default_tag=default)
+    kind, config = ("nccl", "cpu:gloo,cuda:nccl") if group.backend == "nccl" else ("gloo", "gloo")
+    c10d._register_pg_in_world(group, kind, store, name, config, rank_mapping=ranks, add_to_default_tag=default)
     group.registered_name = name
     if default:
         c10d._update_default_pg(group)

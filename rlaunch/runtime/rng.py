@@ -10,6 +10,10 @@ generator (only when the script imported NumPy: the runtime never imports it its
 :func:`fingerprint` is a small integer of the states that the per-step vote sums over ranks: when
 every rank holds the same streams, the replica that serves a lost rank holds its streams too;
 when they differ (a seed per rank), it does not (see ``Runtime.seed``).
+
+CUDA states are taken for every GPU (``torch.cuda.get_rng_state_all``) when CUDA is initialised,
+with the index of the GPU the rank uses. A joiner's GPU may have another index than the
+leaver's: the leaver's GPU's state goes to the joiner's GPU (:func:`cuda_targets`).
 """
 
 from __future__ import annotations
@@ -30,12 +34,18 @@ FINGERPRINT_MOD = 1 << 20
 
 @dataclass(frozen=True)
 class RngState:
-    """The generators' states at one moment (``numpy``/``cuda`` are None when not in use)."""
+    """The generators' states at one moment (``numpy``/``cuda`` are None when not in use);
+    ``cuda_device`` is the index of the GPU this rank used (its current device)."""
 
     torch_cpu: torch.Tensor
     python: tuple[Any, ...]
     numpy: tuple[Any, ...] | None
     cuda: tuple[torch.Tensor, ...] | None
+    cuda_device: int | None = None
+
+
+class RngError(RuntimeError):
+    """RNG states that cannot be restored in this process."""
 
 
 def _numpy() -> Any:
@@ -45,13 +55,32 @@ def _numpy() -> Any:
 def capture() -> RngState:
     """The current states of every generator in use."""
     np = _numpy()
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return RngState(
         torch_cpu=torch.get_rng_state(),
         python=random.getstate(),
         numpy=np.random.get_state() if np is not None else None,
-        cuda=cuda,
+        cuda=tuple(torch.cuda.get_rng_state_all()) if on_gpu else None,
+        cuda_device=torch.cuda.current_device() if on_gpu else None,
     )
+
+
+def cuda_targets(count: int, sender_device: int | None, my_device: int, my_count: int) -> list[tuple[int, int]]:
+    """(GPU index here, index of the state to put there) for ``count`` CUDA states taken on a
+    rank that used GPU ``sender_device``, restored on a rank that uses ``my_device`` of ``my_count``.
+
+    Each GPU gets the state of the same index (as ``set_rng_state_all``), except this rank's own
+    GPU, which gets the state of the sender's own GPU: the stream the rank was drawing from.
+    """
+    if my_count < 1:
+        raise RngError(
+            f"The sender's CUDA random states ({count} GPU(s)) cannot be restored here: this process sees no GPU; "
+            "run the joiner on a machine with GPUs, as the rest of the job."
+        )
+    pairs = {i: i for i in range(min(count, my_count))}
+    if sender_device is not None and 0 <= sender_device < count:
+        pairs[my_device] = sender_device
+    return sorted(pairs.items())
 
 
 def restore(state: RngState) -> None:
@@ -62,7 +91,10 @@ def restore(state: RngState) -> None:
     if state.numpy is not None and np is not None:
         np.random.set_state(state.numpy)
     if state.cuda is not None:
-        torch.cuda.set_rng_state_all(list(state.cuda))
+        here = torch.cuda.device_count()
+        mine = torch.cuda.current_device() if here else 0
+        for device, index in cuda_targets(len(state.cuda), state.cuda_device, mine, here):
+            torch.cuda.set_rng_state(state.cuda[index], device)
 
 
 def seed_all(seed: int) -> None:
@@ -93,7 +125,16 @@ def fingerprints(state: RngState) -> dict[str, int]:
         kind, keys, pos, has_gauss, cached = state.numpy
         out["numpy"] = digest(keys.tobytes(), repr((kind, int(pos), int(has_gauss), float(cached))).encode())
     if state.cuda is not None:
-        out["cuda"] = digest(*(t.numpy().tobytes() for t in state.cuda))
+        # the rank's own GPU's stream: another GPU's state is untouched by this rank (each rank
+        # draws on its own GPU), so it would differ between ranks that hold the same stream
+        own = (
+            state.cuda[state.cuda_device]
+            if state.cuda_device is not None and state.cuda_device < len(state.cuda)
+            else None
+        )
+        out["cuda"] = (
+            digest(own.numpy().tobytes()) if own is not None else digest(*(t.numpy().tobytes() for t in state.cuda))
+        )
     return out
 
 
@@ -118,6 +159,7 @@ def to_json(state: RngState) -> dict[str, Any]:
         "python": [version, list(internal), gauss],
         "numpy": None,
         "cuda": None,
+        "cuda_device": state.cuda_device,
     }
     if state.numpy is not None:
         kind, keys, pos, has_gauss, cached = state.numpy
@@ -141,4 +183,5 @@ def from_json(value: dict[str, Any]) -> RngState:
         python=(int(version), tuple(int(x) for x in internal), gauss),
         numpy=numpy_state,
         cuda=cuda,
+        cuda_device=int(value["cuda_device"]) if value.get("cuda_device") is not None else None,
     )

@@ -58,10 +58,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError
+from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
-from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
@@ -94,6 +95,7 @@ class Runtime:
         standby: bool,
         sandbox_steps: int,
         timeout: datetime.timedelta,
+        backend: backends.Backend = backends.Backend.GLOO,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -105,7 +107,9 @@ class Runtime:
         self._sandbox_steps = sandbox_steps
         # A standby's rank is -1 until it joins: dist.get_rank() in its sandbox is then -1, as torch
         # answers for a non-member, so rank-0-only code (checkpoints, logging) never runs there.
-        self.group = SwitchableGroup(WORLD, range(world_size), rank, world_comm, generation, guarded=link is not None)
+        self.group = SwitchableGroup(
+            WORLD, range(world_size), rank, world_comm, generation, guarded=link is not None, backend=backend
+        )
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -214,21 +218,28 @@ class Runtime:
         digest = hashlib.blake2b(f"{self._seed}/{self.rank}/{step}".encode(), digest_size=8).digest()
         rng.seed_all(int.from_bytes(digest, "little") >> 1)
 
-    def new_group(self, name: str, ranks: Sequence[int]) -> SwitchableGroup:
-        """A named subgroup of global ``ranks``; every rank calls it (non-members get a non-member)."""
+    def new_group(self, name: str, ranks: Sequence[int], backend: str | None = None) -> SwitchableGroup:
+        """A named subgroup of global ``ranks``; every rank calls it (non-members get a non-member).
+
+        ``backend`` (``gloo`` or ``nccl``) defaults to ``rt.group``'s (see :mod:`rlaunch.runtime.backend`).
+        """
         members = sorted(set(ranks))
+        kind = backends.choose(backend, None, self.group.backend)
         if name in self._groups:
             raise ValueError(f"A group named {name!r} already exists; give each group its own name.")
         if not members or members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"The ranks {list(ranks)} of group {name!r} are not all in 0..{self.world_size - 1}.")
         comm: Any = None
         if self._link is None:
-            comm = dist.new_group(members)
+            # plain torchrun: the default group's backend unless one is asked for, as torch does
+            comm = dist.new_group(members, backend=backends.torch_backend_string(kind) if backend else None)
         elif self.standby:
             comm = SandboxComm(0, len(members))
         elif self.rank in members:
-            comm = self._group_comm(name, members, self.rank, self.generation)
-        group = SwitchableGroup(name, members, self.rank, comm, self.generation, guarded=self._link is not None)
+            comm = self._group_comm(name, members, self.rank, self.generation, kind)
+        group = SwitchableGroup(
+            name, members, self.rank, comm, self.generation, guarded=self._link is not None, backend=kind
+        )
         self._groups[name] = group
         if self._link is not None and self.rank in members:
             register(group, self._store, {g: i for i, g in enumerate(members)})
@@ -253,6 +264,7 @@ class Runtime:
             )
         # A standby lays its model out as rank 0 would (see rlaunch.runtime.mesh), until it joins.
         rank = 0 if self.standby else self.rank
+        kind = backends.choose(None, device_type, self.group.backend)
         mesh = RuntimeMesh(shape, chosen, rank)
         groups = []
         for name, members in mesh.lines(rank):
@@ -261,8 +273,8 @@ class Runtime:
             if self.standby:
                 comm: Any = SandboxComm(members.index(rank), len(members))
             else:
-                comm = self._group_comm(name, members, rank, self.generation)
-            group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True)
+                comm = self._group_comm(name, members, rank, self.generation, kind)
+            group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True, backend=kind)
             self._groups[name] = group
             ranks = {g: i for i, g in enumerate(members)}
             if self.standby:
@@ -648,14 +660,19 @@ class Runtime:
             comms["channel"] = self._channel(gen, 1, rank)
         return comms
 
-    def _group_comm(self, name: str, members: Sequence[int], rank: int, gen: int) -> Any:
+    def _group_comm(
+        self, name: str, members: Sequence[int], rank: int, gen: int, kind: backends.Backend | None = None
+    ) -> Any:
         assert self._store is not None
-        return build_gloo(self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout)
+        kind = kind or self._groups[name].backend
+        return backends.build(
+            self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout, kind
+        )
 
     def _channel(self, gen: int, side: int, moved_rank: int) -> Any:
         """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
-        return build_gloo(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout)
+        return backends.build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, self.group.backend)
 
     def _switch(self, next_step: int) -> None:
         """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
@@ -737,21 +754,26 @@ def init(timeout_s: float = 300.0) -> Runtime:
     _report_refusals_as_sentences()
     timeout = datetime.timedelta(seconds=timeout_s)
     addr = os.environ.get("RLAUNCH_AGENT_ADDR")
+    kind = backends.default_backend(os.environ, backends.visible_gpus())
+    if kind is backends.Backend.NCCL:
+        torch.cuda.set_device(backends.cuda_device(os.environ))
     if not addr:
         # Plain torchrun (or any env:// launcher): the same script runs, without migration.
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group(backends.torch_backend_string(kind), timeout=timeout)
         return Runtime(
             rank=dist.get_rank(), world_size=dist.get_world_size(), generation=0, link=None, store=None,
-            world_comm=c10d._get_default_group(), standby=False, sandbox_steps=0, timeout=timeout,
+            world_comm=c10d._get_default_group(), standby=False, sandbox_steps=0, timeout=timeout, backend=kind,
         )  # fmt: skip
     link = AgentLink(addr, int(os.environ.get("LOCAL_RANK", "0")))
     hello = link.call("hello", pid=os.getpid())
     store = AgentStore(link, timeout)
     standby = hello["role"] == "standby"
     rank, world, gen = int(hello["rank"]), int(hello["world_size"]), int(hello["generation"])
-    comm: Any = SandboxComm(0, world) if standby else build_gloo(store, f"g{gen}/{WORLD}/", rank, world, timeout)
+    comm: Any = (
+        SandboxComm(0, world) if standby else backends.build(store, f"g{gen}/{WORLD}/", rank, world, timeout, kind)
+    )
     return Runtime(
         rank=rank, world_size=world, generation=gen, link=link, store=store, world_comm=comm,
-        standby=standby, sandbox_steps=int(hello.get("sandbox_steps", 3)), timeout=timeout,
+        standby=standby, sandbox_steps=int(hello.get("sandbox_steps", 3)), timeout=timeout, backend=kind,
     )  # fmt: skip

@@ -9,6 +9,10 @@ step. Python values that are not tensors (optimizer hyperparameters, a scheduler
 GradScaler's ``state_dict()``) travel as one ``torch.save`` blob loaded with
 ``weights_only=True``: nothing received is ever unpickled freely.
 
+CUDA tensors move into the joiner's live CUDA tensors. Over a channel whose backend is NCCL they
+go GPU to GPU (NCCL send/recv); over a gloo channel each is staged through host memory, one
+tensor at a time (:func:`wire`), so the staging never holds more than the largest tensor.
+
 Two functions are the extension points: :func:`tensors_of` builds the (name, live tensor) list
 and the header entry of each tensor; :func:`check_tensor` compares one incoming entry with the
 joiner's live tensor.
@@ -25,6 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng, shards
 
 _TAG = 7
@@ -219,8 +224,9 @@ def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> t
     dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise TransferError(f"The sender's {name} has dtype {entry['dtype']!r}, which this joiner does not know.")
-    t = torch.empty(tuple(entry["shape"]), dtype=dtype)
     param = params[int(index)]
+    # the moments live where the parameter does (a GPU for a CUDA model)
+    t = torch.empty(tuple(entry["shape"]), dtype=dtype, device=shards.local(param).device)
     # A sharded parameter's moments are DTensors with its layout; the joiner receives into the shard.
     state = shards.like(t, param) if entry.get("shard") is not None else t
     why = shards.mismatch(name, shards.describe(state), entry.get("shard"))
@@ -230,9 +236,26 @@ def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> t
     return t
 
 
+def wire(device_type: str, carried: bool) -> str:
+    """How a tensor on ``device_type`` crosses a channel: ``direct`` when the channel's backend
+    carries that device's tensors (CPU always; CUDA over NCCL), else ``staged`` through the CPU."""
+    return "direct" if device_type == "cpu" or carried else "staged"
+
+
+def _staged(channel: ProcessGroup, t: torch.Tensor) -> bool:
+    return wire(t.device.type, backends.current().carries(channel, t.device.type)) == "staged"
+
+
 def _send(channel: ProcessGroup, t: torch.Tensor) -> None:
+    if _staged(channel, t):
+        t = t.cpu()
     channel.send([t], 1, _TAG).wait()
 
 
 def _recv(channel: ProcessGroup, t: torch.Tensor) -> None:
+    if _staged(channel, t):
+        host = torch.empty(t.shape, dtype=t.dtype)
+        channel.recv([host], 0, _TAG).wait()
+        t.copy_(host)
+        return
     channel.recv([t], 0, _TAG).wait()

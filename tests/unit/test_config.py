@@ -226,7 +226,7 @@ def test_missing_script_is_named(tmp_path: Path) -> None:
 
 
 def test_script_that_is_a_directory_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="does not exist"):
+    with pytest.raises(UsageError, match="is a directory"):
         config(tmp_path)
 
 

@@ -1,0 +1,299 @@
+"""The communicator layer: which backend a group uses, and how its communicators are built, made
+ready, cut and released.
+
+A runtime group (:class:`rlaunch.runtime.groups.SwitchableGroup`) forwards each collective to a
+*communicator*: a ``ProcessGroup`` built here on a fresh prefix of the c10d store, with one
+backend per device type, as torch's ``cpu:gloo,cuda:nccl`` default has:
+
+- :attr:`Backend.GLOO`: gloo for CPU and CUDA tensors (gloo stages CUDA tensors through the host);
+- :attr:`Backend.NCCL`: NCCL for CUDA tensors, gloo for CPU ones (the per-step vote is a CPU scalar).
+
+A group's backend comes from an explicit argument (``rt.new_group(..., backend="nccl")``), else from
+the device type of its mesh (``rt.device_mesh(..., device_type="cuda")``), else from the job's
+default (``RLAUNCH_BACKEND``: ``gloo``, ``nccl`` or ``auto``, which is NCCL where the machine has a
+GPU for each of its workers): :func:`choose` and :func:`default_backend` are that decision, pure.
+
+NCCL communicators are created non-blocking (see :mod:`rlaunch.runtime.nccl`): :meth:`Communicators.build`
+returns as soon as NCCL has the setup in hand, so the next generation's communicators are built
+on the runtime's background thread while training runs on the current ones, and
+:meth:`Communicators.wait_ready` waits for them only at the switch. A communicator is *cut* when its
+group is abandoned or fails: its NCCL communicator is aborted (``ncclCommAbort``: pending
+operations return) and its gloo connections are shut down (gloo cannot cancel an operation in
+flight; shutting its sockets down makes the operation fail at once, here and at every peer).
+Every NCCL call goes through an :class:`rlaunch.runtime.nccl.NcclApi`, which tests replace with a
+fake (:func:`use`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroup, Store
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from rlaunch.errors import UsageError
+from rlaunch.runtime.nccl import NcclApi, TorchNccl
+
+log = logging.getLogger(__name__)
+
+#: The job's default backend: gloo, nccl or auto (NCCL where CUDA is available).
+BACKEND_ENV = "RLAUNCH_BACKEND"
+#: How long :func:`cut` waits for an NCCL abort before going on (the abort goes on regardless).
+ABORT_WAIT_S = 10.0
+
+
+class Backend(str, enum.Enum):
+    """The backend of a runtime group's CUDA tensors (CPU tensors always use gloo)."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+def parse(value: str, what: str) -> Backend | None:
+    """``gloo`` or ``nccl`` (None for ``auto``); ``what`` names the value in the error."""
+    text = value.strip().lower()
+    if text == "auto":
+        return None
+    try:
+        return Backend(text)
+    except ValueError:
+        raise UsageError(f"{what} is {value!r}; use 'gloo', 'nccl' or 'auto'.") from None
+
+
+def default_backend(env: Mapping[str, str], gpus: int) -> Backend:
+    """The job's default: ``RLAUNCH_BACKEND`` if set, else NCCL where this machine has a GPU for
+    each of its workers (``LOCAL_WORLD_SIZE``; NCCL refuses two ranks on one GPU), else gloo."""
+    chosen = parse(env.get(BACKEND_ENV, "auto"), BACKEND_ENV)
+    if chosen is not None:
+        return chosen
+    workers = int(env.get("LOCAL_WORLD_SIZE", "1") or "1")
+    return Backend.NCCL if gpus > 0 and gpus >= workers else Backend.GLOO
+
+
+def visible_gpus() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose(requested: str | None, device_type: str | None, default: Backend) -> Backend:
+    """A group's backend: ``requested`` if given, else from ``device_type`` (a mesh's), else ``default``."""
+    if requested is not None:
+        chosen = parse(requested, "The backend asked for")
+        if chosen is not None:
+            return chosen
+    if device_type is None:
+        return default
+    if device_type == "cpu":
+        return Backend.GLOO
+    if device_type == "cuda":
+        return Backend.NCCL
+    raise UsageError(f"The device type {device_type!r} has no rlaunch backend; use 'cpu' (gloo) or 'cuda' (NCCL).")
+
+
+def torch_backend_string(backend: Backend) -> str:
+    """What ``init_process_group``/``new_group`` take for ``backend`` under plain torchrun."""
+    return "cpu:gloo,cuda:nccl" if backend is Backend.NCCL else "gloo"
+
+
+def cuda_device(env: Mapping[str, str]) -> torch.device:
+    """This worker's GPU: ``LOCAL_RANK`` modulo the visible GPUs, as ``init_device_mesh`` picks it."""
+    count = max(torch.cuda.device_count(), 1)
+    return torch.device("cuda", int(env.get("LOCAL_RANK", "0")) % count)
+
+
+def _connected_inet_fds() -> set[int]:
+    """File descriptors of this process's connected (not listening) TCP sockets."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(int(name))) as s:
+                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                if s.family in (socket.AF_INET, socket.AF_INET6) and not listening:
+                    found.add(int(name))
+        except OSError:
+            continue  # closed meanwhile
+    return found
+
+
+def _shutdown(fds: set[int]) -> None:
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by gloo
+
+
+class Communicators:
+    """Builds communicators and remembers, by ``id()``, what cutting each one takes.
+
+    By id: a callback on a communicator's own thread must not hold the communicator, or dropping
+    the last reference there would make it join its own thread.
+    """
+
+    def __init__(
+        self,
+        nccl: NcclApi | None = None,
+        *,
+        device: Callable[[], torch.device] = lambda: cuda_device(os.environ),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nccl = nccl
+        self._device = device
+        self._clock = clock
+        self._lock = threading.Lock()  # gloo builds are serialized: see _gloo
+        self._sockets: dict[int, set[int]] = {}
+        self._nccl_comms: dict[int, Any] = {}
+
+    @property
+    def nccl(self) -> NcclApi:
+        """The NCCL API, made on first use (a gloo-only job never touches it)."""
+        if self._nccl is None:
+            self._nccl = TorchNccl()
+        return self._nccl
+
+    def _gloo(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> tuple[Any, set[int]]:
+        """A gloo backend and its connected sockets. Gloo connects every pair while it is built, so
+        the sockets that appear meanwhile are its own (builds are serialized)."""
+        with self._lock:
+            before = _connected_inet_fds()
+            gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
+            return gloo, _connected_inet_fds() - before
+
+    def build(
+        self,
+        store: Store,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        backend: Backend = Backend.GLOO,
+    ) -> ProcessGroup:
+        """A standalone communicator of ``size`` ranks on ``prefix`` of ``store`` (no default group needed).
+
+        With NCCL it returns before the NCCL communicator is ready (see :meth:`wait_ready`).
+        """
+        pstore = PrefixStore(prefix, store)
+        name = prefix.strip("/").replace("/", ".")
+        gloo, sockets = self._gloo(pstore, rank, size, timeout)
+        pg = ProcessGroup(pstore, rank, size)
+        pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+        if backend is Backend.NCCL:
+            device = self._device()
+            comm = self.nccl.create(
+                PrefixStore("nccl/", pstore), rank, size, name=name, device=device, timeout=timeout, blocking=False
+            )
+            pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, comm)
+            pg._set_default_backend(ProcessGroup.BackendType.NCCL)
+            pg.bound_device_id = device
+            self._nccl_comms[id(pg)] = comm
+        else:
+            pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, gloo)
+            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+        pg._set_group_name(name)
+        self._sockets[id(pg)] = sockets
+        return pg
+
+    def carries(self, comm: Any, device_type: str) -> bool:
+        """Whether ``comm`` moves tensors of ``device_type`` itself (else they are staged on the CPU)."""
+        if device_type == "cpu":
+            return True
+        return device_type == "cuda" and id(comm) in self._nccl_comms
+
+    def wait_ready(self, comm: Any, timeout: float, wait: Callable[[float], object] | None = None) -> None:
+        """Wait until the NCCL communicator of ``comm`` finished its non-blocking setup (at once for gloo).
+
+        Raises ``TimeoutError`` with a sentence after ``timeout`` seconds.
+        """
+        nccl = self._nccl_comms.get(id(comm))
+        if nccl is None:
+            return
+        pause = wait or threading.Event().wait
+        end = self._clock() + timeout
+        while not self.nccl.ready(nccl):
+            if self._clock() >= end:
+                raise TimeoutError(
+                    f"The NCCL communicator {comm.group_name} was not ready within {timeout:.0f} s of the switch; "
+                    "a peer may have failed while building it."
+                )
+            pause(0.005)
+
+    def cut(self, comm_id: int, *, wait: float = ABORT_WAIT_S) -> None:
+        """Make every operation pending on the communicator ``id(comm)`` fail now, here and at its peers:
+        abort its NCCL communicator, then shut down its gloo connections (never its listening socket:
+        gloo's listener thread aborts the process if accept() fails).
+
+        The abort runs on a thread of its own (this may be a communicator's callback thread, which an
+        abort would join), waited for up to ``wait`` seconds.
+        """
+        nccl = self._nccl_comms.pop(comm_id, None)
+        if nccl is not None:
+            done = self._abort_in_background(nccl)
+            if wait > 0 and not done.wait(wait):
+                log.warning("aborting an NCCL communicator took more than %.0f s; going on", wait)
+        _shutdown(self._sockets.pop(comm_id, set()))
+
+    def _abort_in_background(self, nccl: Any) -> threading.Event:
+        done = threading.Event()
+        api = self.nccl
+
+        def run() -> None:
+            try:
+                api.abort(nccl)
+            except Exception:  # noqa: BLE001 - an abort that fails leaves nothing more to do
+                log.exception("aborting an NCCL communicator failed")
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="rlaunch-nccl-abort", daemon=True).start()
+        return done
+
+    def forget(self, comm_id: int) -> None:
+        """``id(comm)`` may be reused from now on: never cut its sockets (see :meth:`release`)."""
+        self._sockets.pop(comm_id, None)
+
+    def release(self, comm: Any) -> None:
+        """(retire thread) A replaced communicator is about to be dropped: abort its NCCL
+        communicator first (non-collective, unlike ``ncclCommDestroy``, which waits for peers)."""
+        self._sockets.pop(id(comm), None)
+        nccl = self._nccl_comms.pop(id(comm), None)
+        if nccl is not None:
+            try:
+                self.nccl.abort(nccl)
+            except Exception:  # noqa: BLE001 - the communicator is dropped regardless
+                log.exception("aborting a retired NCCL communicator failed")
+
+
+_current = Communicators()
+
+
+def use(comms: Communicators) -> Communicators:
+    """Make ``comms`` the process's communicator layer (tests pass one with a fake NCCL); return the previous."""
+    global _current
+    previous, _current = _current, comms
+    return previous
+
+
+def current() -> Communicators:
+    return _current
+
+
+def build(
+    store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta, backend: Backend = Backend.GLOO
+) -> ProcessGroup:
+    return _current.build(store, prefix, rank, size, timeout, backend)
+
+
+def cut(comm_id: int, *, wait: float = ABORT_WAIT_S) -> None:
+    _current.cut(comm_id, wait=wait)

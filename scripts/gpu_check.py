@@ -1,0 +1,318 @@
+"""GPU checks of rlaunch's CUDA and NCCL path, for a machine with one GPU (run by gpu_check.sh).
+
+Parts (``--parts``, default all), each printed as one JSON line and gathered in
+``<out>/gpu_check.json``:
+
+- ``env``: torch, CUDA, GPU name, NCCL version.
+- ``gloo``: several ranks on the one GPU over gloo with CUDA tensors (``RLAUNCH_BACKEND=gloo``,
+  ``tests/scripts/cuda_train.py --device cuda``): an uninterrupted run, a drain onto a warm
+  standby and a live replacement after a worker's SIGKILL; the final weights and optimizer
+  state of each must be bit-identical to the uninterrupted run's.
+- ``nccl``: NCCL with world size 1, through rlaunch's own layer (rlaunch.runtime.backend):
+  blocking and non-blocking communicator init times, an allreduce on the GPU, abandoning a
+  group with an operation pending on the GPU (its future must return), and a non-blocking
+  init whose peer never comes, aborted. Each in a subprocess with a timeout: a hang is a result.
+- ``nvml``: a health reading through rlaunch's detector (rlaunch.detectors.gpu.NvmlHealth).
+
+NCCL refuses two ranks of one communicator on one GPU, so NCCL with several ranks is not run.
+
+Without CUDA the script says so and exits 3, unless ``--device cpu`` is given: the ``gloo``
+part then runs on the CPU, which checks the harness itself (how the unit tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "tests" / "scripts" / "cuda_train.py"
+FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+) versions=\S+ devices=(\S+)")
+NO_CUDA = 3
+PARTS = ("env", "gloo", "nccl", "nvml")
+
+
+def emit(results: dict[str, Any], name: str, value: dict[str, Any]) -> None:
+    results[name] = value
+    print(json.dumps({name: value}, default=str), flush=True)
+
+
+def env_part() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "python": sys.version.split()[0],
+    }
+    if out["cuda"]:
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpus"] = torch.cuda.device_count()
+        out["cuda_runtime"] = torch.version.cuda
+        try:
+            out["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            out["nccl"] = f"unavailable: {exc}"
+    return out
+
+
+# --- gloo with CUDA tensors: drain and live replacement, bit-identical -------------------------------
+
+
+def _finals(text: str) -> dict[int, tuple[str, str, str]]:
+    return {int(m.group(1)): (m.group(2), m.group(3), m.group(4)) for m in FINAL.finditer(text)}
+
+
+def gloo_part(device: str, steps: int, tmp: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from rlaunch.store.embedded import EmbeddedEtcd
+    from tests.cluster import Cluster, wait_for
+
+    env = {**os.environ, "RLAUNCH_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
+    os.environ.update(RLAUNCH_BACKEND="gloo")  # the agents the harness starts inherit it
+    args = ("--device", device, "--steps", str(steps), "--step-time", "0.05")
+    began = time.perf_counter()
+    ref = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(TRAIN), *args],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
+    )  # fmt: skip
+    reference = _finals(ref.stdout)
+    out: dict[str, Any] = {"device": device, "reference_s": round(time.perf_counter() - began, 1)}
+    if ref.returncode != 0 or sorted(reference) != [0, 1]:
+        out.update(ok=False, error=f"the uninterrupted run failed (exit {ref.returncode})", tail=ref.stderr[-2000:])
+        return out
+    out["reference"] = {r: v[:2] for r, v in reference.items()}
+    out["devices"] = sorted({v[2] for v in reference.values()})
+
+    def warm(cluster: Cluster, node_id: str) -> bool:
+        node = cluster.node(node_id)
+        return bool(node and node["state"] == "standby" and node["runtime"])
+
+    def scenario(kind: str, etcd: EmbeddedEtcd) -> dict[str, Any]:
+        cluster = Cluster(etcd.endpoint, tmp / kind, tag=uuid.uuid4().hex)
+        (tmp / kind).mkdir(parents=True, exist_ok=True)
+        gate = tmp / kind / "gate"
+        started = time.perf_counter()
+        try:
+            a, b, c = cluster.agents_in_order(
+                ["a", "b", "c"], TRAIN, *args, "--gate", str(gate), flags=("--max-restarts", "1")
+            )
+            wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+            wait_for(lambda: "step 20/" in a.output(), 120, "training to reach the gate")
+            if kind == "drain":  # planned while the ranks wait at the gate: it lands mid-run
+                drain = subprocess.Popen(
+                    [sys.executable, "-m", "rlaunch", "drain", "b", "--rdzv-endpoint", etcd.endpoint,
+                     "--rdzv-id", cluster.job_id],
+                    env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                wait_for(lambda: "migration_offered" in a.output(), 60, "the drain to be planned")
+                gate.touch()
+                stdout, stderr = drain.communicate(timeout=180)
+                note = stdout.strip().splitlines()[-1:] if drain.returncode == 0 else [stderr[-1000:]]
+            else:
+                b.workers()[0].send_signal(signal.SIGKILL)
+                gate.touch()
+                note = ["worker of b killed at the gate"]
+            codes = [a.wait(240), c.wait(240), b.wait(120)]
+            got = _finals(a.output() + b.output() + c.output())
+            same = {r: got.get(r, ("", "", ""))[:2] == reference[r][:2] for r in reference}
+            return {
+                "ok": all(same.values()) and codes[:2] == [0, 0], "exit_codes": codes, "identical": same,
+                "note": note, "seconds": round(time.perf_counter() - started, 1),
+                "devices": sorted({v[2] for v in got.values()}),
+            }  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a failed scenario is a result
+            logs = {n: ag.output()[-1500:] for n, ag in cluster.agents.items()}
+            return {"ok": False, "error": str(exc)[:500], "logs": logs}
+        finally:
+            cluster.close()
+
+    with EmbeddedEtcd(log_path=str(tmp / "etcd.log")) as etcd:
+        out["drain"] = scenario("drain", etcd)
+        out["replace"] = scenario("replace", etcd)
+    out["ok"] = bool(out["drain"].get("ok") and out["replace"].get("ok"))
+    return out
+
+
+# --- NCCL with world size 1 -----------------------------------------------------------------------
+
+NCCL_CASES = ("init", "abandon_pending", "abort_missing_peer")
+
+
+def nccl_case(case: str) -> dict[str, Any]:
+    """One NCCL case, in this (child) process; prints its result as JSON."""
+    import torch
+    from torch.distributed import HashStore, PrefixStore
+
+    from rlaunch.runtime.backend import Backend, Communicators
+    from rlaunch.runtime.groups import SwitchableGroup
+    from rlaunch.runtime.nccl import TorchNccl
+
+    torch.cuda.set_device(0)
+    gpu = torch.device("cuda", 0)
+    timeout = datetime.timedelta(seconds=60)
+    api = TorchNccl()
+    comms = Communicators(api, device=lambda: gpu)
+    out: dict[str, Any] = {}
+    if case == "init":
+        for blocking in (True, False):
+            t0 = time.perf_counter()
+            comm = api.create(PrefixStore(f"b{blocking}/", HashStore()), 0, 1, name=f"ws1.{blocking}", device=gpu,
+                              timeout=timeout, blocking=blocking)  # fmt: skip
+            returned = time.perf_counter() - t0
+            while not api.ready(comm):
+                time.sleep(0.001)
+            key = "blocking" if blocking else "non_blocking"
+            out[key] = {"create_returned_ms": round(returned * 1000, 2),
+                        "ready_ms": round((time.perf_counter() - t0) * 1000, 2)}  # fmt: skip
+            api.abort(comm)
+        t0 = time.perf_counter()
+        pg = comms.build(HashStore(), "g1/world/", 0, 1, timeout, Backend.NCCL)
+        out["rlaunch_build_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        comms.wait_ready(pg, 60)
+        out["rlaunch_ready_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        x = torch.full((1 << 20,), 3.0, device=gpu)
+        pg.allreduce([x]).wait()
+        torch.cuda.synchronize()
+        cpu = torch.ones(4)
+        pg.allreduce([cpu]).wait()
+        out["allreduce_cuda_ok"] = bool((x == 3.0).all().item())
+        out["allreduce_cpu_via_gloo_ok"] = cpu.tolist() == [1.0] * 4
+        out["ok"] = out["allreduce_cuda_ok"] and out["allreduce_cpu_via_gloo_ok"]
+        comms.cut(id(pg))
+    elif case == "abandon_pending":
+        import rlaunch.runtime.backend as backends
+
+        backends.use(comms)
+        pg = comms.build(HashStore(), "g1/world/", 0, 1, timeout, Backend.NCCL)
+        comms.wait_ready(pg, 60)
+        group = SwitchableGroup("world", [0], 0, pg, 1, guarded=True, backend=Backend.NCCL)
+        torch.cuda._sleep(int(5e9))  # the GPU is busy for seconds: the allreduce queued behind it is pending
+        y = torch.ones(1 << 20, device=gpu)
+        work = group.allreduce([y])
+        out["pending_before_abandon"] = group.busy
+        t0 = time.perf_counter()
+        group.abandon("the check abandons it")
+        work.wait()
+        out["future_returned_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        out["failed"] = group.failed
+        out["ok"] = bool(out["pending_before_abandon"] and group.failed)
+    elif case == "abort_missing_peer":
+        t0 = time.perf_counter()
+        comm = api.create(PrefixStore("m/", HashStore()), 0, 2, name="ws2.missing", device=gpu, timeout=timeout,
+                          blocking=False)  # fmt: skip
+        out["create_returned_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        time.sleep(1.0)
+        out["ready_after_1s"] = api.ready(comm)
+        t0 = time.perf_counter()
+        api.abort(comm)
+        out["abort_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        out["ok"] = not out["ready_after_1s"]
+    print("RESULT " + json.dumps(out), flush=True)
+    return out
+
+
+def nccl_part(case_timeout: float) -> dict[str, Any]:
+    from rlaunch.agent.env import NCCL_ENV
+
+    env = {**NCCL_ENV, **os.environ}  # the watchdog settings rlaunch's workers start with
+    out: dict[str, Any] = {"env": {k: env[k] for k in NCCL_ENV}}
+    for case in NCCL_CASES:
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--nccl-case", case],
+                capture_output=True, text=True, timeout=case_timeout, cwd=REPO, env=env,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            out[case] = {"ok": False, "error": f"hung: no result within {case_timeout:.0f} s",
+                         "tail": str(exc.stderr or "")[-1500:]}  # fmt: skip
+            continue
+        found = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+        if res.returncode != 0 or not found:
+            out[case] = {"ok": False, "error": f"exit {res.returncode}", "tail": res.stderr[-1500:]}
+        else:
+            out[case] = json.loads(found[-1][len("RESULT ") :])
+        out[case]["seconds"] = round(time.perf_counter() - t0, 1)
+    out["ok"] = all(out[c].get("ok") for c in NCCL_CASES)
+    return out
+
+
+def nvml_part() -> dict[str, Any]:
+    import pynvml
+
+    from rlaunch.detectors.gpu import NvmlHealth
+
+    health = NvmlHealth(pynvml)
+    off = health.start()
+    if off is not None:
+        return {"ok": False, "off": off}
+    faults = health.check()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    name = pynvml.nvmlDeviceGetName(handle)
+    return {
+        "ok": True, "gpus": pynvml.nvmlDeviceGetCount(), "name": name if isinstance(name, str) else name.decode(),
+        "faults": [f.sentence() for f in faults],
+        "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+        "memory_used_mib": pynvml.nvmlDeviceGetMemoryInfo(handle).used // (1 << 20),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default: $OUT, else none)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the gloo part on the CPU")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--case-timeout", type=float, default=60.0)
+    ap.add_argument("--nccl-case", choices=NCCL_CASES, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.nccl_case:
+        return 0 if nccl_case(args.nccl_case).get("ok") else 1
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        print(f"gpu_check: unknown parts {unknown}; choose among {list(PARTS)}.", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    emit(results, "env", env_part())
+    status = 0
+    if not results["env"]["cuda"] and args.device == "cuda":
+        results["verdict"] = (
+            "No CUDA device is visible here (torch.cuda.is_available() is False), so no GPU check ran; "
+            "run this script on the device machine, or pass --device cpu to check its gloo harness on the CPU."
+        )
+        print(results["verdict"], file=sys.stderr)
+        status = NO_CUDA
+    else:
+        with tempfile.TemporaryDirectory(prefix="rlaunch-gpu-check-") as tmp:
+            if "gloo" in parts:
+                emit(results, "gloo", gloo_part(args.device, args.steps, Path(tmp)))
+            if "nccl" in parts and args.device == "cuda":
+                emit(results, "nccl", nccl_part(args.case_timeout))
+            if "nvml" in parts and args.device == "cuda":
+                emit(results, "nvml", nvml_part())
+        failed = [p for p in parts if p in results and p != "env" and not results[p].get("ok")]
+        results["verdict"] = "all checks passed" if not failed else f"failed: {', '.join(failed)}"
+        status = 0 if not failed else 1
+        print(f"gpu_check: {results['verdict']}", flush=True)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
