@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlaunch.plans import ReplacePlan
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
@@ -56,7 +57,7 @@ class Recovery:
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
-        self._plans: queue.Queue[dict[str, Any]] = queue.Queue()  # from the listener thread
+        self._plans: queue.Queue[ReplacePlan] = queue.Queue()  # from the listener thread
         self._sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
         #: between a failed step's report to the agent and its recovery: waiting on peers, not hung
         self.active = False
@@ -66,10 +67,10 @@ class Recovery:
         """A replacement was planned that this rank has not recovered from yet."""
         return not self._plans.empty()
 
-    def on_replace(self, plan: dict[str, Any]) -> None:
+    def on_replace(self, plan: ReplacePlan) -> None:
         """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
-        moved = set(plan["moved_ranks"])
-        why = f"ranks {sorted(moved)} are being replaced (generation {plan['generation']})"
+        moved = set(plan.moved_ranks)
+        why = f"ranks {sorted(moved)} are being replaced (generation {plan.generation})"
         for group in self._rt._mine():
             if moved & set(group.members):
                 group.abandon(why)
@@ -93,7 +94,7 @@ class Recovery:
                 f"rank {rt.rank}: a collective of step {rt.step} failed and no replacement was planned within "
                 f"{rt._timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
             ) from None
-        gen, moved = int(plan["generation"]), set(plan["moved_ranks"])
+        gen, moved = plan.generation, set(plan.moved_ranks)
         self._refuse_replacement(plan, sorted(moved))
         survivors = [r for r in range(rt.world_size) if r not in moved]
         dirty = sorted(g.label for g in rt._mine() if g.failed and not moved & set(g.members))
@@ -143,24 +144,24 @@ class Recovery:
             seconds=time.perf_counter() - began,
         )  # fmt: skip
 
-    def _replica_sources(self, plan: dict[str, Any], survivors: list[int]) -> dict[int, int]:
+    def _replica_sources(self, plan: ReplacePlan, survivors: list[int]) -> dict[int, int]:
         """Who sends each replaced rank its state: a rank holding the same shards (any rank without a mesh)."""
         rt = self._rt
-        moved = [int(m) for m in plan["sources"]]
+        moved = list(plan.sources)
         if rt._mesh is None:
-            return {int(m): int(src) for m, src in plan["sources"].items()}
+            return dict(plan.sources)
         sharded = shards.sharded_dims(rt._tracked, rt._mesh.names)
         sources, why = shards.replica_sources(rt._mesh.ranks, rt._mesh.names, sharded, moved, survivors)
         self._give_up(plan, why)
         return sources
 
-    def _refuse_replacement(self, plan: dict[str, Any], moved: list[int]) -> None:
+    def _refuse_replacement(self, plan: ReplacePlan, moved: list[int]) -> None:
         """Stop, before anything is written, when no replica holds what the replaced ranks had."""
         rt = self._rt
         why = rt._vote.refusal(rt._per_rank, rt._seed is not None, rt._start)
         self._give_up(plan, f"a live replacement of ranks {moved} would diverge silently: {why}" if why else "")
 
-    def _give_up(self, plan: dict[str, Any], why: str) -> None:
+    def _give_up(self, plan: ReplacePlan, why: str) -> None:
         """Refuse the replacement of ``plan`` (if ``why``): tell the agent why, then stop this worker.
 
         The node's failure carries the sentence, and the controller restarts every worker instead.
@@ -168,7 +169,7 @@ class Recovery:
         if not why:
             return
         assert self._rt._link is not None
-        self._rt._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
+        self._rt._link.call("unrecoverable", generation=plan.generation, reason=why)
         raise RefusedError(
             f"rank {self._rt.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
             "from your checkpoint instead."

@@ -30,6 +30,7 @@ replacement: see :mod:`rlaunch.runtime.recovery`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import gc
 import hashlib
@@ -50,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError
+from rlaunch.plans import Hello, Plan, ReplacePlan, Role, StartRole, plan_from_json
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
@@ -71,6 +73,14 @@ WORLD = "world"
 DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A migration plan whose communicators (and transfer channel) phase 1 has built."""
+
+    plan: Plan
+    comms: dict[str, Any]
 
 
 class Runtime:
@@ -101,7 +111,7 @@ class Runtime:
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._prepared: dict[str, Any] | None = None  # a plan whose communicators are built
+        self._prepared: Prepared | None = None  # a plan whose communicators are built
         self._switch_to = 0
         self._durations: deque[float] = deque(maxlen=50)
         self._measure_after_switch = False
@@ -358,7 +368,7 @@ class Runtime:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            ready = self._prepared is not None and self._prepared["generation"] > self.generation
+            ready = self._prepared is not None and self._prepared.plan.generation > self.generation
             vote, layout = self._vote.tensor(
                 ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
             )
@@ -369,7 +379,7 @@ class Runtime:
                 self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
-                    self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
+                    self._switch_to = self._prepared.plan.generation  # type: ignore[union-attr]
                 apply()
                 return True
         return self._recovery.recover(apply)
@@ -433,19 +443,19 @@ class Runtime:
             )
         plan = self._wait_plan(0)
         began = time.perf_counter()
-        self.rank = int(plan["rank"])
+        self.rank = plan.rank
         self._rebind_mesh(self.rank)
         comms = self._prepare(plan)
         self.standby = False
         for name, group in self._groups.items():
             group.group_rank = group.members.index(self.rank) if self.rank in group.members else -1
             if name in comms:
-                group.swap(comms[name], plan["generation"])
+                group.swap(comms[name], plan.generation)
                 if name != WORLD:
                     register(group, self._store, {g: i for i, g in enumerate(group.members)})
         next_step = recv_state(comms["channel"], self._tracked)
         self._applied = next_step - 1
-        self.generation = int(plan["generation"])
+        self.generation = plan.generation
         self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
         self._start_listener()
         return next_step
@@ -483,16 +493,16 @@ class Runtime:
                     # rt.steps() has ended: this rank is tearing down, and building communicators
                     # now would leave C++ threads running at exit (an abort). The move is moot.
                     return
-                if plan.get("kind") == "replace":
+                if isinstance(plan, ReplacePlan):
                     self._recovery.on_replace(plan)
-                    after = int(plan["generation"])
+                    after = plan.generation
                     continue
                 if not self._tracked:
                     # Moving an empty state would corrupt the joiner: never report ready.
                     log.error(
                         "rank %d: a migration to generation %s was planned, but rt.track() was never called, "
                         "so this rank has no state to hand over; it will not switch (the drain times out).",
-                        self.rank, plan["generation"],
+                        self.rank, plan.generation,
                     )  # fmt: skip
                     return
                 comms = self._prepare(plan)
@@ -500,29 +510,30 @@ class Runtime:
                 log.exception("rank %d: preparing for the next generation failed", self.rank)
                 return
             with self._lock:
-                self._prepared = {**plan, "comms": comms}
-            self._link.call("prepared", generation=plan["generation"])
-            after = int(plan["generation"])
+                self._prepared = Prepared(plan, comms)
+            self._link.call("prepared", generation=plan.generation)
+            after = plan.generation
 
-    def _wait_plan(self, after: int) -> dict[str, Any]:
+    def _wait_plan(self, after: int) -> Plan:
+        """The next plan after generation ``after`` this rank takes part in (blocks until there is one)."""
         assert self._link is not None
         while True:
-            plan = self._link.call("wait_plan", after=after)
-            if int(plan["generation"]) > after:
+            plan = plan_from_json(self._link.call("wait_plan", after=after))
+            if plan is not None and plan.generation > after:
                 return plan
 
-    def _prepare(self, plan: dict[str, Any]) -> dict[str, Any]:
+    def _prepare(self, plan: Plan) -> dict[str, Any]:
         """Build the communicators of ``plan`` that this rank needs (fresh store prefixes)."""
-        gen, role, moved = int(plan["generation"]), plan["role"], set(plan["moved_ranks"])
+        gen, role, moved = plan.generation, plan.role, set(plan.moved_ranks)
         comms: dict[str, Any] = {}
-        if role == "leaver":
+        if role is Role.LEAVER:
             comms["channel"] = self._channel(gen, 0, self.rank)
             return comms
-        rank = int(plan["rank"])
+        rank = plan.rank
         for name, group in self._groups.items():
             if rank in group.members and moved & set(group.members):
                 comms[name] = self._group_comm(name, group.members, rank, gen)
-        if role == "joiner":
+        if role is Role.JOINER:
             comms["channel"] = self._channel(gen, 1, rank)
         return comms
 
@@ -538,11 +549,11 @@ class Runtime:
     def _switch(self, next_step: int) -> None:
         """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
         with self._lock:
-            plan, self._prepared, gen = self._prepared, None, self._switch_to
+            prepared, self._prepared, gen = self._prepared, None, self._switch_to
             self._switch_to = 0
-        assert plan is not None and self._link is not None
-        comms = plan["comms"]
-        if plan["role"] == "leaver":
+        assert prepared is not None and self._link is not None
+        comms = prepared.comms
+        if prepared.plan.role is Role.LEAVER:
             began = time.perf_counter()
             sent = send_state(comms["channel"], self._tracked, next_step, rng.capture())
             self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
@@ -606,12 +617,12 @@ def init(timeout_s: float = 300.0) -> Runtime:
             world_comm=c10d._get_default_group(), standby=False, sandbox_steps=0, timeout=timeout,
         )  # fmt: skip
     link = AgentLink(addr, int(os.environ.get("LOCAL_RANK", "0")))
-    hello = link.call("hello", pid=os.getpid())
+    hello = Hello.from_json(link.call("hello", pid=os.getpid()))
     store = AgentStore(link, timeout)
-    standby = hello["role"] == "standby"
-    rank, world, gen = int(hello["rank"]), int(hello["world_size"]), int(hello["generation"])
+    standby = hello.role is StartRole.STANDBY
+    rank, world, gen = hello.rank, hello.world_size, hello.generation
     comm: Any = SandboxComm(0, world) if standby else build_gloo(store, f"g{gen}/{WORLD}/", rank, world, timeout)
     return Runtime(
         rank=rank, world_size=world, generation=gen, link=link, store=store, world_comm=comm,
-        standby=standby, sandbox_steps=int(hello.get("sandbox_steps", 3)), timeout=timeout,
+        standby=standby, sandbox_steps=hello.sandbox_steps, timeout=timeout,
     )  # fmt: skip
