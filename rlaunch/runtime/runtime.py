@@ -15,7 +15,8 @@ Under rlaunch, ``rt.group`` is a :class:`SwitchableGroup` (also the default grou
 A planned migration runs in two phases: in the background the affected groups are rebuilt on
 a fresh key prefix and the leaver and joiner open a transfer channel; each step's vote carries
 "ready", and when every rank is ready all switch at the same boundary: the leaver sends its
-state to the joiner and exits 0, the others swap their affected groups in place.
+state to the joiner and exits 0, the others swap their affected groups in place (see
+:mod:`rlaunch.runtime.migration`).
 
 A standby runs the same script: ``steps()`` first yields a few sandbox iterations on a local
 communicator (warming allocator, kernels and the data path), then waits to be given ranks,
@@ -30,7 +31,6 @@ replacement: see :mod:`rlaunch.runtime.recovery`.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import gc
 import hashlib
@@ -51,17 +51,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError
-from rlaunch.plans import Hello, Plan, ReplacePlan, Role, StartRole, plan_from_json
+from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, build_gloo
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
+from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.recovery import Recovery, commit_point
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
-from rlaunch.runtime.transfer import recv_state, send_state
+from rlaunch.runtime.transfer import recv_state
 from rlaunch.runtime.vote import RefusedError, StepVote
 
 __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
@@ -73,14 +74,6 @@ WORLD = "world"
 DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """A migration plan whose communicators (and transfer channel) phase 1 has built."""
-
-    plan: Plan
-    comms: dict[str, Any]
 
 
 class Runtime:
@@ -110,9 +103,7 @@ class Runtime:
         self.group = SwitchableGroup(WORLD, range(world_size), rank, world_comm, generation, guarded=link is not None)
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._prepared: Prepared | None = None  # a plan whose communicators are built
-        self._switch_to = 0
+        self._migration = Migration(self)  # planned moves: phase 1 in the background, then the switch
         self._durations: deque[float] = deque(maxlen=50)
         self._measure_after_switch = False
         self._applied = -1  # the last step whose optimizer step this rank applied
@@ -308,8 +299,8 @@ class Runtime:
                 self._recovery.send_replicas(step)
                 last = time.perf_counter()
                 continue
-            if self._switch_to:
-                self._switch(step + 1)
+            if self._migration.due:
+                self._migration.switch(step + 1)
             last = time.perf_counter()
             step += 1
         if self._link is not None:
@@ -368,7 +359,7 @@ class Runtime:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            ready = self._prepared is not None and self._prepared.plan.generation > self.generation
+            ready = self._migration.ready
             vote, layout = self._vote.tensor(
                 ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
             )
@@ -379,7 +370,7 @@ class Runtime:
                 self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
-                    self._switch_to = self._prepared.plan.generation  # type: ignore[union-attr]
+                    self._migration.agree()
                 apply()
                 return True
         return self._recovery.recover(apply)
@@ -441,11 +432,11 @@ class Runtime:
                 "rt.track() was not called before rt.steps(): a standby has nothing to receive its state into; "
                 "call rt.track(model=..., optimizer=...) first."
             )
-        plan = self._wait_plan(0)
+        plan = self._migration.wait_plan(0)
         began = time.perf_counter()
         self.rank = plan.rank
         self._rebind_mesh(self.rank)
-        comms = self._prepare(plan)
+        comms = self._migration.prepare(plan)
         self.standby = False
         for name, group in self._groups.items():
             group.group_rank = group.members.index(self.rank) if self.rank in group.members else -1
@@ -460,10 +451,10 @@ class Runtime:
         self._start_listener()
         return next_step
 
-    # -- planned migration --------------------------------------------------------------------
+    # -- background threads; the communicators of a next generation ---------------------------
 
     def _start_listener(self) -> None:
-        threading.Thread(target=self._listen, name="rlaunch-plans", daemon=True).start()
+        threading.Thread(target=self._migration.listen, name="rlaunch-plans", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rlaunch-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -482,61 +473,6 @@ class Runtime:
                 log.warning("rank %d: heartbeats to the agent stopped: %s", self.rank, exc)
                 return  # the agent is gone; it stops this worker anyway
 
-    def _listen(self) -> None:
-        """Phase 1, in the background: take each plan, build what it needs, report ready."""
-        assert self._link is not None
-        after = self.generation
-        while True:
-            try:
-                plan = self._wait_plan(after)
-                if self._stopped.is_set():
-                    # rt.steps() has ended: this rank is tearing down, and building communicators
-                    # now would leave C++ threads running at exit (an abort). The move is moot.
-                    return
-                if isinstance(plan, ReplacePlan):
-                    self._recovery.on_replace(plan)
-                    after = plan.generation
-                    continue
-                if not self._tracked:
-                    # Moving an empty state would corrupt the joiner: never report ready.
-                    log.error(
-                        "rank %d: a migration to generation %s was planned, but rt.track() was never called, "
-                        "so this rank has no state to hand over; it will not switch (the drain times out).",
-                        self.rank, plan.generation,
-                    )  # fmt: skip
-                    return
-                comms = self._prepare(plan)
-            except Exception:  # noqa: BLE001 - a failed preparation must not kill training
-                log.exception("rank %d: preparing for the next generation failed", self.rank)
-                return
-            with self._lock:
-                self._prepared = Prepared(plan, comms)
-            self._link.call("prepared", generation=plan.generation)
-            after = plan.generation
-
-    def _wait_plan(self, after: int) -> Plan:
-        """The next plan after generation ``after`` this rank takes part in (blocks until there is one)."""
-        assert self._link is not None
-        while True:
-            plan = plan_from_json(self._link.call("wait_plan", after=after))
-            if plan is not None and plan.generation > after:
-                return plan
-
-    def _prepare(self, plan: Plan) -> dict[str, Any]:
-        """Build the communicators of ``plan`` that this rank needs (fresh store prefixes)."""
-        gen, role, moved = plan.generation, plan.role, set(plan.moved_ranks)
-        comms: dict[str, Any] = {}
-        if role is Role.LEAVER:
-            comms["channel"] = self._channel(gen, 0, self.rank)
-            return comms
-        rank = plan.rank
-        for name, group in self._groups.items():
-            if rank in group.members and moved & set(group.members):
-                comms[name] = self._group_comm(name, group.members, rank, gen)
-        if role is Role.JOINER:
-            comms["channel"] = self._channel(gen, 1, rank)
-        return comms
-
     def _group_comm(self, name: str, members: Sequence[int], rank: int, gen: int) -> Any:
         assert self._store is not None
         return build_gloo(self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout)
@@ -545,25 +481,6 @@ class Runtime:
         """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
         return build_gloo(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout)
-
-    def _switch(self, next_step: int) -> None:
-        """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
-        with self._lock:
-            prepared, self._prepared, gen = self._prepared, None, self._switch_to
-            self._switch_to = 0
-        assert prepared is not None and self._link is not None
-        comms = prepared.comms
-        if prepared.plan.role is Role.LEAVER:
-            began = time.perf_counter()
-            sent = send_state(comms["channel"], self._tracked, next_step, rng.capture())
-            self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
-            # Tearing this process down must not take CPU from the job it just left.
-            os.nice(19)
-            raise SystemExit(0)
-        for name, comm in comms.items():
-            self._groups[name].swap(comm, gen)
-        self.generation = gen
-        self._measure_after_switch = True
 
     def _after_step(self, seconds: float) -> None:
         self._completed += 1
