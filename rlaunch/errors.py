@@ -58,6 +58,10 @@ class PlanError(RlaunchError):
     """The controller cannot produce a valid plan."""
 
 
+class MessageError(RlaunchError):
+    """A message between an agent and its workers (a plan, a hello answer) is malformed or unknown."""
+
+
 class EmbeddedEtcdError(RlaunchError):
     """The embedded etcd server could not be found or started."""
 

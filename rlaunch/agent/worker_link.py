@@ -1,8 +1,11 @@
 """The agent's side of the worker runtime: requests workers send over the control socket.
 
-- ``hello``: a worker announces it uses the runtime; it learns its role, rank and generation.
+- ``hello``: a worker announces it uses the runtime; it learns its role, rank and generation
+  (a :class:`~rlaunch.plans.Hello`).
 - ``kv_*``: c10d store operations, kept in etcd under ``kv/`` (groups are built on them).
-- ``wait_plan``: a long wait for the next migration or replacement this worker takes part in.
+- ``wait_plan``: a long wait for the next migration or replacement this worker takes part in
+  (a :class:`~rlaunch.plans.MigratePlan` or :class:`~rlaunch.plans.ReplacePlan`, with its
+  :class:`~rlaunch.plans.Role`).
 - ``warm`` / ``prepared`` / ``joined`` / ``left`` / ``switched`` / ``recovering`` / ``recovered``:
   progress reports, which the agent turns into node states and events.
 - ``unrecoverable``: a survivor refused a live replacement (no replica holds what a replaced rank
@@ -24,6 +27,7 @@ from rlaunch.agent.control import ControlServer
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.detectors.hang import HangDetector
 from rlaunch.errors import StoreError
+from rlaunch.plans import Hello, MigratePlan, Plan, ReplacePlan, Role, StartRole, plan_to_json
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation
@@ -52,7 +56,7 @@ class LinkState:
     done: set[int] = dataclasses.field(default_factory=set)
 
 
-def replica_sources(gen: Generation) -> dict[str, int]:
+def replica_sources(gen: Generation) -> dict[int, int]:
     """For a replacement: which surviving rank sends each replaced rank its state.
 
     Every rank is taken as a data-parallel replica of every other (DDP); the replaced ranks are
@@ -62,7 +66,7 @@ def replica_sources(gen: Generation) -> dict[str, int]:
         return {}
     moved = sorted(r for joiner in gen.joiners for r in gen.ranks_of(joiner))
     survivors = [r for r in range(gen.world_size) if r not in moved]
-    return {str(m): survivors[i % len(survivors)] for i, m in enumerate(moved)} if survivors else {}
+    return {m: survivors[i % len(survivors)] for i, m in enumerate(moved)} if survivors else {}
 
 
 class WorkerLink:
@@ -80,11 +84,11 @@ class WorkerLink:
         self._emit = emit
         self._wake = wake
         self.state = LinkState()
-        self.role = "active"
+        self.role = StartRole.ACTIVE
         self.generation: Generation | None = None
         self.node_id = ""
         self.sandbox_steps = 3
-        self._plans: dict[int, dict[str, Any]] = {}
+        self._plans: dict[int, Plan] = {}
         self._plan_changed = asyncio.Event()
         self.hangs = HangDetector(60.0)
         self.metrics: AgentMetrics | None = None
@@ -98,28 +102,33 @@ class WorkerLink:
         for op in ops:
             server.register(op, getattr(self, "_" + op))
 
-    def reset(self, role: str, generation: Generation | None) -> None:
-        """New workers are starting: forget what the previous ones reported."""
+    def reset(self, role: StartRole | str, generation: Generation | None) -> None:
+        """New workers are starting (``active`` or ``standby``): forget what the previous ones reported."""
         self.state = LinkState()
-        self.role = role
+        self.role = StartRole(role)
         self.generation = generation
         self._plans.clear()
         self.hangs.reset()
 
-    def offer(self, gen: Generation, role: str, nproc: int) -> None:
+    def offer(self, gen: Generation, role: Role | str, nproc: int) -> None:
         """Hand migration or replacement ``gen`` to the local workers as ``role`` (survivor|leaver|joiner)."""
-        moved: list[int] = []
-        for joiner in gen.joiners:
-            moved.extend(gen.ranks_of(joiner))
-        if role == "leaver":
+        role = Role(role)
+        moved = tuple(r for joiner in gen.joiners for r in gen.ranks_of(joiner))
+        if role is Role.LEAVER:
             base = gen.assignment[gen.joiners[gen.leavers.index(self.node_id)]] * gen.nproc_per_node
         else:
             base = gen.assignment[self.node_id] * gen.nproc_per_node
         for local_rank in range(nproc):
-            self._plans[local_rank] = {
-                "generation": gen.number, "kind": gen.kind, "role": role, "rank": base + local_rank,
-                "moved_ranks": moved, "world_size": gen.world_size, "sources": replica_sources(gen),
-            }  # fmt: skip
+            rank = base + local_rank
+            if gen.kind == "replace":
+                self._plans[local_rank] = ReplacePlan(
+                    generation=gen.number, role=role, rank=rank, moved_ranks=moved, world_size=gen.world_size,
+                    sources=replica_sources(gen),
+                )  # fmt: skip
+            else:
+                self._plans[local_rank] = MigratePlan(
+                    generation=gen.number, role=role, rank=rank, moved_ranks=moved, world_size=gen.world_size
+                )
         self.generation = gen
         self._plan_changed.set()
 
@@ -130,12 +139,13 @@ class WorkerLink:
         self.state.hello.add(local_rank)
         self._wake()
         gen = self.generation
-        if self.role == "standby" or gen is None:
+        if self.role is StartRole.STANDBY or gen is None:
             world = gen.world_size if gen else 0
-            return {"role": "standby", "rank": -1, "world_size": world, "generation": 0,
-                    "sandbox_steps": self.sandbox_steps}  # fmt: skip
-        rank = gen.assignment[self.node_id] * gen.nproc_per_node + local_rank
-        return {"role": "active", "rank": rank, "world_size": gen.world_size, "generation": gen.number}
+            hello = Hello(StartRole.STANDBY, -1, world, 0, sandbox_steps=self.sandbox_steps)
+        else:
+            rank = gen.assignment[self.node_id] * gen.nproc_per_node + local_rank
+            hello = Hello(StartRole.ACTIVE, rank, gen.world_size, gen.number, sandbox_steps=self.sandbox_steps)
+        return hello.to_json()
 
     async def _wait_plan(self, req: dict[str, Any]) -> dict[str, Any]:
         local_rank, after = int(req["local_rank"]), int(req["after"])
@@ -143,16 +153,16 @@ class WorkerLink:
         end = loop.time() + PLAN_WAIT_S
         while True:
             plan = self._plans.get(local_rank)
-            if plan is not None and plan["generation"] > after:
-                return plan
+            if plan is not None and plan.generation > after:
+                return plan.to_json()
             self._plan_changed.clear()
             remaining = end - loop.time()
             if remaining <= 0:
-                return {"generation": 0}
+                return plan_to_json(None)
             try:
                 await asyncio.wait_for(self._plan_changed.wait(), remaining)
             except asyncio.TimeoutError:
-                return {"generation": 0}
+                return plan_to_json(None)
 
     async def _warm(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.warm.add(int(req["local_rank"]))

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, Store
+from torch.distributed import ProcessGroup
 from torch.futures import Future
 
 from rlaunch.runtime import backend as backends
@@ -63,19 +63,6 @@ COLLECTIVES = (
     "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
     "reduce_scatter_single_coalesced", "all_to_all_single",
 )  # fmt: skip
-
-
-def build_gloo(store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroup:
-    """A standalone gloo communicator (see :func:`rlaunch.runtime.backend.build`)."""
-    return backends.build(store, prefix, rank, size, timeout, backends.Backend.GLOO)
-
-
-def cut(comm_id: int) -> None:
-    """Make the operations pending on the communicator ``id(comm)`` fail now.
-
-    See :func:`rlaunch.runtime.backend.cut`.
-    """
-    backends.cut(comm_id)
 
 
 def _cuda_devices(tensors: Sequence[Any]) -> list[torch.device]:

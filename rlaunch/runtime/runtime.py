@@ -15,7 +15,8 @@ Under rlaunch, ``rt.group`` is a :class:`SwitchableGroup` (also the default grou
 A planned migration runs in two phases: in the background the affected groups are rebuilt on
 a fresh key prefix and the leaver and joiner open a transfer channel; each step's vote carries
 "ready", and when every rank is ready all switch at the same boundary: the leaver sends its
-state to the joiner and exits 0, the others swap their affected groups in place.
+state to the joiner and exits 0, the others swap their affected groups in place (see
+:mod:`rlaunch.runtime.migration`).
 
 A standby runs the same script: ``steps()`` first yields a few sandbox iterations on a local
 communicator (warming allocator, kernels and the data path), then waits to be given ranks,
@@ -23,14 +24,8 @@ receives the leaver's state and yields the real next step. Under plain torchrun 
 runs without migration.
 
 An unplanned fault (a peer crashed, its node was lost or hung) is recovered without restarting
-the survivors. A failed collective, or the agent's word that a replacement is planned, marks the
-affected groups failed: the rest of the step's collectives return at once and the step reaches
-``optimizer_step``. There the survivors apply the commit rule of the per-step vote: each reports
-the last step it applied; if any survivor applied step s, every survivor applies s (its gradients
-were synced, since the vote for s needed every rank), else all discard s and redo it. The
-replacement (a warm standby, or the failed node's restarted workers) receives its state from a
-data-parallel replica: the runtime treats every rank's tracked state as a replica of the others,
-as DDP keeps it. Only the groups that touch the replaced ranks are rebuilt.
+the survivors, by the commit rule of the per-step vote and a replica's state sent to the
+replacement: see :mod:`rlaunch.runtime.recovery`.
 """
 
 from __future__ import annotations
@@ -39,15 +34,13 @@ import atexit
 import datetime
 import gc
 import hashlib
-import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,16 +51,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError
+from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
+from rlaunch.runtime.migration import Migration
+from rlaunch.runtime.recovery import Recovery, commit_point
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
-from rlaunch.runtime.transfer import recv_state, send_state
+from rlaunch.runtime.transfer import recv_state
 from rlaunch.runtime.untracked import untracked_state
 from rlaunch.runtime.vote import RefusedError, StepVote
 
@@ -112,12 +108,9 @@ class Runtime:
         )
         self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
         self._tracked: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._prepared: dict[str, Any] | None = None  # a plan whose communicators are built
-        self._switch_to = 0
+        self._migration = Migration(self)  # planned moves: phase 1 in the background, then the switch
         self._durations: deque[float] = deque(maxlen=50)
         self._measure_after_switch = False
-        self._recoveries: queue.Queue[dict[str, Any]] = queue.Queue()
         self._applied = -1  # the last step whose optimizer step this rank applied
         self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._snapshots = StepSnapshots()
@@ -132,8 +125,7 @@ class Runtime:
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
-        self._recovering = False
-        self._pending_sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
+        self._recovery = Recovery(self)  # live replacement after a fault
         self._stopped = threading.Event()
         self._mesh: RuntimeMesh | None = None
         self.step = 0
@@ -297,16 +289,6 @@ class Runtime:
             self._groups[new] = group
             register(group, self._store, {g: i for i, g in enumerate(group.members)})
 
-    def _replica_sources(self, plan: dict[str, Any], survivors: list[int]) -> dict[int, int]:
-        """Who sends each replaced rank its state: a rank holding the same shards (any rank without a mesh)."""
-        moved = [int(m) for m in plan["sources"]]
-        if self._mesh is None:
-            return {int(m): int(src) for m, src in plan["sources"].items()}
-        sharded = shards.sharded_dims(self._tracked, self._mesh.names)
-        sources, why = shards.replica_sources(self._mesh.ranks, self._mesh.names, sharded, moved, survivors)
-        self._give_up(plan, why)
-        return sources
-
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""
         step = start
@@ -328,11 +310,11 @@ class Runtime:
                     # The step is redone: as if never run. Before the replicas are sent, so that a
                     # replacement starts from the same step start as the survivors.
                     self._snapshots.restore(self._start, self._tracked)
-                self._send_replicas(step)
+                self._recovery.send_replicas(step)
                 last = time.perf_counter()
                 continue
-            if self._switch_to:
-                self._switch(step + 1)
+            if self._migration.due:
+                self._migration.switch(step + 1)
             last = time.perf_counter()
             step += 1
         if self._link is not None:
@@ -396,7 +378,7 @@ class Runtime:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            ready = self._prepared is not None and self._prepared["generation"] > self.generation
+            ready = self._migration.ready
             vote, layout = self._vote.tensor(
                 ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
             )
@@ -407,10 +389,10 @@ class Runtime:
                 self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
                 self._applied = self.step
                 if vote[1].item() == self.world_size and not self.step_failed:
-                    self._switch_to = int(self._prepared["generation"])  # type: ignore[index]
+                    self._migration.agree()
                 apply()
                 return True
-        return self._recover(apply)
+        return self._recovery.recover(apply)
 
     @property
     def step_failed(self) -> bool:
@@ -419,7 +401,7 @@ class Runtime:
         The step will be rolled forward or redone in ``optimizer_step``; until then, code should
         not act on collective results (``rt.steps()`` yields the step again if it is redone).
         """
-        return not self._recoveries.empty() or any(g.failed for g in self._mine())
+        return self._recovery.planned or any(g.failed for g in self._mine())
 
     def _mine(self) -> list[SwitchableGroup]:
         """The groups this rank is a member of (a snapshot: safe from other threads)."""
@@ -469,29 +451,29 @@ class Runtime:
                 "rt.track() was not called before rt.steps(): a standby has nothing to receive its state into; "
                 "call rt.track(model=..., optimizer=...) first."
             )
-        plan = self._wait_plan(0)
+        plan = self._migration.wait_plan(0)
         began = time.perf_counter()
-        self.rank = int(plan["rank"])
+        self.rank = plan.rank
         self._rebind_mesh(self.rank)
-        comms = self._prepare(plan)
+        comms = self._migration.prepare(plan)
         self.standby = False
         for name, group in self._groups.items():
             group.group_rank = group.members.index(self.rank) if self.rank in group.members else -1
             if name in comms:
-                group.swap(comms[name], plan["generation"])
+                group.swap(comms[name], plan.generation)
                 if name != WORLD:
                     register(group, self._store, {g: i for i, g in enumerate(group.members)})
         next_step = recv_state(comms["channel"], self._tracked)
         self._applied = next_step - 1
-        self.generation = int(plan["generation"])
+        self.generation = plan.generation
         self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
         self._start_listener()
         return next_step
 
-    # -- planned migration --------------------------------------------------------------------
+    # -- background threads; the communicators of a next generation ---------------------------
 
     def _start_listener(self) -> None:
-        threading.Thread(target=self._listen, name="rlaunch-plans", daemon=True).start()
+        threading.Thread(target=self._migration.listen, name="rlaunch-plans", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rlaunch-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -499,7 +481,7 @@ class Runtime:
         assert self._link is not None
         while not self._stopped.wait(HEARTBEAT_S):
             durations, compute = tuple(self._durations), tuple(self._compute)  # one C call each: thread-safe
-            waiting = self._recovering or any(g.busy for g in self._mine())
+            waiting = self._recovery.active or any(g.busy for g in self._mine())
             try:
                 self._link.call(
                     "heartbeat", steps=self._completed, waiting=waiting, rank=self.rank, applied=self._applied,
@@ -509,156 +491,6 @@ class Runtime:
             except (OSError, AgentLinkError) as exc:
                 log.warning("rank %d: heartbeats to the agent stopped: %s", self.rank, exc)
                 return  # the agent is gone; it stops this worker anyway
-
-    def _listen(self) -> None:
-        """Phase 1, in the background: take each plan, build what it needs, report ready."""
-        assert self._link is not None
-        after = self.generation
-        while True:
-            try:
-                plan = self._wait_plan(after)
-                if self._stopped.is_set():
-                    # rt.steps() has ended: this rank is tearing down, and building communicators
-                    # now would leave C++ threads running at exit (an abort). The move is moot.
-                    return
-                if plan.get("kind") == "replace":
-                    self._on_replace(plan)
-                    after = int(plan["generation"])
-                    continue
-                if not self._tracked:
-                    # Moving an empty state would corrupt the joiner: never report ready.
-                    log.error(
-                        "rank %d: a migration to generation %s was planned, but rt.track() was never called, "
-                        "so this rank has no state to hand over; it will not switch (the drain times out).",
-                        self.rank, plan["generation"],
-                    )  # fmt: skip
-                    return
-                comms = self._prepare(plan)
-            except Exception:  # noqa: BLE001 - a failed preparation must not kill training
-                log.exception("rank %d: preparing for the next generation failed", self.rank)
-                return
-            with self._lock:
-                self._prepared = {**plan, "comms": comms}
-            self._link.call("prepared", generation=plan["generation"])
-            after = int(plan["generation"])
-
-    # -- recovery from a fault ----------------------------------------------------------------
-
-    def _on_replace(self, plan: dict[str, Any]) -> None:
-        """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
-        moved = set(plan["moved_ranks"])
-        why = f"ranks {sorted(moved)} are being replaced (generation {plan['generation']})"
-        for group in self._mine():
-            if moved & set(group.members):
-                group.abandon(why)
-        self._recoveries.put(plan)
-
-    def _recover(self, apply: Callable[[], None]) -> bool:
-        """(main thread) Agree on the last applied step and rebuild groups; True if this step applies.
-
-        The state is sent to the replaced ranks at the end of the step (``_send_replicas``), after
-        the script's own per-step code (a scheduler step) ran, as a migration's leaver does.
-        """
-        assert self._link is not None and self._store is not None
-        began = time.perf_counter()
-        self._recovering = True
-        self._link.call("recovering", step=self.step)
-        try:
-            plan = self._recoveries.get(timeout=self._timeout.total_seconds())
-        except queue.Empty:
-            raise RuntimeError(
-                f"rank {self.rank}: a collective of step {self.step} failed and no replacement was planned within "
-                f"{self._timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
-            ) from None
-        gen, moved = int(plan["generation"]), set(plan["moved_ranks"])
-        self._refuse_replacement(plan, sorted(moved))
-        survivors = [r for r in range(self.world_size) if r not in moved]
-        dirty = sorted(g.label for g in self._mine() if g.failed and not moved & set(g.members))
-        self._store.set(f"g{gen}/recover/{self.rank}", json.dumps({"applied": self._applied, "dirty": dirty}))
-        # One exchange, O(1) store requests per survivor (not a read of every other's report).
-        reports = [json.loads(v) for v in self._store.gather(f"g{gen}/recover/", f"g{gen}/recovered", len(survivors))]
-        agreed, rolled = commit_point(self._applied, self.step, [int(r["applied"]) for r in reports])
-        if rolled:
-            # Some survivor applied this step, so every rank finished its gradient sync: apply it.
-            apply()
-            self._applied = agreed
-        dirty_names = {n for r in reports for n in r["dirty"]}
-        comms = {
-            name: self._group_comm(name, group.members, self.rank, gen)
-            for name, group in self._groups.items()
-            if self.rank in group.members and (moved & set(group.members) or name in dirty_names)
-        }
-        sources = self._replica_sources(plan, survivors)
-        mine = sorted(m for m, src in sources.items() if src == self.rank)
-        self._pending_sends = {m: self._channel(gen, 0, m) for m in mine}
-        for name, comm in comms.items():
-            self._groups[name].swap(comm, gen)
-        self.generation = gen
-        self._resume_at = agreed + 1
-        self._recovering = False
-        self._link.call(
-            "recovered", generation=gen, rank=self.rank, step=self.step, resume_at=agreed + 1,
-            rolled_forward=rolled, rebuilt=sorted(comms), sends_to=mine, seconds=time.perf_counter() - began,
-        )  # fmt: skip
-        return self._applied == self.step
-
-    def _refuse_replacement(self, plan: dict[str, Any], moved: list[int]) -> None:
-        """Stop, before anything is written, when no replica holds what the replaced ranks had."""
-        why = self._vote.refusal(self._per_rank, self._seed is not None, self._start)
-        self._give_up(plan, f"a live replacement of ranks {moved} would diverge silently: {why}" if why else "")
-
-    def _give_up(self, plan: dict[str, Any], why: str) -> None:
-        """Refuse the replacement of ``plan`` (if ``why``): tell the agent why, then stop this worker.
-
-        The node's failure carries the sentence, and the controller restarts every worker instead.
-        """
-        if not why:
-            return
-        assert self._link is not None
-        self._link.call("unrecoverable", generation=int(plan["generation"]), reason=why)
-        raise RefusedError(
-            f"rank {self.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
-            "from your checkpoint instead."
-        )
-
-    def _send_replicas(self, next_step: int) -> None:
-        """At the step boundary after a recovery (and after a redone step's start was restored):
-        send this replica's state to the ranks it serves."""
-        if not self._pending_sends:
-            return
-        assert self._link is not None
-        began = time.perf_counter()
-        channels, self._pending_sends = self._pending_sends, {}
-        sent = 0
-        for moved, channel in channels.items():
-            with self._vote.buffers_of(moved, next_step, self._tracked, self.rank):
-                sent += send_state(channel, self._tracked, next_step, rng.capture())
-        self._link.call(
-            "replica_sent", generation=self.generation, ranks=sorted(channels), bytes=sent,
-            seconds=time.perf_counter() - began,
-        )  # fmt: skip
-
-    def _wait_plan(self, after: int) -> dict[str, Any]:
-        assert self._link is not None
-        while True:
-            plan = self._link.call("wait_plan", after=after)
-            if int(plan["generation"]) > after:
-                return plan
-
-    def _prepare(self, plan: dict[str, Any]) -> dict[str, Any]:
-        """Build the communicators of ``plan`` that this rank needs (fresh store prefixes)."""
-        gen, role, moved = int(plan["generation"]), plan["role"], set(plan["moved_ranks"])
-        comms: dict[str, Any] = {}
-        if role == "leaver":
-            comms["channel"] = self._channel(gen, 0, self.rank)
-            return comms
-        rank = int(plan["rank"])
-        for name, group in self._groups.items():
-            if rank in group.members and moved & set(group.members):
-                comms[name] = self._group_comm(name, group.members, rank, gen)
-        if role == "joiner":
-            comms["channel"] = self._channel(gen, 1, rank)
-        return comms
 
     def _group_comm(
         self, name: str, members: Sequence[int], rank: int, gen: int, kind: backends.Backend | None = None
@@ -673,25 +505,6 @@ class Runtime:
         """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
         return backends.build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, self.group.backend)
-
-    def _switch(self, next_step: int) -> None:
-        """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
-        with self._lock:
-            plan, self._prepared, gen = self._prepared, None, self._switch_to
-            self._switch_to = 0
-        assert plan is not None and self._link is not None
-        comms = plan["comms"]
-        if plan["role"] == "leaver":
-            began = time.perf_counter()
-            sent = send_state(comms["channel"], self._tracked, next_step, rng.capture())
-            self._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
-            # Tearing this process down must not take CPU from the job it just left.
-            os.nice(19)
-            raise SystemExit(0)
-        for name, comm in comms.items():
-            self._groups[name].swap(comm, gen)
-        self.generation = gen
-        self._measure_after_switch = True
 
     def _after_step(self, seconds: float) -> None:
         self._completed += 1
@@ -715,24 +528,6 @@ def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, bool]:
-    """The commit rule: the last step every survivor must have applied, and whether this rank
-    applies ``step`` now (roll forward).
-
-    ``mine`` is the last step this rank applied, ``step`` the one it is in, ``applied`` every
-    survivor's last applied step (its own included). The vote for a step needs every rank, so
-    survivors are at most one step apart, and if any of them applied ``step``, every rank
-    finished its gradient sync for it: it is applied everywhere. Otherwise it is discarded.
-    """
-    agreed = max(applied)
-    if not mine <= agreed <= mine + 1 or agreed > step:
-        raise RuntimeError(
-            f"The survivors' last applied steps {sorted(set(applied))} are inconsistent with this rank's {mine} "
-            f"at step {step}; the recovery cannot be trusted, so this worker stops."
-        )
-    return agreed, agreed > mine
 
 
 def _report_refusals_as_sentences() -> None:
@@ -766,14 +561,14 @@ def init(timeout_s: float = 300.0) -> Runtime:
             world_comm=c10d._get_default_group(), standby=False, sandbox_steps=0, timeout=timeout, backend=kind,
         )  # fmt: skip
     link = AgentLink(addr, int(os.environ.get("LOCAL_RANK", "0")))
-    hello = link.call("hello", pid=os.getpid())
+    hello = Hello.from_json(link.call("hello", pid=os.getpid()))
     store = AgentStore(link, timeout)
-    standby = hello["role"] == "standby"
-    rank, world, gen = int(hello["rank"]), int(hello["world_size"]), int(hello["generation"])
+    standby = hello.role is StartRole.STANDBY
+    rank, world, gen = hello.rank, hello.world_size, hello.generation
     comm: Any = (
         SandboxComm(0, world) if standby else backends.build(store, f"g{gen}/{WORLD}/", rank, world, timeout, kind)
     )
     return Runtime(
         rank=rank, world_size=world, generation=gen, link=link, store=store, world_comm=comm,
-        standby=standby, sandbox_steps=int(hello.get("sandbox_steps", 3)), timeout=timeout, backend=kind,
+        standby=standby, sandbox_steps=hello.sandbox_steps, timeout=timeout, backend=kind,
     )  # fmt: skip

@@ -82,7 +82,7 @@ class Agents:
         self._thread.join(timeout=10)
 
     def worker_store(self, rank: int, ranks_per_agent: int) -> AgentStore:
-        """Rank ``rank``'s store (``build_gloo`` wraps it in a prefix store per group)."""
+        """Rank ``rank``'s store (``backend.build`` wraps it in a prefix store per group)."""
         return AgentStore(AgentLink(self.paths[rank // ranks_per_agent], rank % ranks_per_agent), TIMEOUT)
 
 

@@ -291,6 +291,7 @@ def test_futures_of_cuda_tensors_know_their_devices() -> None:
 
 
 def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -> None:
+    from rlaunch.plans import MigratePlan, Role
     from rlaunch.runtime.runtime import Runtime
 
     rt = Runtime(
@@ -298,7 +299,8 @@ def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -
         standby=False, sandbox_steps=0, timeout=TIMEOUT, backend=Backend.NCCL,
     )  # fmt: skip
     rt._groups["cpu_side"] = SwitchableGroup("cpu_side", [0], 0, SandboxComm(0, 1), 1, backend=Backend.GLOO)
-    comms = rt._prepare({"generation": 2, "role": "survivor", "moved_ranks": [0], "rank": 0})
+    plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
+    comms = rt._migration.prepare(plan)
     assert sorted(comms) == ["cpu_side", "world"]
     # only the NCCL group made an NCCL call: one non-blocking create of generation 2's communicator
     assert [(c[0], c[1], c[2]["blocking"]) for c in fake.calls] == [("create", "g2.world", False)]

@@ -24,7 +24,7 @@ def _pair() -> tuple[Any, Any]:
     out: dict[int, Any] = {}
 
     def build(rank: int) -> None:
-        # as rlaunch.runtime.groups.build_gloo, whose builds are serialized (one process here holds both ends)
+        # as rlaunch.runtime.backend.build, whose builds are serialized (one process here holds both ends)
         backend = ProcessGroupGloo(store, rank, 2, timeout=datetime.timedelta(seconds=10))
         pg = ProcessGroup(store, rank, 2)
         pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
