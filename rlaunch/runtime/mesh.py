@@ -137,7 +137,10 @@ class RuntimeMesh:
         root = self.device_mesh
         if root is None:
             return []
-        return [o for o in gc.get_objects() if isinstance(o, DeviceMesh) and (o is root or o._root_mesh is root)]
+        # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
+        # torch's deprecated objects answer with a FutureWarning (torch.distributed.reduce_op)
+        found = [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]
+        return [o for o in found if o is root or o._root_mesh is root]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return coordinate(self.ranks, rank)

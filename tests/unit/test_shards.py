@@ -116,3 +116,21 @@ def test_the_wrong_shard_is_refused_before_any_tensor_is_written() -> None:
     assert "odd.weight of global shape (5, 4) is sharded 2 ways" in got["uneven 0"], got
     assert got[1].startswith("refused untouched=True"), got
     assert "model.weight" in got[1] and "different shard" in got[1]
+
+
+def test_finding_a_joiners_mesh_views_raises_no_deprecation_warning(tmp_path: Any) -> None:
+    """A joiner scans the heap for its meshes; touching torch's deprecated objects on the way
+    printed a FutureWarning (torch.distributed.reduce_op) on every FSDP joiner."""
+    import warnings
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        root = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        mesh = RuntimeMesh((1,), ("shard",), 0)
+        mesh.device_mesh = root
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mesh._views() == [root]
+    finally:
+        dist.destroy_process_group()
