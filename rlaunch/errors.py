@@ -62,6 +62,10 @@ class MessageError(RlaunchError):
     """A message between an agent and its workers (a plan, a hello answer) is malformed or unknown."""
 
 
+class TransferBrokenError(RlaunchError):
+    """A joiner's state transfer broke off: its sender went away before every tensor arrived."""
+
+
 class EmbeddedEtcdError(RlaunchError):
     """The embedded etcd server could not be found or started."""
 

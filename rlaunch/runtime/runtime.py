@@ -50,7 +50,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.errors import RlaunchError
+from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng, shards
@@ -63,7 +63,7 @@ from rlaunch.runtime.recovery import Recovery, commit_point
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
-from rlaunch.runtime.transfer import recv_state
+from rlaunch.runtime.transfer import TransferError, recv_state
 from rlaunch.runtime.untracked import untracked_state
 from rlaunch.runtime.vote import RefusedError, StepVote
 
@@ -463,7 +463,16 @@ class Runtime:
                 group.swap(comms[name], plan.generation)
                 if name != WORLD:
                     register(group, self._store, {g: i for i, g in enumerate(group.members)})
-        next_step = recv_state(comms["channel"], self._tracked)
+        try:
+            next_step = recv_state(comms["channel"], self._tracked)
+        except TransferError:
+            raise
+        except RuntimeError as exc:  # the sender went away mid-transfer: the job ended, or it died
+            raise TransferBrokenError(
+                f"The state transfer for rank {self.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
+                "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
+                "again."
+            ) from exc
         self._applied = next_step - 1
         self.generation = plan.generation
         self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
