@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
 import signal
@@ -45,7 +46,8 @@ from rlaunch.events import EventLog
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import Ack, Generation, JobSpec, NodeRecord, NodeState, decode, encode
+from rlaunch.store.records import Ack, Event, Generation, JobSpec, NodeRecord, NodeState, decode, encode
+from rlaunch.waiting import wait_event
 
 LEASE_TTL = 3
 #: Simulated nodes' lease TTL: renewed every third of it, as agents do; long enough that a
@@ -154,18 +156,86 @@ class SimNode:
         self.acted.setdefault(gen.number, time.monotonic())
 
 
-async def controller_wake(store: Store, keys: JobKeys, wake: asyncio.Event, stop: asyncio.Event) -> None:
-    """What the leader's agent does for its controller: wake it on changes of the keys it plans on."""
-    _, revision = await store.get_at(keys.generation)
-    wake.set()
-    async for ev in store.watch_prefix(keys.prefix, start_revision=revision + 1):
-        if stop.is_set():
-            return
-        if not ev.key.startswith((keys.events_prefix, keys.prefix + "kv/")):
+def leader_ranges(keys: JobKeys) -> tuple[tuple[str, bool], ...]:
+    """The keys a leading agent watches (rlaunch.agent.agent's ``_watch_ranges`` while leading)."""
+    return (
+        (keys.generation, True), (keys.leader, True), (keys.all_acks_prefix, False), (keys.nodes_prefix, False),
+        (keys.drains_prefix, False), (keys.drained_prefix, False),
+    )  # fmt: skip
+
+
+async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
+    """The controller as a leader agent runs it, in a process of its own: a lease kept alive, the
+    leader's watch waking the real :class:`Controller`, until SIGTERM. Prints ``leading`` once elected.
+    With ``profile`` set, cProfile statistics of the whole run are written there."""
+    keys = JobKeys(job_id)
+    store = Store(parse_endpoints(endpoint), timeout=30)
+    kv = await store.get(keys.spec)
+    assert kv is not None, "the benchmark writes the spec before it starts the controller"
+    spec = decode(JobSpec, kv.value, keys.spec)
+    stop, wake = asyncio.Event(), asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    lease = await store.grant_lease(SIM_TTL)
+    events = EventLog(store, keys, "ctl", None, time.time)
+    events.start()
+    ctl = Controller(store, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), lease, events)
+
+    async def watch() -> None:
+        _, revision = await store.get_at(keys.generation)
+        wake.set()
+        async for _ in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
             wake.set()
 
+    async def keepalive() -> None:
+        while not await wait_event(stop, SIM_TTL / 3):
+            await store.refresh_lease(lease)
 
-async def simulated(endpoint: str, n: int) -> dict[str, Any]:
+    async def announce() -> None:
+        while not ctl.leading:
+            await asyncio.sleep(0.05)
+        print("leading", flush=True)
+
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
+    tasks = [asyncio.create_task(t) for t in (watch(), keepalive(), ctl.run(stop, wake), announce())]
+    await stop.wait()
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(profile)
+    for t in tasks:
+        t.cancel()
+    await asyncio.wait(tasks, timeout=5)
+    await events.close()
+    store.timeout = 1.0
+    await store.close()
+
+
+async def plan_time(store: Store, keys: JobKeys, number: int, deadline_s: float) -> float | None:
+    """Wall time at which the controller wrote generation ``number`` (its ``generation`` event)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        kvs, _ = await store.get_prefix(keys.events_prefix)
+        for kv in kvs:
+            event = decode(Event, kv.value, kv.key)
+            if event.kind == "generation" and event.generation == number:
+                return event.time
+        await asyncio.sleep(0.2)
+    return None
+
+
+def start_controller(endpoint: str, job_id: str, profile: str) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, __file__, "--controller-of", job_id, "--endpoint", endpoint, "--profile", profile]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until elected (or the process died)
+    if not line.startswith(b"leading"):
+        proc.kill()
+        raise RuntimeError(f"The controller process did not take the lead (exit code {proc.wait()}).")
+    return proc
+
+
+async def simulated(endpoint: str, n: int, profile: str) -> dict[str, Any]:
     keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
     eps = parse_endpoints(endpoint)
     channels = [Store(eps, timeout=30) for _ in range(max(1, n // 32))]
@@ -173,49 +243,45 @@ async def simulated(endpoint: str, n: int) -> dict[str, Any]:
     spec = JobSpec(job_id=keys.job_id, nnodes=n - 1, nproc_per_node=1, max_restarts=3, entrypoint="sim",
                    args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
     await main.put(keys.spec, encode(spec))
-    stop, wake = asyncio.Event(), asyncio.Event()
-    ctl_lease = await main.grant_lease(SIM_TTL)
-    events = EventLog(main, keys, "ctl", None, time.time)
-    events.start()
-    ctl = Controller(main, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), ctl_lease, events)
+    stop = asyncio.Event()
+    ctl = await asyncio.to_thread(start_controller, endpoint, keys.job_id, profile)
     nodes = [SimNode(f"s{i:05d}", channels[i % len(channels)], keys, standby=i == n - 1) for i in range(n)]
-    tasks = [asyncio.create_task(controller_wake(main, keys, wake, stop)), asyncio.create_task(ctl.run(stop, wake))]
-
-    async def ctl_keepalive() -> None:
-        while not stop.is_set():
-            await asyncio.sleep(SIM_TTL / 3)
-            await main.refresh_lease(ctl_lease)
-
-    tasks.append(asyncio.create_task(ctl_keepalive()))
-    began = time.monotonic()
-    for batch in range(0, n, 64):  # join in join order; the last ones left out are standbys
-        joining = nodes[batch : batch + 64]
-        await asyncio.gather(*(node.join() for node in joining))
-        for node in joining:  # each renews its lease and follows the generation from now on
-            tasks += [asyncio.create_task(node.keepalive(stop)), asyncio.create_task(node.follow(stop))]
-    while not all(1 in node.acted for node in nodes):
-        if time.monotonic() - began > 600:
-            raise RuntimeError(f"{sum(1 in x.acted for x in nodes)} of {n} simulated nodes formed in 600 s.")
-        await asyncio.sleep(0.05)
-    form_s = max(node.acted[1] for node in nodes) - began
-    await asyncio.sleep(2.0)  # let the controller's reaction to the last records settle
-    rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, QUIET_S)
-    victim = nodes[n // 2]
-    lease, victim.lease = victim.lease, 0
-    fault_at = time.monotonic()
-    await victim.store.revoke_lease(lease)
-    survivors = [node for node in nodes if node is not victim]
-    deadline = time.monotonic() + 120
-    while not all(2 in node.seen for node in survivors) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    seen = [node.seen[2] for node in survivors if 2 in node.seen]
-    gen = await read_generation(main, keys)
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        began = time.monotonic()
+        for batch in range(0, n, 64):  # join in join order; the last ones left out are standbys
+            joining = nodes[batch : batch + 64]
+            await asyncio.gather(*(node.join() for node in joining))
+            for node in joining:  # each renews its lease and follows the generation from now on
+                tasks += [asyncio.create_task(node.keepalive(stop)), asyncio.create_task(node.follow(stop))]
+        while not all(1 in node.acted for node in nodes):
+            if time.monotonic() - began > 600:
+                raise RuntimeError(f"{sum(1 in x.acted for x in nodes)} of {n} simulated nodes formed in 600 s.")
+            await asyncio.sleep(0.05)
+        form_s = max(node.acted[1] for node in nodes) - began
+        await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
+        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, QUIET_S)
+        victim = nodes[n // 2]
+        lease, victim.lease = victim.lease, 0
+        fault_at, fault_wall = time.monotonic(), time.time()
+        await victim.store.revoke_lease(lease)  # what the lease's expiry does
+        survivors = [node for node in nodes if node is not victim]
+        deadline = time.monotonic() + 120
+        while not all(2 in node.seen for node in survivors) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        seen = [node.seen[2] for node in survivors if 2 in node.seen]
+        planned = await plan_time(main, keys, 2, 30)
+        gen = await read_generation(main, keys)
+    finally:
+        ctl.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(ctl.wait, 30)
     result = {
         "n": n, "kind": "simulated", "form_s": round(form_s, 3),
-        "fault_to_plan_s": round(min(seen) - fault_at, 3) if seen else None,
+        "fault_to_plan_s": round(planned - fault_wall, 3) if planned else None,
         "fault_to_all_acted_s": round(max(seen) - fault_at, 3) if len(seen) == len(survivors) else None,
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
         "torchrun_form_s": None, "plan": gen.kind if gen else None, "lease_ttl_s": SIM_TTL,
+        "fault_to_first_node_saw_plan_s": round(min(seen) - fault_at, 3) if seen else None,
         "steady_methods": methods,
     }  # fmt: skip
     print(json.dumps(result), file=sys.stderr, flush=True)
@@ -226,7 +292,7 @@ async def simulated(endpoint: str, n: int) -> dict[str, Any]:
     await main.delete_prefix(keys.prefix)
     for store in (main, *channels):
         store.timeout = 1.0  # closing a channel that had watches on it may not finish: do not wait long
-    await asyncio.gather(events.close(), *(store.close() for store in (main, *channels)), return_exceptions=True)
+    await asyncio.gather(*(store.close() for store in (main, *channels)), return_exceptions=True)
     return result
 
 
@@ -387,13 +453,19 @@ def main() -> None:
     parser.add_argument("--real", default="16", help="comma-separated N of real agent processes ('' for none)")
     parser.add_argument("--simulated", default="1024", help="comma-separated N of simulated nodes ('' for none)")
     parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
+    parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
+    parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.controller_of:
+        asyncio.run(controller_process(args.endpoint, args.controller_of, args.profile))
+        return
     sizes: list[dict[str, Any]] = []
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="rlaunch-bench-") as tmpdir, EmbeddedEtcd() as etcd:
         tmp = Path(tmpdir)
         for n in [int(x) for x in args.simulated.split(",") if x]:
-            sizes.append(asyncio.run(simulated(etcd.endpoint, n)))
+            sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.profile)))
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             entry = real(etcd.endpoint, n, tmp)
