@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 import types
 import typing
@@ -224,15 +223,21 @@ def decode(cls: type[R], raw: bytes, where: str) -> R:
     return cls(**kwargs)
 
 
-@functools.cache
+_FIELDS: dict[type[Any], tuple[tuple[str, Any, bool], ...]] = {}
+
+
 def _fields(cls: type[Any]) -> tuple[tuple[str, Any, bool], ...]:
     """``(name, type, has_default)`` of each field of a record class, resolved once: resolving the
     annotations is most of a decode's cost, and a controller decodes every node record it reads."""
-    hints = typing.get_type_hints(cls)
-    return tuple(
-        (f.name, hints[f.name], f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
-        for f in dataclasses.fields(cls)
-    )
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        missing = dataclasses.MISSING
+        fields = _FIELDS[cls] = tuple(
+            (f.name, hints[f.name], f.default is not missing or f.default_factory is not missing)
+            for f in dataclasses.fields(cls)
+        )
+    return fields
 
 
 def _check(tp: Any, value: Any, where: str, name: str) -> Any:
