@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
-from rlaunch.controller.view import JobSnapshot, NodeCache, read_snapshot
+from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
 from rlaunch.detectors.straggler import StragglerWatch
 from rlaunch.errors import StoreError
@@ -61,7 +61,7 @@ class Controller:
         self._stragglers = StragglerWatch(straggler_window)
         self._slow_reported: set[str] = set()
         self._pruned_below = 1  # kv/g<n>/ of every generation below this one has been deleted
-        self._nodes = NodeCache()  # decoded node records, reused while unchanged
+        self._nodes = RecordCache()  # decoded node records, reused while unchanged
         self.leading = False
 
     @property

@@ -31,16 +31,27 @@ class JobSnapshot:
     drained: dict[str, DrainedMark] = dataclasses.field(default_factory=dict)
 
 
-class NodeCache:
-    """Decoded node records by key and mod revision, kept across reads by one reader (the controller).
+class RecordCache:
+    """Decoded records by key and mod revision, kept across reads by one reader (the controller).
 
-    A tick reads every node record; decoding and validating them all was most of a tick at a
-    thousand nodes. A record whose key and mod revision are unchanged is the same bytes, so its
-    decoded view is reused; only changed records are decoded again.
+    A tick reads every node record and the generation (whose rank map names every node); decoding
+    and validating them all was most of a tick at a thousand nodes. A key whose mod revision is
+    unchanged holds the same bytes, so its decoded record is reused; only changed ones are decoded.
+    The records are frozen and never changed in place by their readers.
     """
 
     def __init__(self) -> None:
         self._views: dict[str, tuple[int, NodeView, int]] = {}
+        self._generation: tuple[str, int, Generation] | None = None
+
+    def generation(self, kv: KV) -> Generation:
+        """The generation record of ``kv`` (raises :class:`RecordError` if malformed)."""
+        held = self._generation
+        if held is not None and held[0] == kv.key and held[1] == kv.mod_revision:
+            return held[2]
+        generation = decode(Generation, kv.value, kv.key)
+        self._generation = (kv.key, kv.mod_revision, generation)
+        return generation
 
     def view(self, kv: KV, keys: JobKeys, problems: list[str]) -> tuple[NodeView, int] | None:
         """The node view and lease of ``kv`` (None, with a sentence in ``problems``, if malformed)."""
@@ -68,9 +79,9 @@ class NodeCache:
             del self._views[key]
 
 
-async def read_snapshot(store: Store, keys: JobKeys, cache: NodeCache | None = None) -> JobSnapshot:
+async def read_snapshot(store: Store, keys: JobKeys, cache: RecordCache | None = None) -> JobSnapshot:
     """The job's state as etcd holds it now; ``cache`` spares decoding unchanged node records again."""
-    cache = cache if cache is not None else NodeCache()
+    cache = cache if cache is not None else RecordCache()
     problems: list[str] = []
     spec = None
     kv = await store.get(keys.spec)
@@ -84,7 +95,7 @@ async def read_snapshot(store: Store, keys: JobKeys, cache: NodeCache | None = N
     if kv is not None:
         gen_rev = kv.mod_revision
         try:
-            generation = decode(Generation, kv.value, keys.generation)
+            generation = cache.generation(kv)
         except RecordError as exc:
             problems.append(str(exc))
             gen_bad = True
