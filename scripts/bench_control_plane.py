@@ -317,7 +317,6 @@ def real(endpoint: str, n: int, tmp: Path) -> dict[str, Any]:
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    store = Store(parse_endpoints(endpoint), timeout=30)
 
     def agent(node_id: str) -> subprocess.Popen[bytes]:
         argv = [
@@ -328,44 +327,8 @@ def real(endpoint: str, n: int, tmp: Path) -> dict[str, Any]:
         log = (tmp / f"{keys.job_id}-{node_id}.log").open("wb")
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-    def wait_nodes(pred: Any, timeout: float) -> dict[str, NodeRecord]:
-        end = time.monotonic() + timeout
-        while True:
-            recs = asyncio.run(_read(store, keys))
-            if pred(recs) or time.monotonic() > end:
-                return recs
-            time.sleep(0.05)
-
     try:
-        began = time.monotonic()
-        for i in range(n):  # the first n-1 to register are active; the last is the standby
-            node_id = f"r{i:03d}"
-            procs[node_id] = agent(node_id)
-            wait_nodes(lambda r, nid=node_id: nid in r, 120)
-        running = lambda r, g: sum(x.state is NodeState.RUNNING and x.generation == g for x in r.values())  # noqa: E731
-        wait_nodes(lambda r: running(r, 1) >= n - 1, 600)
-        form_s = time.monotonic() - began
-        time.sleep(2.0)
-        rate, keepalives, methods = steady_rates(endpoint, QUIET_S)
-        victim = "r001"
-        fault_at = time.monotonic()
-        _kill_tree(procs[victim], signal.SIGKILL)
-        plan_at = None
-        while time.monotonic() - fault_at < 120:
-            gen = asyncio.run(_gen(store, keys))
-            if gen is not None and gen.number > 1 and not gen.status.terminal and gen.status.value == "running":
-                plan_at = time.monotonic()
-                break
-            time.sleep(0.02)
-        recs = wait_nodes(lambda r: running(r, 2) >= n - 1, 300)
-        acted_at = time.monotonic() if running(recs, 2) >= n - 1 else None
-        return {
-            "n": n, "kind": "real", "form_s": round(form_s, 3),
-            "fault_to_plan_s": round(plan_at - fault_at, 3) if plan_at else None,
-            "fault_to_all_acted_s": round(acted_at - fault_at, 3) if acted_at else None,
-            "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
-            "torchrun_form_s": None, "lease_ttl_s": LEASE_TTL, "steady_methods": methods,
-        }  # fmt: skip
+        return asyncio.run(_real(endpoint, n, keys, agent, procs))
     finally:
         for p in procs.values():
             _kill_tree(p, signal.SIGTERM)
@@ -375,21 +338,67 @@ def real(endpoint: str, n: int, tmp: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 _kill_tree(p, signal.SIGKILL)
                 p.wait(10)
-        asyncio.run(_cleanup(store, keys))
+        asyncio.run(_cleanup(Store(parse_endpoints(endpoint), timeout=30), keys))
 
 
-async def _read(store: Store, keys: JobKeys) -> dict[str, NodeRecord]:
+async def _real(
+    endpoint: str, n: int, keys: JobKeys, agent: Any, procs: dict[str, subprocess.Popen[bytes]]
+) -> dict[str, Any]:
+    store = Store(parse_endpoints(endpoint), timeout=30)
+
+    async def wait_nodes(pred: Any, timeout: float) -> dict[str, NodeRecord]:
+        end = time.monotonic() + timeout
+        while True:
+            recs = await read_nodes(store, keys)
+            if pred(recs) or time.monotonic() > end:
+                return recs
+            await asyncio.sleep(0.05)
+
+    def running(r: dict[str, NodeRecord], g: int) -> int:
+        return sum(x.state is NodeState.RUNNING and x.generation == g for x in r.values())
+
     try:
-        return await read_nodes(store, keys)
+        began = time.monotonic()
+        for i in range(n):  # the first n-1 to register are active; the last is the standby
+            node_id = f"r{i:03d}"
+            procs[node_id] = agent(node_id)
+            await wait_nodes(lambda r, nid=node_id: nid in r, 120)
+        recs = await wait_nodes(lambda r: running(r, 1) >= n - 1, 600)
+        if running(recs, 1) < n - 1:
+            raise RuntimeError(f"{running(recs, 1)} of {n - 1} real agents ran generation 1 within 600 s.")
+        form_s = time.monotonic() - began
+        await asyncio.sleep(3.0)
+        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, QUIET_S)
+        victim = "r001"
+        _, revision = await store.get_at(keys.node(victim))
+        expired = asyncio.create_task(_deleted_at(store, keys.node(victim), revision + 1))
+        fault_at, fault_wall = time.monotonic(), time.time()
+        _kill_tree(procs[victim], signal.SIGKILL)
+        expired_wall = await asyncio.wait_for(expired, 120)
+        planned = await plan_time(store, keys, 2, 120)
+        recs = await wait_nodes(lambda r: running(r, 2) >= n - 1, 300)
+        acted_at = time.monotonic() if running(recs, 2) >= n - 1 else None
+        gen = await read_generation(store, keys)
+        return {
+            "n": n, "kind": "real", "form_s": round(form_s, 3),
+            "fault_to_plan_s": round(planned - fault_wall, 3) if planned else None,
+            "fault_to_all_acted_s": round(acted_at - fault_at, 3) if acted_at else None,
+            "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
+            "torchrun_form_s": None, "plan": gen.kind if gen else None, "lease_ttl_s": LEASE_TTL,
+            "lease_expiry_to_plan_s": round(planned - expired_wall, 3) if planned else None,
+            "steady_methods": methods,
+        }  # fmt: skip
     finally:
+        store.timeout = 1.0
         await store.close()
 
 
-async def _gen(store: Store, keys: JobKeys) -> Generation | None:
-    try:
-        return await read_generation(store, keys)
-    finally:
-        await store.close()
+async def _deleted_at(store: Store, key: str, revision: int) -> float:
+    """Wall time at which ``key`` was deleted (a node record goes with its lease's expiry)."""
+    async for ev in store.watch_prefix(key, start_revision=revision, exact=True):
+        if ev.deleted:
+            return time.time()
+    raise RuntimeError(f"The watch on {key} ended before the key was deleted.")
 
 
 async def _cleanup(store: Store, keys: JobKeys) -> None:
@@ -397,53 +406,48 @@ async def _cleanup(store: Store, keys: JobKeys) -> None:
     await store.close()
 
 
-def torchrun(n: int, tmp: Path) -> float | None:
-    """Seconds from starting N torchrun c10d agents to every worker running (None: it failed)."""
+def torchrun(n: int, tmp: Path, keep_alive_max_attempt: int, timeout_s: float = 600) -> float | None:
+    """Seconds from starting N torchrun c10d agents to every worker running (None: it failed; the
+    agents' logs are under ``tmp``).
+
+    ``keep_alive_max_attempt`` goes to ``--rdzv-conf`` (torch's default is 3: a node whose keep-alive
+    is 15 s old is dropped from the rendezvous). With N agents on one small, loaded machine the
+    default never forms at N = 16: each step of torch's dynamic rendezvous records an event whose
+    name comes from two ``inspect.stack()`` calls, so an agent's state-sync loop takes seconds; a
+    keep-alive must win a compare-and-set against every other agent; agents that lose for 15 s
+    are dropped as dead, and the round never fills. On a real cluster each agent has its own CPUs.
+    """
     script = tmp / "torchrun_worker.py"
     script.write_text(TORCHRUN_WORKER)
     port = free_port()
     began = time.time()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                str(n),
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "bench",
-                "--rdzv-conf",
-                f"is_host={int(i == 0)}",
-                "--monitor-interval",
-                "0.1",
-                str(script),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        for i in range(n)
-    ]
-    formed: list[float] = []
+    conf = f"keep_alive_max_attempt={keep_alive_max_attempt}"
+    procs, outs = [], []
+    for i in range(n):
+        out = tmp / f"torchrun-{n}-{i}.out"
+        outs.append(out)
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+            "--rdzv-conf", f"is_host={int(i == 0)},{conf}", "--monitor-interval", "0.1", str(script),
+        ]  # fmt: skip
+        with out.open("wb") as stdout, (tmp / f"torchrun-{n}-{i}.err").open("wb") as stderr:
+            procs.append(subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL))
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=600)
-            formed += [float(line.split()[2]) for line in out.decode().splitlines() if line.startswith("formed")]
-    except subprocess.TimeoutExpired:
-        return None
+        end = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.5)
     finally:
         for p in procs:
             if p.poll() is None:
                 _kill_tree(p, signal.SIGKILL)
                 p.wait(10)
+    formed = [
+        float(line.split()[2]) for out in outs for line in out.read_text().splitlines() if line.startswith("formed")
+    ]
     if len(formed) < n:
+        print(f"torchrun: {len(formed)} of {n} workers started within {timeout_s:.0f} s; logs in {tmp}",
+              file=sys.stderr, flush=True)  # fmt: skip
         return None
     return round(max(formed) - began, 3)
 
@@ -453,6 +457,12 @@ def main() -> None:
     parser.add_argument("--real", default="16", help="comma-separated N of real agent processes ('' for none)")
     parser.add_argument("--simulated", default="1024", help="comma-separated N of simulated nodes ('' for none)")
     parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument(
+        "--torchrun-keep-alive-max-attempt", type=int, default=60,
+        help="torchrun's --rdzv-conf keep_alive_max_attempt (torch's default 3 never forms 16 agents on a loaded "
+        "2-core machine; see torchrun())",
+    )  # fmt: skip
+    parser.add_argument("--torchrun-max-n", type=int, default=64, help="run torchrun only up to this N")
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
@@ -462,26 +472,25 @@ def main() -> None:
         return
     sizes: list[dict[str, Any]] = []
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="rlaunch-bench-") as tmpdir, EmbeddedEtcd() as etcd:
-        tmp = Path(tmpdir)
+    tmp = Path(tempfile.mkdtemp(prefix="rlaunch-bench-"))  # kept: the agents' and torchrun's logs
+    with EmbeddedEtcd() as etcd:
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.profile)))
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
-            entry = real(etcd.endpoint, n, tmp)
-            if not args.no_torchrun:
-                entry["torchrun_form_s"] = torchrun(n, tmp)
+            try:
+                entry = real(etcd.endpoint, n, tmp)
+            except RuntimeError as exc:  # say what happened, and go on with the other sizes
+                entry = {"n": n, "kind": "real", "form_s": None, "fault_to_plan_s": None,
+                         "fault_to_all_acted_s": None, "steady_etcd_requests_per_s": None,
+                         "steady_keepalives_per_s": None, "torchrun_form_s": None, "error": str(exc)}  # fmt: skip
+            if not args.no_torchrun and n <= args.torchrun_max_n:
+                entry["torchrun_form_s"] = torchrun(n, tmp, args.torchrun_keep_alive_max_attempt)
+                entry["torchrun_keep_alive_max_attempt"] = args.torchrun_keep_alive_max_attempt
             sizes.append(entry)
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
-    print(
-        json.dumps(
-            {
-                "sizes": sizes,
-                "uptime_before": uptime,
-                "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-            }
-        )
-    )
+    after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"sizes": sizes, "uptime_before": uptime, "uptime_after": after, "logs": str(tmp)}))
 
 
 if __name__ == "__main__":
