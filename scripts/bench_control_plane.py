@@ -1,21 +1,29 @@
 """Control-plane benchmark: job formation, fault → committed plan → every node acting, etcd traffic.
 
-Prints one JSON object, ``{"sizes": [...], "uptime": ..., "not_run": [...]}``, one entry per N:
+Prints one JSON object, ``{"sizes": [...], "uptime_before": ..., "uptime_after": ..., "logs": DIR}``,
+one entry per N:
 
 - ``kind: "real"``: N real ``rlaunch`` agent processes (N-1 active, 1 standby) with a trivial
-  worker, on an embedded etcd. The fault is a SIGKILL of one active node (agent and worker);
-  the controller learns of it when the node's lease expires (``--lease-ttl``), which dominates
-  ``fault_to_plan_s``. "Acted": every node of the new generation publishes ``running`` at it.
+  worker, on an embedded etcd. The fault is a SIGKILL of one active node (agent and worker).
+  ``fault_to_plan_s`` runs from the SIGKILL to the controller's write of the next generation
+  (its ``generation`` event); the controller can only learn of the loss when the node's lease
+  expires (``--lease-ttl``), which dominates it, so ``lease_expiry_to_plan_s`` (from the deletion
+  of the node's record by the expiry, seen on a watch) is reported too. "Acted": every node of
+  the new generation publishes ``running`` at it.
 - ``kind: "simulated"``: N lightweight nodes (asyncio tasks on a few aetcd channels) that hold
   a lease, a node record and a watch on the generation key, and answer a generation as an agent
-  does (ack, then ``running`` at it); the real :class:`~rlaunch.controller.controller.Controller`
-  and planner decide. The fault is the revocation of one active node's lease (what its expiry
-  does). "Acted": every simulated node has seen the committed generation on its watch.
+  does (ack, then ``running`` at it). The real :class:`~rlaunch.controller.controller.Controller`
+  and planner decide, in a process of their own woken by the leader's watch, as in a leader agent
+  (``--profile FILE`` writes its cProfile statistics). The fault is the revocation of one active
+  node's lease, which is what its expiry does: ``fault_to_plan_s`` runs from the lease's end to
+  the controller's write of the next generation. "Acted": every simulated node has seen it on its
+  watch (all of them live in this one process, which bounds that figure).
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal.
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
-  script, from start to every worker running (null where not run).
+  script, from start to every worker running (null where not run or not formed); see
+  :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
 
 Usage: ``python scripts/bench_control_plane.py [--real 16,64] [--simulated 1024] [--no-torchrun]``.
 The machine's load changes the numbers: ``uptime`` is included.
