@@ -268,7 +268,8 @@ async def simulated(endpoint: str, n: int, profile: str) -> dict[str, Any]:
             await asyncio.sleep(0.05)
         form_s = max(node.acted[1] for node in nodes) - began
         await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
-        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, QUIET_S)
+        # two renewal periods: the nodes joined within seconds, so their keepalives come in waves
+        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, 2 * SIM_TTL / 3)
         victim = nodes[n // 2]
         lease, victim.lease = victim.lease, 0
         fault_at, fault_wall = time.monotonic(), time.time()
@@ -439,8 +440,9 @@ def torchrun(n: int, tmp: Path, keep_alive_max_attempt: int, timeout_s: float = 
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--rdzv-conf", f"is_host={int(i == 0)},{conf}", "--monitor-interval", "0.1", str(script),
         ]  # fmt: skip
+        env = {**os.environ, "LOGLEVEL": "INFO"}  # the logs say how far each agent got
         with out.open("wb") as stdout, (tmp / f"torchrun-{n}-{i}.err").open("wb") as stderr:
-            procs.append(subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env))
     try:
         end = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
@@ -471,6 +473,7 @@ def main() -> None:
         "2-core machine; see torchrun())",
     )  # fmt: skip
     parser.add_argument("--torchrun-max-n", type=int, default=64, help="run torchrun only up to this N")
+    parser.add_argument("--torchrun-timeout", type=float, default=600, help="seconds torchrun's agents get to form")
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
@@ -493,7 +496,7 @@ def main() -> None:
                          "fault_to_all_acted_s": None, "steady_etcd_requests_per_s": None,
                          "steady_keepalives_per_s": None, "torchrun_form_s": None, "error": str(exc)}  # fmt: skip
             if not args.no_torchrun and n <= args.torchrun_max_n:
-                entry["torchrun_form_s"] = torchrun(n, tmp, args.torchrun_keep_alive_max_attempt)
+                entry["torchrun_form_s"] = torchrun(n, tmp, args.torchrun_keep_alive_max_attempt, args.torchrun_timeout)
                 entry["torchrun_keep_alive_max_attempt"] = args.torchrun_keep_alive_max_attempt
             sizes.append(entry)
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
