@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import os
@@ -50,6 +51,7 @@ import psutil
 
 from rlaunch.controller.controller import Controller
 from rlaunch.controller.planner import PlannerConfig
+from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
@@ -132,36 +134,46 @@ class SimNode:
             if not stop.is_set() and self.lease:
                 try:
                     await self.store.refresh_lease(self.lease)
-                except Exception:  # noqa: BLE001 - a revoked lease (the fault) ends renewals
-                    return
+                except StoreError:  # a loaded machine: try again at the next renewal
+                    continue
 
     async def follow(self, stop: asyncio.Event) -> None:
-        """Act on each generation as an agent does: ack, then ``running`` (or ``standby``)."""
-        kv, revision = await self.store.get_at(self.keys.generation)
-        if kv is not None:
-            await self._act(decode(Generation, kv.value, kv.key))
-        async for ev in self.store.watch_prefix(self.keys.generation, start_revision=revision + 1, exact=True):
-            if stop.is_set():
-                return
-            if not ev.deleted:
-                await self._act(decode(Generation, ev.value, ev.key))
+        """Act on each generation as an agent does: ack, then ``running`` (or ``standby``). A broken
+        watch or a failed write (a loaded machine) is retried, as an agent retries."""
+        while not stop.is_set():
+            try:
+                kv, revision = await self.store.get_at(self.keys.generation)
+                if kv is not None:
+                    await self._act(decode(Generation, kv.value, kv.key))
+                async for ev in self.store.watch_prefix(self.keys.generation, start_revision=revision + 1, exact=True):
+                    if stop.is_set():
+                        return
+                    if not ev.deleted:
+                        await self._act(decode(Generation, ev.value, ev.key))
+            except StoreError:
+                await asyncio.sleep(0.5)
 
     async def _act(self, gen: Generation) -> None:
         self.seen.setdefault(gen.number, time.monotonic())
-        if self.lease == 0:
+        if gen.number in self.acted:
             return
-        try:
-            if gen.node_rank(self.node_id) is None:
-                await self.store.put(self.keys.node(self.node_id), self.record(NodeState.STANDBY, gen.number),
-                                     lease=self.lease)  # fmt: skip
-            else:
-                ack = encode(Ack(node_id=self.node_id, generation=gen.number))
-                await self.store.put(self.keys.ack(gen.number, self.node_id), ack, lease=self.lease)
-                await self.store.put(self.keys.node(self.node_id), self.record(NodeState.RUNNING, gen.number),
-                                     lease=self.lease)  # fmt: skip
-        except Exception:  # noqa: BLE001 - the faulted node's lease is gone
+        for _ in range(5):
+            if self.lease == 0:
+                return  # the faulted node: its lease is gone
+            try:
+                if gen.node_rank(self.node_id) is None:
+                    await self.store.put(self.keys.node(self.node_id), self.record(NodeState.STANDBY, gen.number),
+                                         lease=self.lease)  # fmt: skip
+                else:
+                    ack = encode(Ack(node_id=self.node_id, generation=gen.number))
+                    await self.store.put(self.keys.ack(gen.number, self.node_id), ack, lease=self.lease)
+                    await self.store.put(self.keys.node(self.node_id), self.record(NodeState.RUNNING, gen.number),
+                                         lease=self.lease)  # fmt: skip
+            except StoreError:
+                await asyncio.sleep(0.5)
+                continue
+            self.acted.setdefault(gen.number, time.monotonic())
             return
-        self.acted.setdefault(gen.number, time.monotonic())
 
 
 def leader_ranges(keys: JobKeys) -> tuple[tuple[str, bool], ...]:
@@ -188,15 +200,20 @@ async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
     events.start()
     ctl = Controller(store, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), lease, events)
 
-    async def watch() -> None:
-        _, revision = await store.get_at(keys.generation)
-        wake.set()
-        async for _ in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
-            wake.set()
+    async def watch() -> None:  # as the agent's watch: restarted from the latest revision when it breaks
+        while not stop.is_set():
+            try:
+                _, revision = await store.get_at(keys.generation)
+                wake.set()
+                async for _ in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
+                    wake.set()
+            except StoreError:
+                await asyncio.sleep(0.5)
 
     async def keepalive() -> None:
         while not await wait_event(stop, SIM_TTL / 3):
-            await store.refresh_lease(lease)
+            with contextlib.suppress(StoreError):
+                await store.refresh_lease(lease)
 
     async def announce() -> None:
         while not ctl.leading:
