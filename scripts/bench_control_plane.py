@@ -437,11 +437,12 @@ def torchrun(n: int, tmp: Path, keep_alive_max_attempt: int, timeout_s: float = 
     agents' logs are under ``tmp``).
 
     ``keep_alive_max_attempt`` goes to ``--rdzv-conf`` (torch's default is 3: a node whose keep-alive
-    is 15 s old is dropped from the rendezvous). With N agents on one small, loaded machine the
-    default never forms at N = 16: each step of torch's dynamic rendezvous records an event whose
-    name comes from two ``inspect.stack()`` calls, so an agent's state-sync loop takes seconds; a
-    keep-alive must win a compare-and-set against every other agent; agents that lose for 15 s
-    are dropped as dead, and the round never fills. On a real cluster each agent has its own CPUs.
+    is 15 s old is dropped from the rendezvous). With 16 agents on one small, loaded machine the
+    defaults did not form in 10 minutes: each step of torch's dynamic rendezvous records an event
+    whose name comes from two ``inspect.stack()`` calls (13 of 16 agents were sampled there), so an
+    agent's state-sync loop takes seconds, and every keep-alive must win a compare-and-set against
+    the other agents. With that call stubbed out, or with ``keep_alive_max_attempt=60``, they formed
+    in about two minutes (mostly importing torch). On a real cluster each agent has its own CPUs.
     """
     script = tmp / "torchrun_worker.py"
     script.write_text(TORCHRUN_WORKER)
