@@ -35,7 +35,7 @@ from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.agent.lease import LeaseKeeper, keepalive_store
 from rlaunch.agent.logs import LogPolicy
 from rlaunch.agent.metrics import AgentMetrics
-from rlaunch.agent.progress import ProgressReporter, progress_every_s
+from rlaunch.agent.progress import ProgressReporter, progress_batch, progress_every_s
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import WorkerGroup, become_subreaper, reap_orphans
 from rlaunch.controller.controller import Controller
@@ -157,7 +157,10 @@ class Agent:
         self.events.start()
         self.metrics = AgentMetrics(self.node_id, self.cfg.nproc_per_node)
         self.events.observers.append(self.metrics.on_event)
-        progress = ProgressReporter(self.metrics.registry, self.node_id, self.events.emit, progress_every_s())
+        progress = ProgressReporter(
+            self.metrics.registry, self.node_id, self.events.emit, progress_every_s(), progress_batch(), self._clock
+        )
+        self.events.observers.append(progress.observe)  # any other event carries the held samples along
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
-from rlaunch.controller.view import JobSnapshot, read_snapshot
+from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
 from rlaunch.detectors.straggler import StragglerWatch
 from rlaunch.errors import StoreError
@@ -61,6 +61,7 @@ class Controller:
         self._stragglers = StragglerWatch(straggler_window)
         self._slow_reported: set[str] = set()
         self._pruned_below = 1  # kv/g<n>/ of every generation below this one has been deleted
+        self._nodes = RecordCache()  # decoded node records, reused while unchanged
         self.leading = False
 
     @property
@@ -152,7 +153,7 @@ class Controller:
         self._pruned_below = below
 
     async def tick(self) -> None:
-        snap = await read_snapshot(self._store, self._keys)
+        snap = await read_snapshot(self._store, self._keys, self._nodes)
         for problem in snap.problems:
             if problem not in self._reported:
                 self._reported.add(problem)
@@ -165,7 +166,7 @@ class Controller:
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
         if await self._revoke_dead(snap):
-            snap = await read_snapshot(self._store, self._keys)
+            snap = await read_snapshot(self._store, self._keys, self._nodes)
         view = ClusterView(
             spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains),
             stragglers=frozenset(self._find_stragglers(snap)),

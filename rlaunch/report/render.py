@@ -118,7 +118,7 @@ def steps_figure(tl: Timeline) -> go.Figure:
                     name=f"{node}", legendgroup=node, mode="lines+markers", x=xs,
                     y=ys, line={"color": colour}, marker={"size": 5}, customdata=custom,
                     hovertemplate=f"{node}: %{{y:.1f}} ms per step at %{{x:.1f}} s<br>generation %{{customdata[0]}}, "
-                    "%{customdata[1]} steps since the last report, last applied step %{customdata[2]}<extra></extra>",
+                    "%{customdata[1]} steps since the last sample, last applied step %{customdata[2]}<extra></extra>",
                 ),
                 row=1, col=1,
             )  # fmt: skip
@@ -157,7 +157,7 @@ def steps_figure(tl: Timeline) -> go.Figure:
 
 
 def usual_interval(tl: Timeline) -> float:
-    """The median time between two progress reports of one node (0 if unknown)."""
+    """The median time between two progress samples of one node (0 if unknown)."""
     gaps: list[float] = []
     for node in tl.nodes:
         times = [p.time for p in tl.points if p.node == node and p.source == "progress"]
@@ -260,8 +260,8 @@ straggler moves (indigo), recoveries (red) and restarts (orange), labelled with 
 ✕ marks a fault or finding.</div>
 {timeline}
 <h2>Step time and goodput</h2>
-<div class="sub">From each agent's periodic <code>progress</code> event; diamonds are the step in which a
-migration switched ranks.</div>
+<div class="sub">From the progress samples each agent takes every 30 s while its ranks step (written in
+batched <code>progress</code> events); diamonds are the step in which a migration switched ranks.</div>
 {steps}
 <h2>Incidents</h2>
 {incidents}
@@ -282,7 +282,7 @@ def render_html(tl: Timeline, note: str = "") -> str:
     else:
         steps = (
             '<p class="none" id="rlaunch-steps">No step times in these events: the job ran no step that the agents '
-            "reported (progress events come every 30 s while ranks step, and with the rlaunch runtime).</p>"
+            "sampled (agents sample progress every 30 s while ranks step, with the rlaunch runtime).</p>"
         )
     incidents = _table(
         ["kind", "generation", "start (s)", "end (s)", "downtime", "measured by", "nodes", "what happened"],

@@ -11,8 +11,9 @@ What the events say, arranged for a picture and for a table:
   ``seconds``), otherwise the time from the fault until the nodes ran again;
 - **findings**: the detectors' and agents' alarms (a failed worker, a lost node, a hang, a GPU fault,
   a straggler, a fenced agent), drawn as marks on the node they concern;
-- **points**: step time and goodput over time, per node, from the agents' periodic ``progress``
-  events, and the step that took each migration (``switched``: its ``step_ms``).
+- **points**: step time and goodput over time, per node, from the samples in the agents' batched
+  ``progress`` events (one sample per 30 s of training, see rlaunch.agent.progress), and the step
+  that took each migration (``switched``: its ``step_ms``).
 """
 
 from __future__ import annotations
@@ -334,19 +335,33 @@ def _first_running(events: list[Event], g: GenerationMark) -> dict[str, float]:
     return out
 
 
+def _samples(e: Event) -> list[tuple[float, int, dict[str, Any]]]:
+    """A ``progress`` event's samples as ``(time, generation, data)``: a batch (``data.samples``, see
+    rlaunch.agent.progress) or, from agents before batching, the event itself as one sample."""
+    batch = e.data.get("samples")
+    if not isinstance(batch, list):
+        return [(e.time, e.generation, e.data)]
+    return [
+        (float(s.get("time", e.time)), int(s.get("generation", e.generation)), s) for s in batch if isinstance(s, dict)
+    ]
+
+
 def _points(events: list[Event]) -> list[Point]:
     out = []
     for e in events:
         d = e.data
-        if e.kind == "progress" and float(d.get("step_s") or 0) > 0:
-            goodput = d.get("goodput")
-            out.append(
-                Point(e.time, e.node_id, e.generation, "progress", float(d["step_s"]),
-                      None if goodput is None else float(goodput), int(d.get("steps", 0)), int(d.get("applied", -1)))
-            )  # fmt: skip
+        if e.kind == "progress":
+            for when, generation, s in _samples(e):
+                if float(s.get("step_s") or 0) > 0:
+                    goodput = s.get("goodput")
+                    out.append(
+                        Point(when, e.node_id, generation, "progress", float(s["step_s"]),
+                              None if goodput is None else float(goodput), int(s.get("steps", 0)),
+                              int(s.get("applied", -1)))
+                    )  # fmt: skip
         elif e.kind == "switched" and "step_ms" in d:
             out.append(Point(e.time, e.node_id, e.generation, "switched", float(d["step_ms"]) / 1000, None, 1, -1))
-    return out
+    return sorted(out, key=lambda p: p.time)  # a batch's samples are older than the event that carried them
 
 
 def _bytes(n: int) -> str:

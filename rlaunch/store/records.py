@@ -213,16 +213,31 @@ def decode(cls: type[R], raw: bytes, where: str) -> R:
         raise RecordError(f"The record at {where} is not valid JSON ({exc}); delete or rewrite that key.") from exc
     if not isinstance(obj, dict):
         raise RecordError(f"The record at {where} is not a JSON object; delete or rewrite that key.")
-    hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if field.name not in obj:
-            has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+    for name, tp, has_default in _fields(cls):
+        if name not in obj:
             if has_default:
                 continue
-            raise RecordError(f"The record at {where} lacks the field {field.name!r}; delete or rewrite that key.")
-        kwargs[field.name] = _check(hints[field.name], obj[field.name], where, field.name)
+            raise RecordError(f"The record at {where} lacks the field {name!r}; delete or rewrite that key.")
+        kwargs[name] = _check(tp, obj[name], where, name)
     return cls(**kwargs)
+
+
+_FIELDS: dict[type[Any], tuple[tuple[str, Any, bool], ...]] = {}
+
+
+def _fields(cls: type[Any]) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, type, has_default)`` of each field of a record class, resolved once: resolving the
+    annotations is most of a decode's cost, and a controller decodes every node record it reads."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        missing = dataclasses.MISSING
+        fields = _FIELDS[cls] = tuple(
+            (f.name, hints[f.name], f.default is not missing or f.default_factory is not missing)
+            for f in dataclasses.fields(cls)
+        )
+    return fields
 
 
 def _check(tp: Any, value: Any, where: str, name: str) -> Any:

@@ -5,14 +5,17 @@ it, and Chromium draws it."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlaunch.store.embedded import free_port
 from rlaunch.store.keys import JobKeys
@@ -37,21 +40,48 @@ def happened(cluster: Cluster, node: str, kind: str, gen: int) -> bool:
     return any(e.node_id == node and e.kind == kind and e.generation == gen for e in events(cluster))
 
 
+def held(port: int, node: str) -> float:
+    """The progress samples node's agent holds in memory (its metrics page)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "rlaunch_progress_samples_held" and s.labels.get("node") == node:
+                return float(s.value)
+    return 0.0
+
+
+def progress_events(cluster: Cluster, node: str, gen: int) -> list[Event]:
+    return [e for e in events(cluster) if e.node_id == node and e.kind == "progress" and e.generation == gen]
+
+
 @pytest.fixture
 def job(cluster: Cluster, tmp_path: Path) -> Cluster:
     """A running job that went through a drain and a fault: a and b train, c stands by; b is drained
-    to c, then c's worker is killed and c rejoins live. (The cluster fixture stops it afterwards.)"""
+    to c, then c's worker is killed and c rejoins live. (The cluster fixture stops it afterwards.)
+
+    Progress is sampled every second but held in memory: it reaches etcd only with another event
+    of the same agent (here the drain and the fault), never while the job trains quietly."""
     env = {"RLAUNCH_PROGRESS_S": "1"}
-    flags = ("--max-restarts", "1", "--log-dir", str(tmp_path / "logs"))
-    a, _, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, *ARGS, flags=flags, env=env)
+    ports = {n: free_port() for n in "abc"}
+    agents = {}
+    for n in "abc":
+        flags = ("--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--metrics-port", str(ports[n]))
+        agents[n] = cluster.agent(n, RESILIENT, *ARGS, flags=flags, env=env)
+        wait_for(lambda n=n: cluster.node(n), 60, f"node {n} to register")
+    a, c = agents["a"], agents["c"]
     wait_for(lambda: (n := cluster.node("c")) and n["state"] == "standby" and n["runtime"], 180, "standby c warm")
-    wait_for(lambda: happened(cluster, "b", "progress", 1), 60, "b to report its progress")
+    wait_for(lambda: held(ports["b"], "b") >= 2, 60, "b to hold two progress samples")
+    assert progress_events(cluster, "b", 1) == [], "a quietly training node wrote its progress to etcd"
     res = cluster.cli("drain", "b", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, timeout=120)
     assert res.returncode == 0, res.stderr
-    wait_for(lambda: happened(cluster, "c", "progress", 2), 60, "c to train in b's place")
+    wait_for(lambda: progress_events(cluster, "b", 1), 60, "b's samples to go with its drain")
+    batches = progress_events(cluster, "b", 1)  # the first carries what b held; later ones, its last steps
+    assert len(batches[0].data["samples"]) >= 2 and all(e.data["flushed"] != "full" for e in batches), batches
+    wait_for(lambda: held(ports["c"], "c") >= 1, 60, "c to train in b's place")
     c.workers()[0].kill()
     wait_for(lambda: happened(cluster, "c", "joined", 3), 180, "c to rejoin live after its worker was killed")
-    wait_for(lambda: happened(cluster, "c", "progress", 3), 60, "c to train again", interval=0.5)
+    wait_for(lambda: progress_events(cluster, "c", 2), 60, "c's samples to go with its fault")
     assert a.proc.poll() is None and c.proc.poll() is None, c.output()[-3000:]
     return cluster
 
@@ -83,7 +113,8 @@ def test_report_of_a_real_job_with_a_drain_and_a_fault(job: Cluster, tmp_path: P
         times = [float(p["time_unix"]) for p in progress if p["node"] == node and p["source"] == "progress"]
         assert all(b - a >= 0.9 for a, b in zip(times, times[1:], strict=False)), (node, times)
     rows = list(csv.DictReader((out / "csv" / "r-events.csv").open()))
-    assert sum(e["kind"] == "progress" for e in rows) == len([p for p in progress if p["source"] == "progress"])
+    batched = [len(json.loads(e["data"])["samples"]) for e in rows if e["kind"] == "progress"]
+    assert sum(batched) == len([p for p in progress if p["source"] == "progress"])
 
     # The events.jsonl under --log-dir tells the same story (the CLI's drain request is only in etcd;
     # the job still runs, so the file may hold a few more progress events).

@@ -13,7 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from rlaunch.agent.metrics import AgentMetrics
-from rlaunch.agent.progress import PROGRESS_EVERY_S, progress_data, progress_every_s, read_sample
+from rlaunch.agent.progress import (
+    PROGRESS_BATCH,
+    PROGRESS_EVERY_S,
+    ProgressReporter,
+    progress_batch,
+    progress_data,
+    progress_every_s,
+    read_sample,
+)
 from rlaunch.cli import app
 from rlaunch.cli.report import default_name
 from rlaunch.errors import UsageError
@@ -42,11 +50,15 @@ def job_events() -> list[Event]:
         ev(2.0, "c", "node_joined"),
         ev(2.1, "c", "node_state", 1, state="standby", previous="waiting"),
         ev(30.0, "a", "progress", 1, steps=300, applied=299, step_s=0.1, goodput=0.9, ranks=1),
-        ev(30.2, "b", "progress", 1, steps=300, applied=299, step_s=0.11, goodput=None, ranks=1),
         ev(40.0, "cli", "drain_requested", 0, node="b"),
         ev(40.1, "a", "generation", 2, plan="migrate", status="running", reason="draining b",
            assignment={"a": 0, "c": 1}, restart_count=0),
         ev(40.1, "b", "migration_offered", 2, role="leaver", joiners=["c"]),
+        # a batch (today's agents): b's sample of t=30.2 rides along with its first event after it
+        ev(40.1, "b", "progress", 1, flushed="migration_offered", samples=[
+            {"time": T0 + 30.2, "generation": 1, "steps": 300, "applied": 299, "step_s": 0.11, "goodput": None,
+             "ranks": 1},
+        ]),
         ev(40.1, "c", "migration_offered", 2, role="joiner", leavers=["b"], joiners=["c"]),
         ev(40.1, "b", "node_state", 2, state="draining", previous="running"),
         ev(40.3, "b", "state_sent", 2, local_rank=0, bytes=2048, seconds=0.01),
@@ -291,3 +303,55 @@ def test_the_command_refuses_bad_input_with_a_sentence(tmp_path: Path, monkeypat
     assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output
     res = runner.invoke(app, ["report"])
     assert res.exit_code == 2 and "Say where the events are" in res.output
+
+
+def test_progress_samples_wait_in_memory_until_another_event_or_a_full_batch() -> None:
+    now = [100.0]
+    metrics = AgentMetrics("n1", 1, clock=lambda: now[0])
+    emitted: list[tuple[str, int, dict[str, Any]]] = []
+    reporter = ProgressReporter(
+        metrics.registry, "n1", lambda kind, gen, **data: emitted.append((kind, gen, data)), 30.0, 3, lambda: now[0]
+    )
+    steps = reporter.sample(0.0, 1)  # no step yet: nothing kept
+    assert reporter.held == 0
+    for total in (10, 20):
+        now[0] += 30.0
+        metrics.heartbeat(0, total, total - 1, 0.2, 0.1)
+        steps = reporter.sample(steps, 1)
+    assert reporter.held == 2 and emitted == []  # steady state: nothing written
+    reporter.observe(Event(time=now[0], node_id="n1", kind="progress", generation=1))  # its own kind: no flush
+    assert emitted == []
+    reporter.observe(Event(time=now[0], node_id="n1", kind="node_state", generation=2))
+    assert [(k, g, d["flushed"], [s["time"] for s in d["samples"]]) for k, g, d in emitted] == [
+        ("progress", 1, "node_state", [130.0, 160.0])
+    ]
+    # goodput: 10 steps of 0.2 s in 30 s
+    assert emitted[0][2]["samples"][1] == {
+        "time": 160.0, "generation": 1, "steps": 10, "applied": 19, "step_s": 0.2, "goodput": 0.0667, "ranks": 1
+    }  # fmt: skip
+    reporter.observe(Event(time=now[0], node_id="n1", kind="node_state", generation=2))  # nothing held
+    assert len(emitted) == 1 and reporter.held == 0
+    for total in (30, 40, 50):
+        now[0] += 30.0
+        metrics.heartbeat(0, total, total - 1, 0.2, 0.1)
+        steps = reporter.sample(steps, 2)
+    assert len(emitted) == 2 and emitted[1][2]["flushed"] == "full" and len(emitted[1][2]["samples"]) == 3
+
+
+def test_a_batch_becomes_one_point_per_sample_in_time_order() -> None:
+    batch = ev(50.0, "a", "progress", 2, flushed="exit", samples=[
+        {"time": T0 + 10.0, "generation": 1, "steps": 5, "applied": 4, "step_s": 0.3, "goodput": 0.5, "ranks": 1},
+        {"time": T0 + 40.0, "generation": 2, "steps": 5, "applied": 9, "step_s": 0.4, "goodput": None, "ranks": 1},
+    ])  # fmt: skip
+    tl = timeline.build("j", [ev(0.0, "a", "node_joined"), ev(20.0, "a", "switched", 1, step_ms=250.0), batch])
+    assert [(p.time - T0, p.generation, p.source, p.step_s) for p in tl.points] == [
+        (10.0, 1, "progress", 0.3), (20.0, 1, "switched", 0.25), (40.0, 2, "progress", 0.4),
+    ]  # fmt: skip
+
+
+def test_progress_batch_comes_from_the_environment() -> None:
+    assert progress_batch({}) == PROGRESS_BATCH
+    assert progress_batch({"RLAUNCH_PROGRESS_BATCH": "4"}) == 4
+    for bad in ("0", "-1", "many", "2.5"):
+        with pytest.raises(UsageError, match="RLAUNCH_PROGRESS_BATCH"):
+            progress_batch({"RLAUNCH_PROGRESS_BATCH": bad})
