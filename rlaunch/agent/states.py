@@ -28,7 +28,20 @@ class IllegalTransition(RlaunchError):
 
 
 class AgentState(str, enum.Enum):
-    """What this node's workers are doing (the module docstring lists the transitions)."""
+    """What this node's workers are doing. Transitions (decided by ``transitions.decide``):
+
+    - ``idle`` (no workers) → ``starting`` (acked a restart) | ``sandbox`` (standby in a runtime
+      job) | ``settling`` (a replacement's joiner, through a fresh sandbox) | ``leaving_done``
+    - ``starting`` (waits for every node's ack) → ``active`` (all acked: workers start)
+    - ``sandbox`` → ``settling`` (a move's joiner) | ``idle`` (its workers exited: a failed standby)
+      | ``starting`` (a restart gives it ranks)
+    - ``active`` → ``active`` (a migration's survivor) | ``settling`` (a replacement's survivor)
+      | ``leaving`` (its ranks move away) | ``idle`` (workers exited, or stopped) | ``starting``
+    - ``settling`` (a move's workers not all joined or recovered) → ``active`` | as ``active``
+    - ``leaving`` (workers hand their state over) → ``leaving_done`` | ``active`` (move abandoned)
+    - ``leaving_done`` → ``exited`` (drained) | ``idle`` (the move failed, or was moot)
+    - any → ``exited`` (the job ended, a signal, fencing); ``exited`` is final.
+    """
 
     IDLE = "idle"
     STARTING = "starting"

@@ -1,46 +1,60 @@
 """The node agent's state machine: a pure decision of what to do on each observation.
 
-:func:`decide` takes the agent's :class:`Node` (its :class:`AgentState` and what it remembers)
-and one observation; it returns a :class:`Decision`: the steps to carry out (typed actions, each
-with the node as it stands once that action is done) and the node after the last. It does no I/O
-and reads no clock; :mod:`rlaunch.agent.agent` carries the actions out. When a decision needs a
-read from etcd to go on (every node's acks, or whether the job uses the runtime), it says so in
-``Decision.need``; the agent reads and decides again with the answer in the observation.
+:func:`decide` takes the agent's :class:`~rlaunch.agent.states.Node` (its
+:class:`~rlaunch.agent.states.AgentState` and what it remembers across states) and one
+observation; it returns a :class:`~rlaunch.agent.states.Decision`: the steps to carry out (typed
+actions, each with the node as it stands from the moment the action runs) and the node after the
+last. It does no I/O and reads no clock; :mod:`rlaunch.agent.agent` carries the actions out. When
+a decision needs a read from etcd to go on (every node's acks, or whether the job uses the
+runtime), it says so in ``Decision.need``; the agent reads and decides again with the answer.
 
-States (:class:`AgentState`) and what moves between them:
+Observations: ``Look`` (bring the node in line with the current generation; made on every loop
+round), ``WorkersExited``, ``Settled`` (a move's workers all joined or recovered), ``Signalled``,
+``Fenced``. An observation a state cannot take raises
+:class:`~rlaunch.agent.states.IllegalTransition`.
 
-============ ==================================================================================
-state        moves to
-============ ==================================================================================
-``idle``     no workers run (none yet, or they were stopped, or they exited).
-             → ``starting`` (a restart generation gives it ranks: stop, ack, wait for all acks)
-             → ``sandbox`` (no ranks in a runtime job: warm workers start)
-             → ``settling`` (a replacement names it joiner: sandbox workers start and take ranks)
-             → ``leaving_done`` (a leaver whose workers are gone) → ``exited`` (job ended)
-``starting`` acknowledged restart generation ``acked_gen``; waits until every assigned node acked.
-             → ``active`` (all acked: workers start) → ``idle``/``sandbox`` (a newer generation)
-``sandbox``  a standby's sandbox workers run (warming, then warm).
-             → ``settling`` (a migration or replacement names it joiner: its workers take ranks)
-             → ``idle`` (they exited: the standby is failed) → ``starting`` (a restart gives it ranks)
-``active``   rank workers of generation ``worker_gen`` run.
-             → ``active`` (a migration keeps them: survivor) → ``settling`` (a replacement's survivor)
-             → ``leaving`` (its ranks move away) → ``idle`` (they exited, or no ranks any more)
-             → ``starting`` (a restart)
-``settling`` a move's workers run but have not all joined (joiner) or recovered (survivor).
-             → ``active`` (all did: ``running``) → ``idle`` (they exited) → as ``active``
-``leaving``  its ranks move to a joiner in a migration; its workers hand their state over.
-             → ``leaving_done`` (they all sent it and were stopped, or exited)
-             → ``active`` (a newer generation abandoned the move)
-``leaving_done`` a leaver whose workers are gone; judged on the next generation look:
-             → ``exited`` (drained, exit 0) → ``idle`` (the move failed, or was moot: the workers
-             finished the job first; this generation never names it leaver again)
-``exited``   final: the agent exits with the decision's :class:`Exit` code (job ended, drained,
-             signalled or fenced).
-============ ==================================================================================
+==============  =====================  ==================================================================
+state           observation            next state (actions)
+==============  =====================  ==================================================================
+any             Signalled              exited (stop with grace, record ``stopping``, exit 1)
+any             Fenced                 exited (kill at once, exit 1)
+any             Look: job ended        exited (stop, exit 0 or 1)
+any             Look: GPU fault        idle (stop, record ``failed``)
+idle            Look: restart, ranks   starting (record ``restarting``, ack; then read every ack)
+starting        Look: all acked        active (start workers, record ``running``)
+idle            Look: no ranks         sandbox if the job uses the runtime and no sandbox ran yet
+                                       (read node records when they changed), else idle; record
+                                       ``warming`` / ``standby`` / ``failed`` (its sandbox died)
+sandbox         Look: migrate, joiner  settling (offer ``joiner``, record ``restarting``)
+sandbox         Look: replace, joiner  settling (offer ``joiner``, record ``restarting``)
+idle, active    Look: replace, joiner  settling (stop, fresh sandbox, offer ``joiner``)
+active          Look: migrate          active (offer ``survivor``, record ``running``)
+active          Look: replace          settling (offer ``survivor``, record ``restarting``)
+idle, sandbox   Look: replace, ranks   idle (stop; record ``failed`` with the last exit codes)
+active          Look: no ranks         idle (kill at once: its ranks belong to others)
+active          Look: waiting, ranks   idle (stop with grace, record ``restarting``)
+active, sandbox Look: restart          starting (stop, record ``restarting``, ack)
+settling        Settled                active (record ``running``)
+active          Look: leaver, migrate  leaving (record ``draining``, offer ``leaver``)
+active, idle    Look: leaver, restart  leaving_done (record ``draining``, stop)
+leaving         Look: all state sent   leaving_done (stop), then as below
+leaving_done    Look: all state sent   exited (``drained/`` mark, record ``drained``, exit 0)
+leaving_done    Look: workers finished idle, move ended here (moot: record ``succeeded``)
+leaving_done    Look: state not sent   idle, move ended here (``migration_failed``)
+leaving(_done)  Look: not a leaver     active / idle (``migration_abandoned``)
+sandbox         WorkersExited          idle, sandbox failed (record ``failed``)
+leaving         WorkersExited all 0    leaving_done (finished if not all state was sent)
+running         WorkersExited, failed  idle / leaving_done (reap, record ``failed``: hang, refused,
+                                       signal or exit)
+active/settling WorkersExited all 0    idle (record ``succeeded``)
+exited          anything               IllegalTransition
+not running     WorkersExited          IllegalTransition
+not settling    Settled                IllegalTransition
+==============  =====================  ==================================================================
 
-Observations: :class:`Look` (bring the node in line with the current generation; made on every
-loop round), :class:`WorkersExited`, :class:`Settled`, :class:`Signalled`, :class:`Fenced`.
-An observation a state cannot take raises :class:`IllegalTransition`.
+A node whose move ended in generation ``n`` (``move_ended_in``) is never offered as that
+generation's leaver again, and a fresh agent named as an old leaver (no workers ever) just
+stands by. A replacement never names its leavers to leave: they failed, and stay as spares.
 """
 
 from __future__ import annotations
