@@ -1,0 +1,123 @@
+"""Following the job's generations: watch the keys this node acts on, keep the latest generation.
+
+One watch per agent, narrowed to what the node acts on (never ``kv/`` or ``events/``): the
+generation key, the leader key and the acks, plus node records where this node decides from them,
+and drain requests and marks for the leader. Every change wakes the agent's loop; changes the
+controller acts on wake the controller too. After a failed watch it reads the keys afresh and
+watches again from the revision it read, so no change is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from rlaunch.errors import RecordError, StoreError
+from rlaunch.store.client import Store
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Generation, decode
+from rlaunch.waiting import wait_event
+
+log = logging.getLogger(__name__)
+
+#: How long a failed watch waits before it reads and watches again.
+RETRY_S = 1.0
+
+
+class GenerationWatch:
+    """The latest generation this node has seen, and whether node records changed since last asked."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: JobKeys,
+        node_id: str,
+        wake: Callable[[], None],
+        wake_controller: Callable[[], None],
+        on_generation: Callable[[Generation], None],
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._node_id = node_id
+        self._wake = wake
+        self._wake_controller = wake_controller
+        self._on_generation = on_generation
+        self.generation: Generation | None = None
+        #: node records may have changed since :meth:`take_nodes_changed` was last called
+        self.nodes_changed = True
+        self._reported: set[str] = set()
+
+    def take_nodes_changed(self) -> bool:
+        """Whether node records changed since the last call (the standby re-reads them only then)."""
+        changed, self.nodes_changed = self.nodes_changed, False
+        return changed
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the keys this node acts on until ``stop``: keep the latest generation, wake the loops."""
+        keys, store = self._keys, self._store
+        failing = False
+        while not stop.is_set():
+            try:
+                kv, revision = await store.get_at(keys.generation)
+                if failing:
+                    log.info("[%s] watching etcd again from revision %d", self._node_id, revision + 1)
+                failing = False
+                if kv is not None:
+                    self.take(kv.value)
+                leader, _ = await store.get_at(keys.leader)
+                leading = leader is not None and leader.value == self._node_id.encode()
+                ranges = self.ranges(leading)
+                self.nodes_changed = True  # anything may have changed while the watch was down
+                self._wake()
+                self._wake_controller()
+                async with contextlib.aclosing(store.watch_many(ranges, start_revision=revision + 1)) as events:
+                    async for ev in events:
+                        if ev.key == keys.generation and not ev.deleted:
+                            self.take(ev.value)
+                        elif ev.key.startswith(keys.nodes_prefix):
+                            self.nodes_changed = True
+                        elif ev.key == keys.leader:
+                            leading = not ev.deleted and ev.value == self._node_id.encode()
+                        self._wake()
+                        # A non-leader campaigns only when the leader key goes (with its lease).
+                        if leading or (ev.key == keys.leader and ev.deleted):
+                            self._wake_controller()
+                        if self.ranges(leading) != ranges:
+                            break  # leadership or this node's part changed: follow other keys
+            except StoreError as exc:
+                # Said once per outage: the lease keeper reports how long etcd stays away.
+                log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
+                        self._node_id, exc)  # fmt: skip
+                failing = True
+                await wait_event(stop, RETRY_S)
+
+    def ranges(self, leading: bool) -> tuple[tuple[str, bool], ...]:
+        """The ``(key or prefix, exact)`` ranges this node acts on (never ``kv/`` or ``events/``).
+
+        Every node: the generation, the leader key (to campaign when it goes) and the acks (a
+        restart starts once all are in). Node records only for the leader (its planner reads them)
+        and for a node holding no ranks (a standby decides on warm workers from them); drain
+        requests and marks only for the leader.
+        """
+        k, gen = self._keys, self.generation
+        ranges = [(k.generation, True), (k.leader, True), (k.all_acks_prefix, False)]
+        if leading or gen is None or self._node_id not in gen.assignment:
+            ranges.append((k.nodes_prefix, False))
+        if leading:
+            ranges += [(k.drains_prefix, False), (k.drained_prefix, False)]
+        return tuple(ranges)
+
+    def take(self, raw: bytes) -> None:
+        """Keep the generation in ``raw`` if it is not older than the one held (said once if invalid)."""
+        try:
+            gen = decode(Generation, raw, self._keys.generation)
+        except RecordError as exc:
+            if str(exc) not in self._reported:
+                self._reported.add(str(exc))
+                log.error("[%s] %s", self._node_id, exc)
+            return
+        if self.generation is None or gen.number >= self.generation.number:
+            self.generation = gen
+            self._on_generation(gen)

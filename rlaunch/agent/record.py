@@ -1,0 +1,159 @@
+"""This node's record in etcd (``nodes/<node_id>``): what the controller knows of the node.
+
+The record is the node's state from the moment it is published: a record etcd did not take (it
+was unreachable) is sent again by the agent's loop until etcd has it, so a failure reported
+during an outage reaches the controller when etcd is back. Besides the node state it carries what
+the node's workers reported (runtime use, the last lost peer, compute time per step) and a
+hardware fault, if a detector found one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+from rlaunch.agent.config import LaunchConfig
+from rlaunch.agent.worker_link import WorkerLink
+from rlaunch.errors import StoreError
+from rlaunch.store.client import Store
+from rlaunch.store.embedded import free_port
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import NodeRecord, NodeState, encode
+
+log = logging.getLogger(__name__)
+
+#: A node's compute time per step goes to its record at most this often, and only when it moved
+#: by more than COMPUTE_CHANGE (a fraction): the straggler detector needs trends, not every step.
+COMPUTE_EVERY_S = 5.0
+COMPUTE_CHANGE = 0.25
+#: A node record etcd did not take (it was unreachable) is sent again at most this often.
+RESEND_EVERY_S = 1.0
+
+
+class RecordPublisher:
+    """Builds, publishes and re-sends this node's record."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: JobKeys,
+        cfg: LaunchConfig,
+        link: WorkerLink,
+        emit: Callable[..., None],
+        *,
+        addr: str,
+        probe_port: int,
+        lease: Callable[[], int],
+        restarts: Callable[[], int],
+        fault: Callable[[], str],
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._cfg = cfg
+        self._link = link
+        self._emit = emit
+        self._addr = addr
+        self._probe_port = probe_port
+        self._lease = lease
+        self._restarts = restarts
+        self._fault = fault
+        self._clock = clock
+        self._monotonic = monotonic
+        self.record: NodeRecord | None = None
+        self._unsent = False  # etcd has not acknowledged self.record yet
+        self._resend_at = 0.0  # when to try sending it again
+        self._compute_at = 0.0  # when compute_s was last published
+
+    def make(
+        self,
+        state: NodeState,
+        generation: int,
+        exit_codes: dict[str, int] | None = None,
+        failure: tuple[str, str] = ("", ""),
+    ) -> NodeRecord:
+        cfg = self._cfg
+        return NodeRecord(
+            node_id=cfg.node_id,
+            host=socket.gethostname(),
+            addr=self._addr,
+            pid=os.getpid(),
+            nproc=cfg.nproc_per_node,
+            standby_only=cfg.standby,
+            state=state,
+            generation=generation,
+            restarts=self._restarts(),
+            master_port=free_port("0.0.0.0"),
+            updated_at=self._clock(),
+            exit_codes=exit_codes or {},
+            runtime=len(self._link.state.hello) >= cfg.nproc_per_node,
+            fault=self._fault(),
+            failure=failure[0],
+            message=failure[1],
+            probe_port=self._probe_port,
+            peer_lost_at=self._link.state.peer_lost_at,
+            compute_s=round(self.compute_s(), 6),
+        )
+
+    async def publish(
+        self,
+        state: NodeState,
+        generation: int,
+        exit_codes: dict[str, int] | None = None,
+        failure: tuple[str, str] = ("", ""),
+    ) -> None:
+        """Make ``state`` this node's record (a ``node_state`` event when the state changes) and send it."""
+        previous = self.record.state if self.record else None
+        # The record is this node's state from now on, sent again by the loop until etcd has it:
+        # a failure reported while etcd is unreachable must reach the controller when it is back.
+        self.record, self._unsent = self.make(state, generation, exit_codes, failure), True
+        if previous is not state:
+            self._emit("node_state", generation, state=state.value, previous=previous.value if previous else None)
+        await self._send()
+
+    async def try_publish(self, state: NodeState, generation: int) -> None:
+        """:meth:`publish`, saying so in the log rather than raising when etcd does not take it."""
+        try:
+            await self.publish(state, generation)
+        except StoreError as exc:
+            log.warning("[%s] could not publish state %s: %s", self._cfg.node_id, state.value, exc)
+
+    async def republish(self) -> None:
+        """Publish the current record again with fresh worker reports (same state and generation)."""
+        assert self.record is not None
+        await self.publish(self.record.state, self.record.generation)
+
+    async def resend(self) -> None:
+        """Send the record again if etcd has not taken it, at most every :data:`RESEND_EVERY_S`."""
+        if self._unsent and self._monotonic() >= self._resend_at:
+            self._resend_at = self._monotonic() + RESEND_EVERY_S
+            await self._send()
+
+    def joined(self, record: NodeRecord) -> None:
+        """``record`` was registered when the node joined."""
+        self.record, self._unsent = record, False
+
+    async def _send(self) -> None:
+        assert self.record is not None
+        await self._store.put(self._keys.node(self._cfg.node_id), encode(self.record), lease=self._lease())
+        self._unsent = False
+
+    def compute_moved(self) -> bool:
+        """Whether the workers' compute time per step moved enough to be published again."""
+        if not self._link.state.compute_s or self._monotonic() - self._compute_at < COMPUTE_EVERY_S:
+            return False
+        assert self.record is not None
+        now, before = self.compute_s(), self.record.compute_s
+        return before <= 0 or abs(now - before) > COMPUTE_CHANGE * before
+
+    def compute_published(self) -> None:
+        self._compute_at = self._monotonic()
+
+    def compute_s(self) -> float:
+        values = list(self._link.state.compute_s.values())
+        return statistics.median(values) if values else 0.0
