@@ -97,6 +97,13 @@ from rlaunch.agent.states import (
 )
 from rlaunch.store.records import Generation, GenerationStatus, NodeState
 
+#: what a standby whose sandbox failed says on its record (and so in rlaunch status)
+SANDBOX_FAILED = (
+    "exit",
+    "its sandbox workers exited (its log says why), so this standby is not warm and takes no ranks; fix what "
+    "the script does in a sandbox (README: Warm standbys), then restart the agent",
+)
+
 
 class _Plan:
     """Builds a decision: ``set`` changes the node, ``do`` adds actions taken with the node as set."""
@@ -198,7 +205,7 @@ def _on_exit(node: Node, obs: WorkersExited) -> Decision:
             Emit("sandbox_failed", node.worker_gen, {"codes": named}),
         )
         exited = {k: c for k, c in named.items() if c is not None}
-        p.do(Publish(NodeState.FAILED, obs.generation, exited))
+        p.do(Publish(NodeState.FAILED, obs.generation, exited, SANDBOX_FAILED))
         return p.decision()
     if node.state is AgentState.LEAVING and all(c == 0 for c in codes):
         # They handed their state over (or finished the job); the next look decides which.
@@ -359,7 +366,7 @@ def _stand_by(p: _Plan, gen: Generation, obs: Look, holds_ranks: bool) -> None:
             target = NodeState.FAILED  # its sandbox workers died: not a usable standby
     published = obs.published
     if published is None or published.state is not target or published.generation != gen.number:
-        p.do(Publish(target, gen.number))
+        p.do(Publish(target, gen.number, failure=SANDBOX_FAILED if target is NodeState.FAILED else ("", "")))
 
 
 def _leave(p: _Plan, gen: Generation, obs: Look) -> None:

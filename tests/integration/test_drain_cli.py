@@ -157,3 +157,28 @@ def test_drain_of_a_script_without_the_runtime_restarts_every_worker_and_drains_
     assert "by restarting every worker" in a.output(), "a plain DDP script cannot move live"
     assert b.wait(60) == 0 and "event drained" in b.output()
     assert a.wait(180) == 0 and c.wait(180) == 0
+
+
+def test_a_standby_whose_sandbox_failed_is_named_by_status_and_drain(cluster: Cluster) -> None:
+    """A script that breaks in a standby's sandbox: status says why the standby is failed, and a
+    drain that finds no other standby names it."""
+    script = cluster.tmp / "breaks_in_a_sandbox.py"
+    script.write_text(
+        "import os, time\nimport torch\nimport rlaunch\n\n"
+        "rt = rlaunch.init()\n"
+        "if os.environ.get('RLAUNCH_ROLE') == 'standby':\n    raise SystemExit(3)\n"
+        "model = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "rt.track(model=model, optimizer=opt)\n"
+        "for step in rt.steps(100_000):\n"
+        "    time.sleep(0.05)\n    opt.zero_grad()\n    model(torch.ones(1, 2)).sum().backward()\n"
+        "    rt.optimizer_step(opt)\n"
+    )
+    cluster.agents_in_order(["a", "c"], script, nnodes=1)
+    wait_for(lambda: state(cluster, "c") == "failed", 120, "the standby's sandbox to fail")
+    status = cluster.cli("status", *job_flags(cluster))
+    assert status.returncode == 0, status.stderr
+    assert "its sandbox workers exited" in status.stdout, status.stdout
+    res = cluster.cli("drain", "a", *job_flags(cluster))
+    assert res.returncode == 1, res.stderr
+    assert "(standby c failed: its log and rlaunch status say why)" in res.stderr, res.stderr
+    assert state(cluster, "a") == "running", "the refused drain left the job as it was"

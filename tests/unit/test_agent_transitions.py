@@ -40,7 +40,7 @@ from rlaunch.agent.states import (
     StopWorkers,
     WorkersExited,
 )
-from rlaunch.agent.transitions import decide
+from rlaunch.agent.transitions import SANDBOX_FAILED, decide
 from rlaunch.store.records import Generation, GenerationStatus, NodeState
 
 ME = "n1"
@@ -408,6 +408,7 @@ def test_a_standby_whose_sandbox_was_stopped_unwarmed_stays_warming() -> None:
 def test_a_standby_whose_sandbox_failed_says_failed() -> None:
     d = decide(node(S.IDLE, sandbox=SandboxUse.FAILED), look(NO_RANKS))
     assert publishes(d) == [NodeState.FAILED]
+    assert [a.failure for a in of(d, Publish)] == [SANDBOX_FAILED], "rlaunch status says why"
 
 
 # -- leaving -------------------------------------------------------------------------------------
@@ -480,7 +481,7 @@ def test_a_newer_generation_without_the_move_abandons_it(state: AgentState, afte
 def test_sandbox_workers_that_exit_make_a_failed_standby() -> None:
     d = decide(node(S.SANDBOX, sandbox=SandboxUse.USED), WorkersExited((1, None), 7))
     assert d.actions[0] == ReapSandbox() and events(d) == ["sandbox_failed"]
-    assert of(d, Publish) == [Publish(NodeState.FAILED, 7, {"0": 1})]
+    assert of(d, Publish) == [Publish(NodeState.FAILED, 7, {"0": 1}, SANDBOX_FAILED)]
     assert d.node == node(S.IDLE, sandbox=SandboxUse.FAILED)
     assert all(s.node.sandbox is SandboxUse.FAILED for s in d.steps)  # (kept even if etcd misses the record)
 
