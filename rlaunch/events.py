@@ -2,7 +2,8 @@
 
 Each event goes to the Python log, to ``events/`` in etcd (under a one-day lease so the stream
 is bounded) and, when ``--log-dir`` is set, to ``<log_dir>/<job>/events.jsonl``. Writes to etcd
-happen on a background task in order; emitting never blocks nor fails the caller.
+and to the file happen on background tasks, each in order (the file's on a thread, and never
+behind etcd); emitting never blocks nor fails the caller.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,22 +42,29 @@ class EventLog:
         self._jsonl = jsonl
         self._clock = clock
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._lines: asyncio.Queue[Event | None] = asyncio.Queue()  # for events.jsonl, written apart from etcd
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._file_task: asyncio.Task[None] | None = None
+        self._last = -math.inf  # the time of the last event: each event's is later (its etcd key is its time)
         #: called with every event as it is emitted (the agent's metrics count them); must not raise
         self.observers: list[Callable[[Event], None]] = []
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._writer())
+        if self._jsonl is not None:
+            self._file_task = asyncio.get_running_loop().create_task(self._file_writer())
 
     def emit(self, kind: str, generation: int, **data: Any) -> None:
-        event = Event(time=self._clock(), node_id=self._node_id, kind=kind, generation=generation, data=data)
+        # Two events in one tick of the clock (time.time() moves in 238 ns steps today) would share an
+        # etcd key, the later overwriting the earlier (a progress batch right after the event it rides on).
+        now = self._clock()
+        self._last = now if now > self._last else math.nextafter(self._last, math.inf)
+        event = Event(time=self._last, node_id=self._node_id, kind=kind, generation=generation, data=data)
         log.info("[%s] event %s (generation %d) %s", self._node_id, kind, generation, data)
-        if self._jsonl is not None:
-            self._jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with self._jsonl.open("a") as f:
-                f.write(json.dumps({**event.__dict__}) + "\n")
         self._queue.put_nowait(event)
+        if self._jsonl is not None:
+            self._lines.put_nowait(event)
         for observe in self.observers:
             observe(event)
 
@@ -72,8 +81,23 @@ class EventLog:
             except StoreError as exc:
                 log.warning("[%s] event %s was not written to etcd: %s", self._node_id, event.kind, exc)
 
+    async def _file_writer(self) -> None:
+        """Append each event to events.jsonl, off the event loop and never waiting on etcd."""
+        while (event := await self._lines.get()) is not None:
+            await asyncio.to_thread(self._append, event)
+
+    def _append(self, event: Event) -> None:
+        assert self._jsonl is not None
+        self._jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with self._jsonl.open("a") as f:
+            f.write(json.dumps({**event.__dict__}) + "\n")
+
     async def close(self, timeout: float = 2.0) -> None:
-        """Flush queued events (bounded by ``timeout``) and stop the writer."""
+        """Flush queued events (to etcd: bounded by ``timeout``; to events.jsonl: all) and stop the writers."""
+        if self._file_task is not None:
+            self._lines.put_nowait(None)
+            await self._file_task  # local appends: they end however etcd is doing
+            self._file_task = None
         if self._task is None:
             return
         self._queue.put_nowait(None)

@@ -1,0 +1,45 @@
+"""Every event of an agent gets its own etcd key, even within one tick of the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from rlaunch.events import EventLog
+from rlaunch.store.keys import JobKeys
+
+
+def test_events_in_one_clock_tick_get_distinct_increasing_keys() -> None:
+    keys = JobKeys("job")
+    log = EventLog(store=None, keys=keys, node_id="n1", jsonl=None, clock=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
+    seen: list[Any] = []
+    log.observers.append(seen.append)
+    for kind in ("generation", "progress", "switched"):
+        log.emit(kind, 1)
+    stamps = [keys.event(int(e.time * 1e9), e.node_id) for e in seen]
+    assert len(set(stamps)) == 3 and stamps == sorted(stamps), stamps
+
+
+class _StuckEtcd:
+    """An etcd that never answers (an outage): the file must not wait for it."""
+
+    async def grant_lease(self, ttl: int) -> int:
+        await asyncio.Event().wait()
+        return 0
+
+
+def test_events_jsonl_is_written_whatever_etcd_does(tmp_path: Path) -> None:
+    path = tmp_path / "job" / "events.jsonl"
+
+    async def run() -> None:
+        log = EventLog(store=_StuckEtcd(), keys=JobKeys("job"), node_id="n1", jsonl=path)  # type: ignore[arg-type]
+        log.start()
+        for kind in ("node_joined", "generation", "workers_succeeded"):
+            log.emit(kind, 1)
+        await log.close(timeout=0.1)
+
+    asyncio.run(run())
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    assert kinds == ["node_joined", "generation", "workers_succeeded"]
