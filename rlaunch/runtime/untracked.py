@@ -8,7 +8,11 @@ Checked once, at a rank's first ``rt.optimizer_step()``, before any optimizer st
   Torch marks an optimizer whose scheduler was built by wrapping its ``step`` (the wrapper has
   ``_wrapped_by_lr_sched``), so the check needs no search of the heap.
 - A ``GradScaler`` passed to ``rt.optimizer_step(scaler=...)`` that is not tracked: its scale
-  would start again on a joiner.
+  would start again on a joiner (a disabled one, ``GradScaler(enabled=False)``, holds nothing).
+
+An object counts as tracked when it is tracked itself or is an attribute of a tracked object (a
+Stateful wrapper such as DCP's ``AppState(model, optimizer)``). ``ReduceLROnPlateau`` does not
+wrap its optimizer's ``step`` and is not seen: track it (README, "Loop patterns").
 
 State the runtime cannot see at all (a ``torch.Generator`` the script created, a plain counter)
 is the README's business ("Loop patterns").
@@ -34,7 +38,12 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
 def untracked_state(tracked: dict[str, Any], optimizers: Iterable[torch.optim.Optimizer], scaler: Any) -> str:
     """A sentence naming the first piece of state a move would lose, or "" if there is none."""
     names = {id(obj): name for name, obj in tracked.items()}
-    scheduled = {id(s.optimizer) for obj in tracked.values() for s in _schedulers(obj)}
+    for wrapper, obj in tracked.items():  # one level into wrappers: AppState(model, optimizer) and the like
+        for inner in getattr(obj, "__dict__", {}).values():
+            names.setdefault(id(inner), wrapper)
+    reachable = list(tracked.values())
+    reachable += [inner for obj in tracked.values() for inner in getattr(obj, "__dict__", {}).values()]
+    scheduled = {id(s.optimizer) for obj in reachable for s in _schedulers(obj)}
     for opt in optimizers:
         name = names.get(id(opt))
         if name is None:
@@ -48,7 +57,8 @@ def untracked_state(tracked: dict[str, Any], optimizers: Iterable[torch.optim.Op
                 "joiner's scheduler would follow its own schedule and the replicas' weights would drift apart; "
                 "track it with rt.track(sched=...)."
             )
-    if scaler is not None and id(scaler) not in names:
+    enabled = scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
+    if enabled and id(scaler) not in names:
         return (
             f"The {type(scaler).__name__} passed to rt.optimizer_step(scaler=...) is not tracked, so a joiner would "
             "start its scale afresh; track it with rt.track(scaler=...)."

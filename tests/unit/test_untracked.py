@@ -49,3 +49,26 @@ def test_an_untracked_optimizer_or_scaler_is_named() -> None:
     why = untracked_state({"optimizer": opt}, [opt], scaler)
     assert "The GradScaler passed to rt.optimizer_step(scaler=...) is not tracked" in why
     assert untracked_state({"optimizer": opt, "scaler": scaler}, [opt], scaler) == ""
+
+
+class AppState:
+    """A Stateful wrapper as DCP users write it: the model and optimizer are its attributes."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sched: object = None) -> None:
+        self.model, self.optimizer, self.sched = model, optimizer, sched
+
+    def state_dict(self) -> dict[str, object]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass
+
+
+def test_objects_inside_a_tracked_wrapper_and_a_disabled_scaler_count_as_tracked() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = StepLR(opt, step_size=3)
+    assert untracked_state({"app": AppState(model, opt, sched)}, [opt], None) == ""
+    assert "has an LR scheduler that is not tracked" in untracked_state({"app": AppState(model, opt)}, [opt], None)
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    assert untracked_state({"app": AppState(model, opt, sched)}, [opt], off) == ""
