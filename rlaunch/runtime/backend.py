@@ -211,6 +211,12 @@ class Communicators:
             return True
         return device_type == "cuda" and id(comm) in self._nccl_comms
 
+    def is_ready(self, comm: Any) -> bool:
+        """Whether ``comm`` can carry traffic now: its NCCL communicator finished its non-blocking
+        setup (a poll, it never waits; gloo's is ready once built)."""
+        nccl = self._nccl_comms.get(id(comm))
+        return nccl is None or bool(self.nccl.ready(nccl))
+
     def wait_ready(self, comm: Any, timeout: float, wait: Callable[[float], object] | None = None) -> None:
         """Wait until the NCCL communicator of ``comm`` finished its non-blocking setup (at once for gloo).
 

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rlaunch.plans import Plan, ReplacePlan, Role, plan_from_json
+from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng
 from rlaunch.runtime.transfer import send_state
 
@@ -49,8 +50,16 @@ class Migration:
 
     @property
     def ready(self) -> bool:
-        """This rank built what the next generation needs (its vote says so)."""
-        return self._prepared is not None and self._prepared.plan.generation > self._rt.generation
+        """This rank built what the next generation needs (its vote says so).
+
+        NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
+        the switch will not wait on them (a peer that fails while building one then delays the move,
+        not the job).
+        """
+        prepared = self._prepared
+        if prepared is None or prepared.plan.generation <= self._rt.generation:
+            return False
+        return all(backends.current().is_ready(comm) for comm in prepared.comms.values())
 
     def agree(self) -> None:
         """Every rank voted ready in this step: switch at its end."""

@@ -115,6 +115,7 @@ class Runtime:
         self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._snapshots = StepSnapshots()
         self._start: StepStart | None = None  # what the current step changes besides params and optimizers
+        self._device_wait = False  # blocked until this step's GPU work ends (NCCL groups): waits on peers
         self._checked_untracked = False  # untracked schedulers and scalers: refused at the first vote
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
@@ -378,6 +379,7 @@ class Runtime:
             issued = max(g.last_issue for g in self._mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
+            self._finish_device_work()
             ready = self._migration.ready
             vote, layout = self._vote.tensor(
                 ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
@@ -393,6 +395,26 @@ class Runtime:
                 apply()
                 return True
         return self._recovery.recover(apply)
+
+    def _finish_device_work(self) -> None:
+        """With NCCL groups, wait until this step's GPU work, its NCCL collectives included, is done.
+
+        NCCL completes an operation's future when the kernel is queued, not when it ends, so the
+        guard cannot see it fail and the vote alone would prove only that every rank *issued* its
+        gradient sync. Synchronizing the current stream first (the collectives' waits put them on
+        it) makes a full vote mean what it means under gloo: every rank's sync ended. A dead peer
+        leaves this wait blocked until the replacement plan aborts the communicator; meanwhile the
+        heartbeat says this rank waits on its peers.
+        """
+        if not any(g.backend is backends.Backend.NCCL for g in self._mine()):
+            return
+        self._device_wait = True
+        try:
+            torch.cuda.current_stream().synchronize()
+        except RuntimeError as exc:  # an aborted communicator's kernels: the step is recovered below
+            log.warning("rank %d: waiting for this step's GPU work failed (%s)", self.rank, str(exc).splitlines()[0])
+        finally:
+            self._device_wait = False
 
     @property
     def step_failed(self) -> bool:
@@ -490,7 +512,7 @@ class Runtime:
         assert self._link is not None
         while not self._stopped.wait(HEARTBEAT_S):
             durations, compute = tuple(self._durations), tuple(self._compute)  # one C call each: thread-safe
-            waiting = self._recovery.active or any(g.busy for g in self._mine())
+            waiting = self._recovery.active or self._device_wait or any(g.busy for g in self._mine())
             try:
                 self._link.call(
                     "heartbeat", steps=self._completed, waiting=waiting, rank=self.rank, applied=self._applied,

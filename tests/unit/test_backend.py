@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -306,5 +307,61 @@ def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -
     assert [(c[0], c[1], c[2]["blocking"]) for c in fake.calls] == [("create", "g2.world", False)]
     assert backends.current().carries(comms["world"], "cuda")
     assert not backends.current().carries(comms["cpu_side"], "cuda")
+    for comm in comms.values():
+        backends.current().release(comm)
+
+
+def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL completes a future when its kernel is queued: only a stream synchronize before the
+    vote makes a full vote mean that every rank's gradient sync ended."""
+    import torch.distributed as dist
+
+    from rlaunch.runtime.runtime import Runtime
+
+    order: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            order.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
+    try:
+        rt = Runtime(
+            rank=0, world_size=1, generation=0, link=None, store=None,
+            world_comm=dist.distributed_c10d._get_default_group(), standby=False, sandbox_steps=0,
+            timeout=TIMEOUT, backend=Backend.NCCL,
+        )  # fmt: skip
+        vote = rt.group.allreduce
+        monkeypatch.setattr(rt.group, "allreduce", lambda *a, **k: (order.append("vote"), vote(*a, **k))[1])
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.track(model=model, optimizer=opt)
+        for _ in rt.steps(1):
+            model(torch.ones(1, 2)).sum().backward()
+            assert rt.optimizer_step(opt)
+    finally:
+        dist.destroy_process_group()
+    assert order == ["synchronize", "vote"]
+
+
+def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: FakeNccl) -> None:
+    """A peer failing while NCCL builds must delay the move, not hang every rank at the switch."""
+    from rlaunch.plans import MigratePlan, Role
+    from rlaunch.runtime.migration import Prepared
+    from rlaunch.runtime.runtime import Runtime
+
+    fake.ready_after = 2
+    rt = Runtime(
+        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
+        standby=False, sandbox_steps=0, timeout=TIMEOUT, backend=Backend.NCCL,
+    )  # fmt: skip
+    plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
+    comms = rt._migration.prepare(plan)
+    rt._migration._prepared = Prepared(plan, comms)
+    assert [rt._migration.ready for _ in range(3)] == [False, False, True]
+    assert [c[0] for c in fake.calls] == ["create", "ready", "ready", "ready"], "polled, never waited"
     for comm in comms.values():
         backends.current().release(comm)
