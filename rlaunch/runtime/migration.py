@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rlaunch.plans import Plan, ReplacePlan, Role, plan_from_json
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng
+from rlaunch.runtime.groups import retire
 from rlaunch.runtime.transfer import send_state
 
 if TYPE_CHECKING:
@@ -99,7 +100,9 @@ class Migration:
                 log.exception("rank %d: preparing for the next generation failed", rt.rank)
                 return
             with self._lock:
-                self._prepared = Prepared(plan, comms)
+                superseded, self._prepared = self._prepared, Prepared(plan, comms)
+            for comm in superseded.comms.values() if superseded is not None else ():
+                retire(comm)  # a later plan replaced it before the switch (an NCCL communicator is aborted)
             rt._link.call("prepared", generation=plan.generation)
             after = plan.generation
 

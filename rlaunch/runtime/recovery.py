@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlaunch.plans import ReplacePlan
 from rlaunch.runtime import rng, shards
+from rlaunch.runtime.groups import retire
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
 
@@ -139,6 +140,7 @@ class Recovery:
         for moved, channel in channels.items():
             with rt._vote.buffers_of(moved, next_step, rt._tracked, rt.rank):
                 sent += send_state(channel, rt._tracked, next_step, rng.capture())
+            retire(channel)  # one use only (an NCCL channel is aborted when retired)
         rt._link.call(
             "replica_sent", generation=rt.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,

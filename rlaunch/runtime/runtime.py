@@ -56,7 +56,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
-from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.recovery import Recovery, commit_point
@@ -443,6 +443,7 @@ class Runtime:
         self._stopped.set()
         for group in self._groups.values():
             unregister(group)
+            backends.current().release(group.comm)  # an NCCL communicator is aborted, not left to teardown
             group.comm = None
         gc.collect()
 
@@ -495,6 +496,7 @@ class Runtime:
                 "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
                 "again."
             ) from exc
+        retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
         self._applied = next_step - 1
         self.generation = plan.generation
         self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
