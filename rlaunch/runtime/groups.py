@@ -7,7 +7,8 @@ shape-correct results and no traffic. A migration swaps the inner communicator b
 steps; DDP keeps its buckets, so results stay bit-identical. Old communicators are released on a
 background thread: dropping a gloo group with a pending operation blocks until its timeout.
 
-Each real collective is guarded: its result reaches the caller through a future the group owns.
+Each real collective is guarded: its result reaches the caller through a future the group owns
+(or, for gloo's reduce-scatters, which have no future, through the caller's own ``wait()``).
 If the communicator fails (a peer died) or the runtime abandons the group (its agent said a peer
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
 own inputs and the group is marked ``failed``: later collectives return at once, so the step
@@ -268,7 +269,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: guard collectives (under rlaunch); without an agent to recover, errors reach the caller
         self.guarded = guarded
         #: operations in flight: their future (None: one its caller waits for), inputs, and "ended"
-        self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event]] = {}
+        #: in flight: each operation's future (None: its caller waits for it), inputs, "ended", and
+        #: the inner work of one its caller waits for (whether it is still running)
+        self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event, Any]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -285,7 +288,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     @property
     def busy(self) -> bool:
         """A collective is in flight (read without the lock: a hint for the heartbeat)."""
-        return bool(self._pending)
+        return any(fut is not None or not work.is_completed() for fut, _, _, work in list(self._pending.values()))
 
     def abandon(self, why: str) -> None:
         """Give up this group's operations in flight: their callers get their inputs back.
@@ -297,7 +300,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
         backends.cut(id(self.comm))
-        for fut, tensors, ended in pending.values():
+        for fut, tensors, ended, _ in pending.values():
             if fut is not None:  # an operation its caller waits for ends in that wait: the cut fails it
                 ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
                 fut.set_result(tensors)
@@ -313,7 +316,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
             if not abandoned:
-                self._pending[key] = (outer, tensors, ended)
+                self._pending[key] = (outer, tensors, ended, work if outer is None else None)
         if abandoned and outer is not None:
             outer.set_result(tensors)
 
