@@ -47,6 +47,11 @@ machine (torch 2.13 CPU, Python 3.11), with the method named:
 In the run of 2026-11-30 (load average 11-16 on 2 shared cores): peak 845.3 MB against 843.6 MB,
 +0.20 % (worst pair of workers +0.22 %), steady +0.20 %; breakdown imports +0.13 MB, init
 -0.16 MB, model and DDP +1.52 MB, training steps +0.09 MB.
+FSDP2 (``layouts.fsdp``): gloo gives reduce-scatters no future, and the runtime first waited for
+them on a thread per group. That thread still held the operation's tensors when FSDP had freed
+its buffers, until it next ran: the peak was one reduce-scatter output (8.4 MB, 2048 x 1024 fp32)
+higher than torchrun's, +1.5 % in every worker. They are now waited for in the caller's own
+``wait()``; a 20-step FSDP pair measured +2.4 MB (0.42 %) instead of +8.6 MB.
 The 30-60 MB "overhead" measured before was the allocator: with glibc's default dynamic mmap
 threshold, whether freed 16 MB tensors (gradients, AdamW's temporaries) go back to the OS depends
 on the order in which threads free memory, and two workers of the same launcher in the same run
