@@ -37,13 +37,14 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
 
 def untracked_state(tracked: dict[str, Any], optimizers: Iterable[torch.optim.Optimizer], scaler: Any) -> str:
     """A sentence naming the first piece of state a move would lose, or "" if there is none."""
-    names = {id(obj): name for name, obj in tracked.items()}
-    for wrapper, obj in tracked.items():  # one level into wrappers: AppState(model, optimizer) and the like
-        for inner in getattr(obj, "__dict__", {}).values():
-            names.setdefault(id(inner), wrapper)
-    reachable = list(tracked.values())
-    reachable += [inner for obj in tracked.values() for inner in getattr(obj, "__dict__", {}).values()]
-    scheduled = {id(s.optimizer) for obj in reachable for s in _schedulers(obj)}
+    # Tracked objects, then one level into them (wrappers: AppState(model, optimizer) and the like),
+    # each with the name it is tracked under.
+    reachable = list(tracked.items())
+    reachable += [(name, inner) for name, obj in tracked.items() for inner in getattr(obj, "__dict__", {}).values()]
+    names: dict[int, str] = {}
+    for tracked_as, obj in reachable:
+        names.setdefault(id(obj), tracked_as)
+    scheduled = {id(s.optimizer) for _, obj in reachable for s in _schedulers(obj)}
     for opt in optimizers:
         name = names.get(id(opt))
         if name is None:

@@ -291,14 +291,20 @@ def test_futures_of_cuda_tensors_know_their_devices() -> None:
 # --- the runtime's phase 1 builds each group with its own backend -------------------------------
 
 
-def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -> None:
-    from rlaunch.plans import MigratePlan, Role
+def _nccl_runtime(world_comm: Any, generation: int, store: Any) -> Any:
+    """A one-rank runtime whose groups' backend is NCCL (no agent link)."""
     from rlaunch.runtime.runtime import Runtime
 
-    rt = Runtime(
-        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
+    return Runtime(
+        rank=0, world_size=1, generation=generation, link=None, store=store, world_comm=world_comm,
         standby=False, sandbox_steps=0, timeout=TIMEOUT, backend=Backend.NCCL,
     )  # fmt: skip
+
+
+def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -> None:
+    from rlaunch.plans import MigratePlan, Role
+
+    rt = _nccl_runtime(world_comm=SandboxComm(0, 1), generation=1, store=HashStore())
     rt._groups["cpu_side"] = SwitchableGroup("cpu_side", [0], 0, SandboxComm(0, 1), 1, backend=Backend.GLOO)
     plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
     comms = rt._migration.prepare(plan)
@@ -318,8 +324,6 @@ def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(
     vote makes a full vote mean that every rank's gradient sync ended."""
     import torch.distributed as dist
 
-    from rlaunch.runtime.runtime import Runtime
-
     order: list[str] = []
 
     class Stream:
@@ -329,11 +333,7 @@ def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
     try:
-        rt = Runtime(
-            rank=0, world_size=1, generation=0, link=None, store=None,
-            world_comm=dist.distributed_c10d._get_default_group(), standby=False, sandbox_steps=0,
-            timeout=TIMEOUT, backend=Backend.NCCL,
-        )  # fmt: skip
+        rt = _nccl_runtime(world_comm=dist.distributed_c10d._get_default_group(), generation=0, store=None)
         vote = rt.group.allreduce
         monkeypatch.setattr(rt.group, "allreduce", lambda *a, **k: (order.append("vote"), vote(*a, **k))[1])
         model = torch.nn.Linear(2, 1)
@@ -351,13 +351,9 @@ def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: Fak
     """A peer failing while NCCL builds must delay the move, not hang every rank at the switch."""
     from rlaunch.plans import MigratePlan, Role
     from rlaunch.runtime.migration import Prepared
-    from rlaunch.runtime.runtime import Runtime
 
     fake.ready_after = 2
-    rt = Runtime(
-        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
-        standby=False, sandbox_steps=0, timeout=TIMEOUT, backend=Backend.NCCL,
-    )  # fmt: skip
+    rt = _nccl_runtime(world_comm=SandboxComm(0, 1), generation=1, store=HashStore())
     plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
     comms = rt._migration.prepare(plan)
     rt._migration._prepared = Prepared(plan, comms)

@@ -8,7 +8,6 @@ group no longer reports an operation in flight.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 import time
 from typing import Any
@@ -19,14 +18,9 @@ import torch.multiprocessing as mp
 
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime.groups import SwitchableGroup
+from rlaunch.store.embedded import free_port
 
 TIMEOUT = datetime.timedelta(seconds=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, mode: str, results: Any) -> None:
@@ -51,7 +45,7 @@ def _rank(rank: int, port: int, mode: str, results: Any) -> None:
 def _run(mode: str) -> tuple[Any, ...]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, mode, results)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from rlaunch.runtime import shards
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape, layout, line_of
+from rlaunch.store.embedded import free_port
 
 
 def test_hsdp_ranks_get_their_shards_from_the_replicate_row() -> None:
@@ -65,12 +65,6 @@ def test_mesh_lines_and_a_joiner_rebinding_to_its_rank() -> None:
         check_shape((2, 2), ("a", "a"), 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _transfer_between_shards(rank: int, port: int, results: Any) -> None:
     """Rank 0 sends its shard of a Shard(0) DTensor; rank 1 (the other shard) must refuse it."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -111,7 +105,7 @@ def _transfer_between_shards(rank: int, port: int, results: Any) -> None:
 def test_the_wrong_shard_is_refused_before_any_tensor_is_written() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_transfer_between_shards, args=(_free_port(), results), nprocs=2, start_method="spawn")
+    mp.start_processes(_transfer_between_shards, args=(free_port(), results), nprocs=2, start_method="spawn")
     got = dict(results.get() for _ in range(4))
     assert "odd.weight of global shape (5, 4) is sharded 2 ways" in got["uneven 0"], got
     assert got[1].startswith("refused untouched=True"), got
