@@ -31,6 +31,7 @@ from rlaunch.plans import Hello, MigratePlan, Plan, ReplacePlan, Role, StartRole
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation
+from rlaunch.waiting import wait_event
 
 #: Longest a worker may be kept in one ``wait_plan`` call before it asks again.
 PLAN_WAIT_S = 30.0
@@ -159,10 +160,7 @@ class WorkerLink:
             remaining = end - loop.time()
             if remaining <= 0:
                 return plan_to_json(None)
-            try:
-                await asyncio.wait_for(self._plan_changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                return plan_to_json(None)
+            await wait_event(self._plan_changed, remaining)  # a plan set as it times out is still taken
 
     async def _warm(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.warm.add(int(req["local_rank"]))
