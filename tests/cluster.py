@@ -7,6 +7,7 @@ Every process a test starts carries ``RLAUNCH_TEST_TAG=<unique tag>`` in its env
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,10 +47,20 @@ def reap_zombies() -> None:
             pass
 
 
+def kill_leftovers(tag: str) -> list[tuple[int, list[str]]]:
+    """Kill the live processes carrying ``tag``; their pids and command lines, for the assertion."""
+    left = leftovers(tag)
+    named = [(p.pid, p.info.get("cmdline") or []) for p in left]  # read before the kill makes them zombies
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return named
+
+
 def leftovers(tag: str) -> list[psutil.Process]:
     """Live (non-zombie) processes carrying ``tag`` in their environment."""
     found = []
-    for proc in psutil.process_iter(["pid", "status"]):
+    for proc in psutil.process_iter(["pid", "status", "cmdline"]):
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
                 continue

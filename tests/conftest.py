@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlaunch.store.embedded import EmbeddedEtcd
-from tests.cluster import TRAIN, Cluster, checksums, leftovers, reap_zombies
+from tests.cluster import TRAIN, Cluster, checksums, kill_leftovers, reap_zombies
 
 # Orphans of the processes tests start are reparented to pytest, which reaps them: a zombie
 # left after a test is then a defect of rlaunch, not of the container's init.
@@ -40,10 +40,8 @@ def cluster(endpoint: str, tmp_path: Path) -> Iterator[Cluster]:
     yield c
     c.close()
     reap_zombies()
-    left = leftovers(c.tag)
-    for proc in left:
-        proc.kill()
-    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+    left = kill_leftovers(c.tag)
+    assert not left, f"processes left running after the test: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from rlaunch.store.embedded import EmbeddedEtcd
-from tests.cluster import TAG_VAR, AgentProc, leftovers, reap_zombies, wait_for
+from tests.cluster import TAG_VAR, AgentProc, kill_leftovers, reap_zombies, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,10 +33,8 @@ def tag() -> Iterator[str]:
     tag = uuid.uuid4().hex
     yield tag
     reap_zombies()
-    left = leftovers(tag)
-    for proc in left:
-        proc.kill()
-    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+    left = kill_leftovers(tag)
+    assert not left, f"processes left running after the test: {left}"
 
 
 def env(tag: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ from rlaunch.agent.lease import LeaseKeeper, LeaseState, keepalive_store
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.waiting import wait_event
-from tests.cluster import SCRIPTS, AgentProc, Cluster, leftovers, reap_zombies, run_store, wait_for
+from tests.cluster import SCRIPTS, AgentProc, Cluster, kill_leftovers, reap_zombies, run_store, wait_for
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.test_migration import RESILIENT, warm
 
@@ -53,10 +53,8 @@ def etcd_job(tmp_path: Path) -> Iterator[tuple[EtcdCluster, Cluster]]:
         cluster.close()
         etcd.stop()
         reap_zombies()
-        left = leftovers(tag)
-        for proc in left:
-            proc.kill()
-        assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+        left = kill_leftovers(tag)
+        assert not left, f"processes left running after the test: {left}"
 
 
 def steps(agent: AgentProc) -> int:
@@ -244,7 +242,5 @@ def test_a_worker_failure_during_an_outage_reaches_the_controller_when_etcd_is_b
     finally:
         cluster.close()
         etcd.stop()
-    left = leftovers(tag)
-    for proc in left:
-        proc.kill()
-    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+    left = kill_leftovers(tag)
+    assert not left, f"processes left running after the test: {left}"

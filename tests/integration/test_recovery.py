@@ -16,7 +16,7 @@ from psutil import Process as psutil_process
 from tests.cluster import AgentProc, Cluster, wait_for
 from tests.integration.test_migration import FINAL, RESILIENT, _reference, warm
 
-ARGS = ("--steps", "120", "--step-time", "0.05")
+ARGS = ("--steps", "200", "--step-time", "0.05")  # >= 10 s: the standby is warm before the job ends
 
 
 def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
@@ -28,7 +28,7 @@ def _starts(agent: AgentProc) -> int:
 
 
 def _reference_run() -> dict[int, tuple[str, str]]:
-    return _reference(2, ("--steps", "120", "--step-time", "0"))
+    return _reference(2, ("--steps", "200"))
 
 
 def test_a_killed_worker_is_replaced_by_the_warm_standby_live(cluster: Cluster) -> None:
@@ -120,6 +120,6 @@ def test_a_replacement_rebuilds_only_the_groups_that_touch_the_replaced_ranks(cl
     assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
     got = {int(m.group(1)): json.loads(m.group(4)) for x in (a, c) for m in FINAL.finditer(x.output())}
     digests = {r: d for r, d in _finals(a, c).items()}
-    assert digests == _reference(4, ("--steps", "120", "--step-time", "0", *extra))
+    assert digests == _reference(4, ("--steps", "200", *extra))
     assert got[0] == {"world": 2, "sub0": 1, "sub1": 1} and got[1] == {"world": 2, "sub0": 1, "sub1": 2}
     assert _starts(a) == 1

@@ -27,7 +27,7 @@ from rlaunch.store.client import parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, decode
 from rlaunch.store.security import EtcdSecurity, resolve_security
-from tests.cluster import REPO, TAG_VAR, leftovers, reap_zombies, run_store, wait_for
+from tests.cluster import REPO, TAG_VAR, kill_leftovers, leftovers, reap_zombies, run_store, wait_for
 
 SLURM = REPO / "tests" / "slurm"
 SBATCH = REPO / "examples" / "slurm" / "rlaunch.sbatch"
@@ -69,13 +69,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         subprocess.run(["bash", str(SLURM / "stop_slurm.sh"), str(cluster.dir)], timeout=120)
         for _ in range(60):  # daemons reparented to pytest (a subreaper) are reaped here
             reap_zombies()
-            left = leftovers(tag)
-            if not left:
+            if not leftovers(tag):
                 break
             time.sleep(0.5)
-        for proc in left:
-            proc.kill()
-        assert not left, f"processes left running after Slurm stopped: {[(p.pid, p.cmdline()) for p in left]}"
+        left = kill_leftovers(tag)
+        assert not left, f"processes left running after Slurm stopped: {left}"
 
 
 def etcd_security(endpoint: str, job_out: str) -> EtcdSecurity:

@@ -24,7 +24,7 @@ from rlaunch.store.certs import CertificateAuthority, write_private
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import find_etcd_binary, free_port
 from rlaunch.store.security import resolve_security
-from tests.cluster import TAG_VAR, AgentProc, leftovers, wait_for
+from tests.cluster import TAG_VAR, AgentProc, kill_leftovers, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,10 +103,8 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
 def tag() -> Iterator[str]:
     tag = uuid.uuid4().hex
     yield tag
-    left = leftovers(tag)
-    for proc in left:
-        proc.kill()
-    assert not left, f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
+    left = kill_leftovers(tag)
+    assert not left, f"processes left running after the test: {left}"
 
 
 def env(tag: str, **extra: str) -> dict[str, str]:

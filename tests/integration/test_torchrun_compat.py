@@ -29,7 +29,12 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     """One ``rlaunch`` run to its end, with torchrun's test sentinel in the environment."""
     proc = start(cluster, *args, env=env, cwd=cwd)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"rlaunch {' '.join(args)} did not end in 120 s; its log ends:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
