@@ -65,6 +65,25 @@ def capture() -> RngState:
     )
 
 
+class ScriptGenerator:
+    """A ``torch.Generator`` the script made itself, tracked by its state (``rt.track(noise=g)``).
+
+    The runtime's RNG handling covers the global generators only. Wrapped in this, a generator
+    of the script's own is tracked state like any other: put back when a step is redone, moved
+    by a drain, and served by a replica after a fault when every rank holds the same state (the
+    vote checks that; one seeded per rank is tracked with ``rt.track_per_rank``).
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["state"])
+
+
 def cuda_targets(count: int, sender_device: int | None, my_device: int, my_count: int) -> list[tuple[int, int]]:
     """(GPU index here, index of the state to put there) for ``count`` CUDA states taken on a
     rank that used GPU ``sender_device``, restored on a rank that uses ``my_device`` of ``my_count``.

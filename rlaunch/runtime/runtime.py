@@ -143,13 +143,18 @@ class Runtime:
 
         Every object but modules and optimizers must hold the same state on every rank (a replica
         serves a lost rank); the per-step vote checks it and refuses the step otherwise. State that
-        differs by rank is declared with :meth:`track_per_rank`.
+        differs by rank is declared with :meth:`track_per_rank`. A ``torch.Generator`` the script
+        made is tracked by its state (:class:`rlaunch.runtime.rng.ScriptGenerator`).
         """
         for name, obj in objects.items():
+            if isinstance(obj, torch.Generator):
+                held = self._tracked.get(name)
+                same = isinstance(held, rng.ScriptGenerator) and held.generator is obj
+                obj = held if same else rng.ScriptGenerator(obj)
             if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
                 raise TypeError(
-                    f"rt.track({name}=...) needs an object with state_dict() and load_state_dict(); "
-                    f"got {type(obj).__name__}."
+                    f"rt.track({name}=...) needs an object with state_dict() and load_state_dict() "
+                    f"(or a torch.Generator); got {type(obj).__name__}."
                 )
             if name in self._tracked and self._tracked[name] is not obj:
                 raise ValueError(f"rt.track() already tracks another object named {name!r}; give each its own name.")

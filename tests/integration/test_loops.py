@@ -4,9 +4,10 @@ live replacement, and the loud refusals where no replica can stand in.
 One script (``tests/scripts/train_loops.py``) combines the patterns by flags, so a few jobs cover
 them all: BatchNorm buffers, dropout, two optimizers, CPU AMP with a GradScaler (inf-skip
 included), gradient accumulation under ``no_sync()``, clipping, an LR scheduler, an evaluation
-``all_reduce`` every 5 steps, draws from ``random`` and NumPy, and three ways of seeding. Every
-job compares each rank's final model state (parameters and buffers) and optimizer, scheduler
-and scaler state with an uninterrupted run of the same script.
+``all_reduce`` every 5 steps, draws from ``random``, NumPy and a ``torch.Generator`` of the
+script's own, and three ways of seeding. Every job compares each rank's final model state
+(parameters and buffers) and optimizer, scheduler and scaler state with an uninterrupted run of
+the same script.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LOOPS = SCRIPTS / "train_loops.py"
 STEPS = ("--steps", "120")
 EVERY = (
     "--bn", "--dropout", "0.1", "--optimizers", "2", "--scaler", "--accum", "2", "--clip", "--sched",
-    "--eval-every", "5",
+    "--eval-every", "5", "--own-gen",
 )  # fmt: skip
 FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+)")
 pytestmark = pytest.mark.timeout(600)

@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
+    ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
     ap.add_argument("--misuse", choices=["", "two-votes", "rank-state", "untracked-sched"], default="")
@@ -111,6 +112,14 @@ def main() -> None:
         sampler = DistributedSampler(dataset, num_replicas=rt.world_size, rank=max(rt.rank, 0), seed=args.seed)
         loader = StatefulDataLoader(dataset, sampler=sampler, batch_size=32, num_workers=2)
         data = rt.epochs(loader, sampler=sampler, per_rank=args.seed_mode != "same")  # worker seeds differ
+    own_gen = None
+    if args.own_gen:  # made once and tracked; seeded per rank in rank-once mode, so tracked per rank
+        if args.seed_mode == "rank-once":
+            own_gen = torch.Generator().manual_seed(args.seed + 2 + max(rt.rank, 0))
+            rt.track_per_rank(noise=own_gen)
+        else:
+            own_gen = torch.Generator().manual_seed(args.seed + 2)
+            rt.track(noise=own_gen)
     die_rank, die_step = (int(v) for v in args.die.split(":")) if args.die else (-2, -2)
     if args.seed_mode == "rank-once":
         torch.manual_seed(args.seed + 1 + max(rt.rank, 0))  # as nanoGPT: seed + rank, once
@@ -135,6 +144,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
         for micro in range(args.accum):
             x, y = data.batch() if data is not None else batch(args.seed, step, rt.rank, micro)
+            if own_gen is not None:
+                x = x + 0.01 * torch.randn(x.shape, generator=own_gen)
             sync = contextlib.nullcontext() if micro == args.accum - 1 else model.no_sync()
             with sync:
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if scaler else contextlib.nullcontext()

@@ -22,16 +22,18 @@ def _objects() -> dict[str, Any]:
         "opt": opt,
         "sched": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
         "scaler": torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1),
+        "noise": rng.ScriptGenerator(torch.Generator().manual_seed(5)),  # the script's own generator
     }
 
 
 def _step(objs: dict[str, Any]) -> list[float]:
     """One training step's side effects, and the random numbers it drew."""
-    out = objs["model"](torch.randn(16, 4)).sum() * (1 + random.random() + float(np.random.rand()))
+    noise = torch.rand(1, generator=objs["noise"].generator).item()
+    out = objs["model"](torch.randn(16, 4)).sum() * (1 + random.random() + float(np.random.rand()) + noise)
     objs["scaler"].scale(out).backward()
     objs["scaler"].unscale_(objs["opt"])
     objs["sched"].step()
-    return [out.item(), random.random(), float(np.random.rand())]
+    return [out.item(), random.random(), float(np.random.rand()), noise]
 
 
 def _side_state(objs: dict[str, Any]) -> list[Any]:
@@ -40,6 +42,7 @@ def _side_state(objs: dict[str, Any]) -> list[Any]:
         objs["sched"].state_dict(),
         objs["scaler"].state_dict(),
         objs["opt"].param_groups[0]["lr"],  # the scheduler's step changed it
+        objs["noise"].generator.get_state().tolist(),
     ]
 
 

@@ -45,13 +45,15 @@ def _objects(seed: int, width: int = 8) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**seed)
+    noise = torch.Generator().manual_seed(seed)  # a generator of the script's own
     if seed == 1:  # the sender has trained a little: optimizer state, buffers, scheduler, scaler
+        torch.rand(7, generator=noise)
         for _ in range(3):
             scaler.scale(model(torch.randn(16, 4)).sum()).backward()
             scaler.step(opt)
             scaler.update()
             sched.step()
-    return {"model": model, "opt": opt, "sched": sched, "scaler": scaler}
+    return {"model": model, "opt": opt, "sched": sched, "scaler": scaler, "noise": rng.ScriptGenerator(noise)}
 
 
 def _move(sender: dict[str, Any], receiver: dict[str, Any], step: int = 5) -> tuple[int | None, Exception | None]:
@@ -82,6 +84,7 @@ def _state(objs: dict[str, Any]) -> list[Any]:
         objs["opt"].state_dict(),
         objs["sched"].state_dict(),
         objs["scaler"].state_dict(),
+        objs["noise"].generator.get_state().tolist(),
     ]
 
 
@@ -98,6 +101,7 @@ def test_the_joiner_ends_with_the_senders_state_and_rng() -> None:
         assert torch.equal(t, got[0][name]), name
     assert json.dumps(sent[2], default=str) == json.dumps(got[2], default=str)
     assert sent[3] == got[3]
+    assert sent[4] == got[4], "the script's own generator continues the sender's stream"
     assert str(sent[1]) == str(got[1])
     assert rng.fingerprint(rng.capture()) == rng.fingerprint(expected)
 
