@@ -64,7 +64,7 @@ from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import TransferError, recv_state
-from rlaunch.runtime.untracked import untracked_state
+from rlaunch.runtime.untracked import live_schedulers, untracked_state
 from rlaunch.runtime.vote import RefusedError, StepVote
 
 __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
@@ -364,7 +364,7 @@ class Runtime:
         self._voted = names
         if self._link is not None and not self._checked_untracked:
             self._checked_untracked = True
-            why = untracked_state(self._tracked, optimizers, scaler)
+            why = untracked_state(self._tracked, optimizers, scaler, live_schedulers())
             if why:
                 raise RefusedError(why)
 

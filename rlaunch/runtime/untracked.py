@@ -2,24 +2,26 @@
 
 Checked once, at a rank's first ``rt.optimizer_step()``, before any optimizer steps:
 
-- An LR scheduler of a tracked optimizer that is not tracked itself. A joiner builds its own
-  scheduler when its script starts (and steps it in the sandbox), so after a move its learning
-  rate follows another schedule than the other ranks': DDP replicas then hold different weights.
-  Torch marks an optimizer whose scheduler was built by wrapping its ``step`` (the wrapper has
-  ``_wrapped_by_lr_sched``), so the check needs no search of the heap.
+- An LR scheduler of an optimizer passed to ``rt.optimizer_step()`` that is not tracked. A
+  joiner builds its own scheduler when its script starts (and steps it in the sandbox), so after
+  a move its learning rate follows another schedule than the other ranks': DDP replicas then
+  hold different weights. The schedulers are found by one scan of the heap
+  (:func:`live_schedulers`), so a second scheduler beside a tracked one and
+  ``ReduceLROnPlateau`` (which leaves no mark on its optimizer) are seen too; one built after
+  the first step is not.
 - A ``GradScaler`` passed to ``rt.optimizer_step(scaler=...)`` that is not tracked: its scale
   would start again on a joiner (a disabled one, ``GradScaler(enabled=False)``, holds nothing).
 
-An object counts as tracked when it is tracked itself or is an attribute of a tracked object (a
-Stateful wrapper such as DCP's ``AppState(model, optimizer)``). ``ReduceLROnPlateau`` does not
-wrap its optimizer's ``step`` and is not seen: track it (README, "Loop patterns").
+An object counts as tracked when it is tracked itself, is an attribute of a tracked object (a
+Stateful wrapper such as DCP's ``AppState(model, optimizer)``), or is chained inside a tracked
+scheduler (``SequentialLR``, ``ChainedScheduler``).
 
-State the runtime cannot see at all (a ``torch.Generator`` the script created, a plain counter)
-is the README's business ("Loop patterns").
+State the runtime cannot see at all (a plain counter) is the README's business ("Loop patterns").
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,8 +37,23 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
             yield from _schedulers(inner)
 
 
-def untracked_state(tracked: dict[str, Any], optimizers: Iterable[torch.optim.Optimizer], scaler: Any) -> str:
-    """A sentence naming the first piece of state a move would lose, or "" if there is none."""
+def live_schedulers() -> list[LRScheduler]:
+    """Every LR scheduler alive in this process (one scan of the heap, made once per rank)."""
+    # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
+    # torch's deprecated objects answer with a FutureWarning
+    return [o for o in gc.get_objects() if issubclass(type(o), LRScheduler)]
+
+
+def untracked_state(
+    tracked: dict[str, Any],
+    optimizers: Iterable[torch.optim.Optimizer],
+    scaler: Any,
+    schedulers: Iterable[LRScheduler],
+) -> str:
+    """A sentence naming the first piece of state a move would lose, or "" if there is none.
+
+    ``schedulers`` are the LR schedulers alive in the process (:func:`live_schedulers`).
+    """
     # Tracked objects, then one level into them (wrappers: AppState(model, optimizer) and the like),
     # each with the name it is tracked under.
     reachable = list(tracked.items())
@@ -44,19 +61,21 @@ def untracked_state(tracked: dict[str, Any], optimizers: Iterable[torch.optim.Op
     names: dict[int, str] = {}
     for tracked_as, obj in reachable:
         names.setdefault(id(obj), tracked_as)
-    scheduled = {id(s.optimizer) for _, obj in reachable for s in _schedulers(obj)}
-    for opt in optimizers:
-        name = names.get(id(opt))
-        if name is None:
+    covered = {id(s) for _, obj in reachable for s in _schedulers(obj)}
+    stepped = {id(opt): opt for opt in optimizers}
+    for opt in stepped.values():
+        if id(opt) not in names:
             return (
                 f"The optimizer {type(opt).__name__} passed to rt.optimizer_step() is not tracked, so a joiner would "
                 f"start it afresh; track it with rt.track(optimizer=...)."
             )
-        if hasattr(opt.step, "_wrapped_by_lr_sched") and id(opt) not in scheduled:
+    for sched in schedulers:
+        of = stepped.get(id(getattr(sched, "optimizer", None)))
+        if of is not None and id(sched) not in covered:
             return (
-                f"The tracked optimizer {name!r} ({type(opt).__name__}) has an LR scheduler that is not tracked: a "
-                "joiner's scheduler would follow its own schedule and the replicas' weights would drift apart; "
-                "track it with rt.track(sched=...)."
+                f"The tracked optimizer {names[id(of)]!r} ({type(of).__name__}) has an LR scheduler "
+                f"({type(sched).__name__}) that is not tracked: a joiner's scheduler would follow its own schedule "
+                "and the replicas' weights would drift apart; track it with rt.track(sched=...)."
             )
     enabled = scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
     if enabled and id(scaler) not in names:

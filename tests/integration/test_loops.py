@@ -146,5 +146,5 @@ def test_an_untracked_lr_scheduler_is_refused_before_the_first_step() -> None:
     """A joiner's own scheduler would follow another schedule: the replicas would drift apart silently."""
     code, out = _standalone("--sched", "--misuse", "untracked-sched")
     assert code != 0
-    assert "The tracked optimizer 'opt0' (AdamW) has an LR scheduler that is not tracked" in out
+    assert "The tracked optimizer 'opt0' (AdamW) has an LR scheduler (StepLR) that is not tracked" in out
     assert "rt.track(sched=...)" in out and " final: " not in out
