@@ -39,6 +39,7 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
 
 def live_schedulers() -> list[LRScheduler]:
     """Every LR scheduler alive in this process (one scan of the heap, made once per rank)."""
+    gc.collect()  # a discarded scheduler caught in a reference cycle is garbage, not state
     # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
     # torch's deprecated objects answer with a FutureWarning
     return [o for o in gc.get_objects() if issubclass(type(o), LRScheduler)]

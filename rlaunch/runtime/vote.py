@@ -132,8 +132,10 @@ class StepVote:
                         "replacement will be refused (see the README's loop patterns).", rank, name, step,
                     )  # fmt: skip
                 continue
+            obj = tracked[name]
+            shown = obj.generator if isinstance(obj, rng.ScriptGenerator) else obj  # what the script passed
             raise RefusedError(
-                f"The tracked object {name!r} ({type(tracked[name]).__name__}) holds a different state on "
+                f"The tracked object {name!r} ({type(shown).__name__}) holds a different state on "
                 f"different ranks at step {step}, so a replica could not stand in for a lost rank; declare it "
                 f"with rt.track_per_rank({name}=...) instead of rt.track()."
             )

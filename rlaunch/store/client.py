@@ -40,6 +40,7 @@ from prometheus_client import Histogram  # noqa: E402
 
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
+from rlaunch.waiting import wait_event  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,7 +149,8 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         if self._connected.is_set():
             return
         if self._is_connecting:
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            if not await wait_event(self._connected, self._connect_wait_timeout):
+                raise asyncio.TimeoutError(f"no connection to etcd at {self._host}:{self._port} within the wait")
             return
         try:
             self._is_connecting = True

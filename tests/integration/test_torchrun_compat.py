@@ -33,7 +33,7 @@ def launch(
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=30)  # its etcd's janitor may hold the pipes a few seconds
         raise AssertionError(f"rlaunch {' '.join(args)} did not end in 120 s; its log ends:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -26,6 +26,10 @@ def test_an_untracked_scheduler_is_named() -> None:
     assert "rt.track(sched=...)" in why
     del sched
     assert untracked_state({"optimizer": opt}, [opt], None, live_schedulers()) == "", "a freed one steps nothing"
+    holder: dict[str, object] = {"sched": StepLR(opt, step_size=3)}
+    holder["self"] = holder  # discarded inside a reference cycle: garbage, not state
+    del holder
+    assert untracked_state({"optimizer": opt}, [opt], None, live_schedulers()) == ""
 
 
 def test_a_second_scheduler_and_reduce_on_plateau_are_seen_on_the_heap() -> None:

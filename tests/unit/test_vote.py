@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import StepSnapshots
 from rlaunch.runtime.vote import RefusedError, StepVote, generator_label
 
@@ -74,6 +75,19 @@ def test_a_tracked_object_that_differs_by_rank_is_refused_by_name() -> None:
     votes[0].accept(total, layout, 5, ranks[0], 0)  # declared: accepted
     assert "declared per rank" in votes[0].refusal({"pos"}, seeded=False)
     assert votes[0].refusal(set(), seeded=False) == "", "same seeds, same state: a replica can stand in"
+
+
+def test_a_script_generator_seeded_per_rank_is_refused_under_the_name_and_type_the_script_gave() -> None:
+    ranks = [_rank(0, 1), _rank(0, 1)]
+    for seed, tracked in enumerate(ranks):
+        tracked["noise"] = rng.ScriptGenerator(torch.Generator().manual_seed(seed))
+    votes, total, layout = _votes(ranks)
+    with pytest.raises(RefusedError, match=r"'noise' \(Generator\) holds a different state .* rt.track_per_rank"):
+        votes[0].accept(total, layout, 5, ranks[0], 0)
+    for tracked in ranks:
+        tracked["noise"].generator.manual_seed(7)
+    votes, total, layout = _votes(ranks)
+    votes[0].accept(total, layout, 5, ranks[0], 0)  # one seed everywhere: a replica holds it
 
 
 def test_a_generator_that_differs_but_is_never_drawn_from_is_not_held_against_a_replacement() -> None:
