@@ -116,7 +116,8 @@ class Runtime:
         self._snapshots = StepSnapshots()
         self._start: StepStart | None = None  # what the current step changes besides params and optimizers
         self._device_wait = False  # blocked until this step's GPU work ends (NCCL groups): waits on peers
-        self._checked_untracked = False  # untracked schedulers and scalers: refused at the first vote
+        # ids of the optimizers and scalers checked for untracked state (at the first vote of each)
+        self._checked: set[int] = set()
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
         self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
@@ -362,8 +363,9 @@ class Runtime:
                 "rt.optimizer_step(opt1, opt2)."
             )
         self._voted = names
-        if self._link is not None and not self._checked_untracked:
-            self._checked_untracked = True
+        objects = {id(o) for o in (*optimizers, scaler) if o is not None}
+        if self._link is not None and not objects <= self._checked:
+            self._checked |= objects  # an optimizer first stepped late (a GAN's second) is checked then
             why = untracked_state(self._tracked, optimizers, scaler, live_schedulers())
             if why:
                 raise RefusedError(why)

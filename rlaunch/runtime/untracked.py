@@ -1,6 +1,7 @@
 """Refusals for state a script forgot to track, where a move would otherwise diverge in silence.
 
-Checked once, at a rank's first ``rt.optimizer_step()``, before any optimizer steps:
+Checked at a rank's first ``rt.optimizer_step()``, and again at the first one that passes an
+optimizer or scaler not seen before, before any optimizer steps:
 
 - An LR scheduler of an optimizer passed to ``rt.optimizer_step()`` that is not tracked. A
   joiner builds its own scheduler when its script starts (and steps it in the sandbox), so after
@@ -8,7 +9,7 @@ Checked once, at a rank's first ``rt.optimizer_step()``, before any optimizer st
   hold different weights. The schedulers are found by one scan of the heap
   (:func:`live_schedulers`), so a second scheduler beside a tracked one and
   ``ReduceLROnPlateau`` (which leaves no mark on its optimizer) are seen too; one built after
-  the first step is not.
+  its optimizer's first step is not.
 - A ``GradScaler`` passed to ``rt.optimizer_step(scaler=...)`` that is not tracked: its scale
   would start again on a joiner (a disabled one, ``GradScaler(enabled=False)``, holds nothing).
 
@@ -38,7 +39,7 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
 
 
 def live_schedulers() -> list[LRScheduler]:
-    """Every LR scheduler alive in this process (one scan of the heap, made once per rank)."""
+    """Every LR scheduler alive in this process (a scan of the heap, made once per new optimizer)."""
     gc.collect()  # a discarded scheduler caught in a reference cycle is garbage, not state
     # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
     # torch's deprecated objects answer with a FutureWarning

@@ -148,3 +148,7 @@ def test_an_untracked_lr_scheduler_is_refused_before_the_first_step() -> None:
     assert code != 0
     assert "The tracked optimizer 'opt0' (AdamW) has an LR scheduler (StepLR) that is not tracked" in out
     assert "rt.track(sched=...)" in out and " final: " not in out
+    # two optimizers, the scheduled one first stepped in step 1: checked then
+    code, out = _standalone("--optimizers", "2", "--sched", "--misuse", "late-untracked-sched")
+    assert code != 0
+    assert "The tracked optimizer 'opt0' (SGD) has an LR scheduler (StepLR) that is not tracked" in out

@@ -81,7 +81,9 @@ def main() -> None:
     ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
-    ap.add_argument("--misuse", choices=["", "two-votes", "rank-state", "untracked-sched"], default="")
+    ap.add_argument(
+        "--misuse", choices=["", "two-votes", "rank-state", "untracked-sched", "late-untracked-sched"], default=""
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -99,7 +101,7 @@ def main() -> None:
     if scaler is not None:
         tracked["scaler"] = scaler
     sched = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=7, gamma=0.8) if args.sched else None
-    if sched is not None and args.misuse != "untracked-sched":
+    if sched is not None and args.misuse not in ("untracked-sched", "late-untracked-sched"):
         tracked["sched"] = sched
     if args.misuse == "rank-state":
         tracked["counter"] = Counter(rt.rank)
@@ -163,6 +165,8 @@ def main() -> None:
         if args.misuse == "two-votes":
             for opt in optimizers:
                 rt.optimizer_step(opt)
+        elif args.misuse == "late-untracked-sched" and step == 0:
+            rt.optimizer_step(optimizers[-1])  # the scheduled optimizer is first stepped in step 1
         else:
             rt.optimizer_step(*optimizers, **({"scaler": scaler} if scaler else {}))
         if sched is not None:
