@@ -5,8 +5,9 @@ One run, one model (25M parameters, AdamW, a step of several hundred ms here), 2
 plus standbys, one process per node, 1 thread each. For each layout (plain DDP, whose keys are
 the JSON's top level, and FSDP2 sharding the same model over both ranks, under
 ``layouts.fsdp`` with the same keys; ``--layouts`` picks them):
-  steady   rlaunch with no event, and plain DDP under torchrun with no event, twice each,
-           interleaved: the reference digests and the steady step-time overhead;
+  steady   rlaunch with no event, and plain DDP under torchrun with no event, --steady-repeats
+           times each (default 4), interleaved: the reference digests and the steady step-time
+           overhead (two pairs read anywhere from -4 % to +12 % on this machine: too few);
   memory   the same pair twice more with glibc's mmap threshold fixed in both (see below);
   (a)      one rlaunch job, the node holding rank 1 drained onto a warm standby --repeats times;
   (b)      torchrun, --repeats times in one job's life: the second node's agent gets SIGTERM, its
@@ -17,7 +18,7 @@ Downtime of an event = wall time of the 6 steps around it minus 6 median steps. 
 repeated (default 3 times, at steps 15, 23, 31); the JSON keeps its keys as the median and adds
 ``_runs``, ``_min`` and ``_max``. The targets are judged on medians, except where named ``max``.
 Prints one JSON object. Usage: scripts/bench_migration.py [--steps 45] [--event-at 15]
-[--event-every 8] [--repeats 3] [--layouts ddp,fsdp] [--out FILE]
+[--event-every 8] [--repeats 3] [--steady-repeats 4] [--layouts ddp,fsdp] [--out FILE]
 
 Memory. Each worker reports its RSS (smaps_rollup: resident, anonymous, file-backed; VmHWM for
 the peak) at the same points in both modes: after imports, after importing the runtime, after
@@ -456,11 +457,13 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     """
     events = [args.event_at + i * args.event_every for i in range(args.repeats)]
     steady_rl, steady_tr, mem_rl, mem_tr = [], [], [], []
-    for i in range(2):  # interleaved, so that drifts in the machine's load hit both alike
-        log(f"{layout}: steady {i + 1}/2: rlaunch, no event")
+    n = args.steady_repeats
+    for i in range(n):  # interleaved, so that drifts in the machine's load hit both alike
+        log(f"{layout}: steady {i + 1}/{n}: rlaunch, no event")
         steady_rl.append(run_rlaunch(root, etcd, f"{layout}-steady-rlaunch-{i}", args.steps, [], 3, train_args))
-        log(f"{layout}: steady {i + 1}/2: torchrun, plain DDP, no event")
+        log(f"{layout}: steady {i + 1}/{n}: torchrun, plain DDP, no event")
         steady_tr.append(run_torchrun(root, f"{layout}-steady-torchrun-{i}", args.steps, [], train_args))
+    for i in range(2):
         log(f"{layout}: memory {i + 1}/2: rlaunch and torchrun, no event, glibc's mmap threshold fixed")
         mem_rl.append(run_rlaunch(root, etcd, f"{layout}-memory-rlaunch-{i}", args.steps, [], 3, train_args,
                                   memory_env()))  # fmt: skip
@@ -543,6 +546,7 @@ def main() -> None:
     ap.add_argument("--event-at", type=int, default=15, help="the step of the first event")
     ap.add_argument("--event-every", type=int, default=8, help="steps between repeated events")
     ap.add_argument("--repeats", type=int, default=3, help="how often each event is repeated")
+    ap.add_argument("--steady-repeats", type=int, default=4, help="event-free runs of each launcher (step time)")
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument(
         "--layouts", default="ddp,fsdp",
@@ -553,6 +557,8 @@ def main() -> None:
     if not layouts or any(x not in ("ddp", "fsdp") for x in layouts):
         ap.error(f"--layouts {args.layouts!r} must name ddp, fsdp or both, separated by commas.")
     last = args.event_at + (args.repeats - 1) * args.event_every
+    if args.steady_repeats < 1:
+        ap.error(f"--steady-repeats {args.steady_repeats} must be at least 1.")
     if args.repeats < 1 or args.event_every < 7 or args.steps < last + 5:
         ap.error(f"--steps {args.steps} must be at least {last + 5} (the last event at step {last}, plus its window), "
                  f"and --event-every at least 7 (the 6-step windows of two events must not overlap).")  # fmt: skip
