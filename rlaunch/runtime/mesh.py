@@ -21,7 +21,6 @@ This module is pure bookkeeping over torch's objects; building communicators is 
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed.device_mesh as torch_mesh
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlaunch.runtime import heap
 from rlaunch.runtime.groups import SwitchableGroup
 
 
@@ -137,10 +137,7 @@ class RuntimeMesh:
         root = self.device_mesh
         if root is None:
             return []
-        # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
-        # torch's deprecated objects answer with a FutureWarning (torch.distributed.reduce_op)
-        found = [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]
-        return [o for o in found if o is root or o._root_mesh is root]
+        return [o for o in heap.instances(DeviceMesh) if o is root or o._root_mesh is root]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return coordinate(self.ranks, rank)

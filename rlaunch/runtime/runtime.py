@@ -363,12 +363,13 @@ class Runtime:
                 "rt.optimizer_step(opt1, opt2)."
             )
         self._voted = names
-        objects = {id(o) for o in (*optimizers, scaler) if o is not None}
-        if self._link is not None and not objects <= self._checked:
-            self._checked |= objects  # an optimizer first stepped late (a GAN's second) is checked then
-            why = untracked_state(self._tracked, optimizers, scaler, live_schedulers())
-            if why:
-                raise RefusedError(why)
+        if self._link is not None:
+            objects = {id(o) for o in (*optimizers, scaler) if o is not None}
+            if not objects <= self._checked:  # an optimizer first stepped late (a GAN's second) is checked then
+                self._checked |= objects
+                why = untracked_state(self._tracked, optimizers, scaler, live_schedulers())
+                if why:
+                    raise RefusedError(why)
 
         def apply() -> None:
             for opt in optimizers:

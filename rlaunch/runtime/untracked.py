@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlaunch.runtime import heap
+
 
 def _schedulers(obj: Any) -> Iterator[LRScheduler]:
     """``obj`` if it is a scheduler, and the schedulers it chains (SequentialLR, ChainedScheduler)."""
@@ -41,9 +43,7 @@ def _schedulers(obj: Any) -> Iterator[LRScheduler]:
 def live_schedulers() -> list[LRScheduler]:
     """Every LR scheduler alive in this process (a scan of the heap, made once per new optimizer)."""
     gc.collect()  # a discarded scheduler caught in a reference cycle is garbage, not state
-    # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which some of
-    # torch's deprecated objects answer with a FutureWarning
-    return [o for o in gc.get_objects() if issubclass(type(o), LRScheduler)]
+    return heap.instances(LRScheduler)
 
 
 def untracked_state(
