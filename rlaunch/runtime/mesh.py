@@ -102,6 +102,14 @@ class RuntimeMesh:
             out.append((group_name(dim_name, index), members))
         return out
 
+    def every_line(self) -> list[tuple[str, list[int]]]:
+        """Every line of every dimension, as (group name, members): the mesh groups of the whole job."""
+        out = []
+        for dim, dim_name in enumerate(self.names):
+            lines = self.ranks.transpose(dim, -1).reshape(-1, self.ranks.shape[dim]).tolist()
+            out += [(group_name(dim_name, i), [int(r) for r in members]) for i, members in enumerate(lines)]
+        return out
+
     def build(self, device_type: str, groups: list[SwitchableGroup], registered: list[str]) -> DeviceMesh:
         """The torch mesh over ``groups`` (one per dimension, registered under ``registered``)."""
         self.groups = groups
@@ -115,15 +123,15 @@ class RuntimeMesh:
     def rebind(self, rank: int) -> list[tuple[str, SwitchableGroup, str]]:
         """Give this rank's dimension groups the lines of ``rank``; return (old name, group, new name).
 
-        The caller re-keys and re-registers the groups (their rank mapping changed).
+        The caller renames the groups (in the group table, which keeps their build order) and
+        re-registers them (their rank mapping changed).
         """
         self.rank = rank
         moved = []
         for group, (name, members) in zip(self.groups, self.lines(rank), strict=True):
-            old = group.label
-            group.label, group.members = name, members
+            group.members = members
             group.group_rank = members.index(rank)
-            moved.append((old, group, name))
+            moved.append((group.label, group, name))
         for view in self._views():
             view._rank = rank
             view._coordinate_on_dim = view._compute_coordinate_on_dim()

@@ -2,11 +2,14 @@
 
 Phase 1 runs in the background, on the listener thread (:meth:`Migration.listen`): it takes each
 plan the agent hands this rank. For a migration, the rank builds the next version of every group
-that touches the moved ranks on fresh store prefixes, and the leaver and the joiner open a
-transfer channel (:meth:`Migration.prepare`). The rank then reports ``prepared``, and its per-step
-vote carries "ready" (:attr:`Migration.ready`); a replacement plan goes to
-:class:`~rlaunch.runtime.recovery.Recovery` instead. Phase 2 comes at the boundary after the step
-whose vote found every rank ready (:meth:`Migration.switch`): the leaver sends its state to the
+that touches the moved ranks on fresh store prefixes (the group table decides which, in its
+build order), and the leaver and the joiner open a transfer channel (:meth:`Migration.prepare`).
+The rank then reports ``prepared``, and its per-step vote carries the generation it is ready for
+(:attr:`Migration.ready`); a replacement plan goes to :class:`~rlaunch.runtime.recovery.Recovery`
+instead. A preparation that fails (etcd unreachable in the middle of it, say) is logged and the
+listener goes on: the move stalls and the controller takes the restart path, but the rank still
+receives every later plan. Phase 2 comes at the boundary after the step whose vote found every
+rank ready for the same generation (:meth:`Migration.switch`): the leaver sends its state to the
 joiner and exits 0, the others swap their affected groups in place. A standby joins through the
 same plans (``Runtime._join`` uses :meth:`wait_plan` and :meth:`prepare`).
 """
@@ -18,16 +21,17 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from rlaunch.plans import Plan, ReplacePlan, Role, plan_from_json
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng
+from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
+from rlaunch.runtime.grouptable import GroupTable
+from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import send_state
-
-if TYPE_CHECKING:
-    from rlaunch.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +45,53 @@ class Prepared:
 
 
 class Migration:
-    """One rank's part in planned migrations: plans taken, communicators built, the switch."""
+    """One rank's part in planned migrations: plans taken, communicators built, the switch.
 
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
+    ``on_replace`` takes a replacement plan (the listener thread hands it over); ``refusal`` says
+    why this rank cannot be drained live ("" when it can); ``knowledge`` is what a joiner must learn
+    from the leaver besides the tracked state (see ``Runtime._knowledge``).
+    """
+
+    def __init__(
+        self,
+        state: RankState,
+        on_replace: Callable[[ReplacePlan], None],
+        refusal: Callable[[], str],
+        knowledge: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._s = state
+        self._on_replace = on_replace
+        self._refusal = refusal
+        self._knowledge = knowledge
         self._lock = threading.Lock()
         self._prepared: Prepared | None = None  # a plan whose communicators are built
         self._switch_to = 0  # the generation every rank voted ready for: switch at this step's end
 
     @property
-    def ready(self) -> bool:
-        """This rank built what the next generation needs (its vote says so).
+    def _groups(self) -> GroupTable:
+        return self._s.groups
+
+    @property
+    def ready(self) -> int:
+        """The generation this rank built everything for (0: none; the vote carries it).
 
         NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
         the switch will not wait on them (a peer that fails while building one then delays the move,
         not the job).
         """
         prepared = self._prepared
-        if prepared is None or prepared.plan.generation <= self._rt.generation:
-            return False
-        return all(backends.current().is_ready(comm) for comm in prepared.comms.values())
+        if prepared is None or prepared.plan.generation <= self._s.generation:
+            return 0
+        if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
+            return 0
+        return prepared.plan.generation
 
-    def agree(self) -> None:
-        """Every rank voted ready in this step: switch at its end."""
-        self._switch_to = self._prepared.plan.generation  # type: ignore[union-attr]
+    def agree(self, generation: int) -> None:
+        """Every rank voted ready for ``generation`` in this step: switch at its end (if it is the
+        one prepared here: the vote's sums say all ranks hold the same)."""
+        prepared = self._prepared
+        if prepared is not None and prepared.plan.generation == generation:
+            self._switch_to = generation
 
     @property
     def due(self) -> bool:
@@ -73,79 +100,83 @@ class Migration:
 
     def listen(self) -> None:
         """Phase 1, in the background: take each plan, build what it needs, report ready."""
-        rt = self._rt
-        assert rt._link is not None
-        after = rt.generation
+        s = self._s
+        assert s.link is not None
+        after = s.generation
         while True:
             try:
                 plan = self.wait_plan(after)
-                if rt._stopped.is_set():
-                    # rt.steps() has ended: this rank is tearing down, and building communicators
-                    # now would leave C++ threads running at exit (an abort). The move is moot.
-                    return
-                if isinstance(plan, ReplacePlan):
-                    rt._recovery.on_replace(plan)
-                    after = plan.generation
-                    continue
-                if not rt._tracked:
-                    # Moving an empty state would corrupt the joiner: never report ready.
-                    log.error(
-                        "rank %d: a migration to generation %s was planned, but rt.track() was never called, "
-                        "so this rank has no state to hand over; it will not switch (the drain times out).",
-                        rt.rank, plan.generation,
-                    )  # fmt: skip
-                    return
-                comms = self.prepare(plan)
-            except Exception:  # noqa: BLE001 - a failed preparation must not kill training
-                log.exception("rank %d: preparing for the next generation failed", rt.rank)
+            except (OSError, AgentLinkError) as exc:
+                log.warning("rank %d: the agent no longer hands out plans (%s); no more moves here", s.rank, exc)
                 return
+            if s.stopped.is_set():
+                # rt.steps() has ended: this rank is tearing down, and building communicators
+                # now would leave C++ threads running at exit (an abort). The move is moot.
+                return
+            after = plan.generation
+            if isinstance(plan, ReplacePlan):
+                self._on_replace(plan)
+                continue
+            why = self._refusal()
+            if why:
+                # Moving what cannot be moved would corrupt the joiner: never report ready.
+                log.error(
+                    "rank %d: a drain to generation %s was planned, but %s; this rank will not switch, so the drain "
+                    "stalls and the controller restarts the job without the drained node.",
+                    s.rank, plan.generation, why,
+                )  # fmt: skip
+                continue
+            try:
+                comms = self.prepare(plan)
+            except Exception:  # noqa: BLE001 - a failed preparation must not kill training, nor the listener
+                log.exception(
+                    "rank %d: preparing for generation %s failed; this move will not happen here, later plans will",
+                    s.rank, plan.generation,
+                )  # fmt: skip
+                continue
             with self._lock:
                 superseded, self._prepared = self._prepared, Prepared(plan, comms)
             for comm in superseded.comms.values() if superseded is not None else ():
                 retire(comm)  # a later plan replaced it before the switch (an NCCL communicator is aborted)
-            rt._link.call("prepared", generation=plan.generation)
-            after = plan.generation
+            s.link.call("prepared", generation=plan.generation)
 
     def wait_plan(self, after: int) -> Plan:
         """The next plan after generation ``after`` this rank takes part in (blocks until there is one)."""
-        assert self._rt._link is not None
+        assert self._s.link is not None
         while True:
-            plan = plan_from_json(self._rt._link.call("wait_plan", after=after))
+            plan = plan_from_json(self._s.link.call("wait_plan", after=after))
             if plan is not None and plan.generation > after:
                 return plan
 
     def prepare(self, plan: Plan) -> dict[str, Any]:
-        """Build the communicators of ``plan`` that this rank needs (fresh store prefixes)."""
-        rt = self._rt
-        gen, role, moved = plan.generation, plan.role, set(plan.moved_ranks)
+        """Build the communicators of ``plan`` that this rank needs (fresh store prefixes, in build order)."""
+        gen, role = plan.generation, plan.role
+        kind = self._groups["world"].backend
         comms: dict[str, Any] = {}
         if role is Role.LEAVER:
-            comms["channel"] = rt._channel(gen, 0, rt.rank)
+            comms["channel"] = self._groups.channel(gen, 0, self._s.rank, kind)
             return comms
-        rank = plan.rank
-        for name, group in rt._groups.items():
-            if rank in group.members and moved & set(group.members):
-                comms[name] = rt._group_comm(name, group.members, rank, gen)
+        comms.update(self._groups.build(self._groups.touched(plan.rank, plan.moved_ranks), plan.rank, gen))
         if role is Role.JOINER:
-            comms["channel"] = rt._channel(gen, 1, rank)
+            comms["channel"] = self._groups.channel(gen, 1, plan.rank, kind)
         return comms
 
     def switch(self, next_step: int) -> None:
         """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
-        rt = self._rt
+        s = self._s
         with self._lock:
             prepared, self._prepared, gen = self._prepared, None, self._switch_to
             self._switch_to = 0
-        assert prepared is not None and rt._link is not None
+        assert prepared is not None and s.link is not None
         comms = prepared.comms
         if prepared.plan.role is Role.LEAVER:
             began = time.perf_counter()
-            sent = send_state(comms["channel"], rt._tracked, next_step, rng.capture())
-            rt._link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
+            sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge())
+            s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
             # Tearing this process down must not take CPU from the job it just left.
             os.nice(19)
             raise SystemExit(0)
-        for name, comm in comms.items():
-            rt._groups[name].swap(comm, gen)
-        rt.generation = gen
-        rt._measure_after_switch = True
+        self._groups.swap(comms, gen)
+        s.generation = gen
+        s.measure_after_switch = True
+        s.verify_due = True  # the first vote of the new generation compares the replicas

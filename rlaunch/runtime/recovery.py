@@ -9,30 +9,36 @@ needed every rank), else all discard s and redo it. Only the groups that touch t
 (or failed on some survivor) are rebuilt. The replacement (a warm standby, or the failed node's
 restarted workers) receives its state from a data-parallel replica, at the end of the step
 (:meth:`Recovery.send_replicas`). A replacement that no replica can serve (sharded state without a
-replicated dimension, per-rank state) is refused before anything is written, with a sentence the
-agent puts on the node's failure, and the job restarts instead.
+replicated dimension, per-rank state, parameters that differ by rank) is refused before anything
+is written, with a sentence the agent puts on the node's failure, and the job restarts instead.
 
+Two faults a few seconds apart give two plans; a survivor recovers to the newest one it holds, and
+one that began the exchange of an older plan moves to the newer one as soon as it arrives (the
+older exchange can never complete: its survivors include the second fault's ranks).
 :class:`Recovery` holds what only recovery needs (the plans handed over by the listener, the
-channels to send on) and reads and updates its runtime's state (groups, applied step,
-generation) on the main thread.
+channels to send on) and reads and updates the rank's :class:`~rlaunch.runtime.rankstate.RankState`
+on the main thread.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlaunch.plans import ReplacePlan
 from rlaunch.runtime import rng, shards
+from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
+from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
 
-if TYPE_CHECKING:
-    from rlaunch.runtime.runtime import Runtime
+#: How long one wait for the other survivors' reports lasts before this rank looks for a newer plan.
+GATHER_POLL_S = 2.0
 
 
 def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, bool]:
@@ -53,11 +59,30 @@ def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, boo
     return agreed, agreed > mine
 
 
-class Recovery:
-    """One rank's part in live replacements: from the plan's arrival to the replicas sent."""
+def newest(plans: Sequence[ReplacePlan]) -> ReplacePlan:
+    """The plan to recover to: the one of the highest generation (older ones were superseded)."""
+    return max(plans, key=lambda p: p.generation)
 
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
+
+class Recovery:
+    """One rank's part in live replacements: from the plan's arrival to the replicas sent.
+
+    ``refusal`` says why no replica can serve a replaced rank ("" when one can); ``sources`` picks
+    the survivor that sends each replaced rank its state; ``knowledge`` is what a joiner must learn
+    besides the tracked state (see ``Runtime._knowledge``).
+    """
+
+    def __init__(
+        self,
+        state: RankState,
+        refusal: Callable[[], str],
+        sources: Callable[[ReplacePlan, list[int]], tuple[dict[int, int], str]],
+        knowledge: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._s = state
+        self._refusal = refusal
+        self._sources = sources
+        self._knowledge = knowledge
         self._plans: queue.Queue[ReplacePlan] = queue.Queue()  # from the listener thread
         self._sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
         #: between a failed step's report to the agent and its recovery: waiting on peers, not hung
@@ -72,10 +97,36 @@ class Recovery:
         """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
         moved = set(plan.moved_ranks)
         why = f"ranks {sorted(moved)} are being replaced (generation {plan.generation})"
-        for group in self._rt._mine():
+        for group in self._s.groups.mine():
             if moved & set(group.members):
                 group.abandon(why)
         self._plans.put(plan)
+
+    def _take_plan(self) -> ReplacePlan:
+        """Wait for a plan, then take the newest of those that arrived (older ones are stale)."""
+        s = self._s
+        try:
+            held = [self._plans.get(timeout=s.timeout.total_seconds())]
+        except queue.Empty:
+            raise RuntimeError(
+                f"rank {s.rank}: a collective of step {s.step} failed and no replacement was planned within "
+                f"{s.timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
+            ) from None
+        while True:
+            try:
+                held.append(self._plans.get_nowait())
+            except queue.Empty:
+                return newest(held)
+
+    def _newer_than(self, plan: ReplacePlan) -> ReplacePlan | None:
+        held = [plan]
+        while True:
+            try:
+                held.append(self._plans.get_nowait())
+            except queue.Empty:
+                break
+        best = newest(held)
+        return best if best.generation > plan.generation else None
 
     def recover(self, apply: Callable[[], None]) -> bool:
         """(main thread) Agree on the last applied step and rebuild groups; True if this step applies.
@@ -83,84 +134,82 @@ class Recovery:
         The state is sent to the replaced ranks at the end of the step (:meth:`send_replicas`), after
         the script's own per-step code (a scheduler step) ran, as a migration's leaver does.
         """
-        rt = self._rt
-        assert rt._link is not None and rt._store is not None
+        s = self._s
+        assert s.link is not None and s.store is not None
         began = time.perf_counter()
         self.active = True
-        rt._link.call("recovering", step=rt.step)
-        try:
-            plan = self._plans.get(timeout=rt._timeout.total_seconds())
-        except queue.Empty:
-            raise RuntimeError(
-                f"rank {rt.rank}: a collective of step {rt.step} failed and no replacement was planned within "
-                f"{rt._timeout.total_seconds():.0f} s; this worker exits so that its agent reports the failure."
-            ) from None
-        gen, moved = plan.generation, set(plan.moved_ranks)
-        self._refuse_replacement(plan, sorted(moved))
-        survivors = [r for r in range(rt.world_size) if r not in moved]
-        dirty = sorted(g.label for g in rt._mine() if g.failed and not moved & set(g.members))
-        rt._store.set(f"g{gen}/recover/{rt.rank}", json.dumps({"applied": rt._applied, "dirty": dirty}))
-        # One exchange, O(1) store requests per survivor (not a read of every other's report).
-        reports = [json.loads(v) for v in rt._store.gather(f"g{gen}/recover/", f"g{gen}/recovered", len(survivors))]
-        agreed, rolled = commit_point(rt._applied, rt.step, [int(r["applied"]) for r in reports])
+        s.link.call("recovering", step=s.step)
+        plan = self._take_plan()
+        deadline = time.monotonic() + s.timeout.total_seconds()
+        while True:
+            gen, moved = plan.generation, set(plan.moved_ranks)
+            self._refuse_replacement(plan, sorted(moved))
+            survivors = [r for r in range(s.world_size) if r not in moved]
+            dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
+            s.store.set(f"g{gen}/recover/{s.rank}", json.dumps({"applied": s.applied, "dirty": dirty}))
+            try:
+                # One exchange, O(1) store requests per survivor (not a read of every other's report).
+                values = s.store.gather(
+                    f"g{gen}/recover/", f"g{gen}/recovered", len(survivors), datetime.timedelta(seconds=GATHER_POLL_S)
+                )
+                break
+            except AgentLinkError:
+                # Not every survivor is here yet. If a newer plan superseded this one (a second fault),
+                # the others recover to that one: so does this rank.
+                newer = self._newer_than(plan)
+                if newer is not None:
+                    plan = newer
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"rank {s.rank}: the survivors of generation {gen} did not all report within "
+                        f"{s.timeout.total_seconds():.0f} s; the recovery cannot go on, so this worker stops."
+                    ) from None
+        reports = [json.loads(v) for v in values]
+        agreed, rolled = commit_point(s.applied, s.step, [int(r["applied"]) for r in reports])
         if rolled:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.
             apply()
-            rt._applied = agreed
+            s.applied = agreed
         dirty_names = {n for r in reports for n in r["dirty"]}
-        comms = {
-            name: rt._group_comm(name, group.members, rt.rank, gen)
-            for name, group in rt._groups.items()
-            if rt.rank in group.members and (moved & set(group.members) or name in dirty_names)
-        }
-        sources = self._replica_sources(plan, survivors)
-        mine = sorted(m for m, src in sources.items() if src == rt.rank)
-        self._sends = {m: rt._channel(gen, 0, m) for m in mine}
-        for name, comm in comms.items():
-            rt._groups[name].swap(comm, gen)
-        rt.generation = gen
-        rt._resume_at = agreed + 1
+        comms = s.groups.build(s.groups.touched(s.rank, moved, also=dirty_names), s.rank, gen)
+        sources, why = self._sources(plan, survivors)
+        self._give_up(plan, why)
+        mine = sorted(m for m, src in sources.items() if src == s.rank)
+        kind = s.groups["world"].backend
+        self._sends = {m: s.groups.channel(gen, 0, m, kind) for m in mine}
+        s.groups.swap(comms, gen)
+        s.generation = gen
+        s.resume_at = agreed + 1
+        s.verify_due = True  # the first vote after the recovery compares the replicas
         self.active = False
-        rt._link.call(
-            "recovered", generation=gen, rank=rt.rank, step=rt.step, resume_at=agreed + 1,
+        s.link.call(
+            "recovered", generation=gen, rank=s.rank, step=s.step, resume_at=agreed + 1,
             rolled_forward=rolled, rebuilt=sorted(comms), sends_to=mine, seconds=time.perf_counter() - began,
         )  # fmt: skip
-        return rt._applied == rt.step
+        return s.applied == s.step
 
     def send_replicas(self, next_step: int) -> None:
         """At the step boundary after a recovery (and after a redone step's start was restored):
         send this replica's state to the ranks it serves."""
         if not self._sends:
             return
-        rt = self._rt
-        assert rt._link is not None
+        s = self._s
+        assert s.link is not None
         began = time.perf_counter()
         channels, self._sends = self._sends, {}
         sent = 0
         for moved, channel in channels.items():
-            with rt._vote.buffers_of(moved, next_step, rt._tracked, rt.rank):
-                sent += send_state(channel, rt._tracked, next_step, rng.capture())
+            with s.vote.buffers_of(moved, next_step, s.tracked, s.rank):
+                sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())
             retire(channel)  # one use only (an NCCL channel is aborted when retired)
-        rt._link.call(
-            "replica_sent", generation=rt.generation, ranks=sorted(channels), bytes=sent,
+        s.link.call(
+            "replica_sent", generation=s.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
 
-    def _replica_sources(self, plan: ReplacePlan, survivors: list[int]) -> dict[int, int]:
-        """Who sends each replaced rank its state: a rank holding the same shards (any rank without a mesh)."""
-        rt = self._rt
-        moved = list(plan.sources)
-        if rt._mesh is None:
-            return dict(plan.sources)
-        sharded = shards.sharded_dims(rt._tracked, rt._mesh.names)
-        sources, why = shards.replica_sources(rt._mesh.ranks, rt._mesh.names, sharded, moved, survivors)
-        self._give_up(plan, why)
-        return sources
-
     def _refuse_replacement(self, plan: ReplacePlan, moved: list[int]) -> None:
         """Stop, before anything is written, when no replica holds what the replaced ranks had."""
-        rt = self._rt
-        why = rt._vote.refusal(rt._per_rank, rt._seed is not None, rt._start)
+        why = self._refusal()
         self._give_up(plan, f"a live replacement of ranks {moved} would diverge silently: {why}" if why else "")
 
     def _give_up(self, plan: ReplacePlan, why: str) -> None:
@@ -170,9 +219,27 @@ class Recovery:
         """
         if not why:
             return
-        assert self._rt._link is not None
-        self._rt._link.call("unrecoverable", generation=plan.generation, reason=why)
+        assert self._s.link is not None
+        self._s.link.call("unrecoverable", generation=plan.generation, reason=why)
         raise RefusedError(
-            f"rank {self._rt.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
+            f"rank {self._s.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
             "from your checkpoint instead."
         )
+
+
+def mesh_sources(state: RankState, plan: ReplacePlan, survivors: list[int]) -> tuple[dict[int, int], str]:
+    """Who sends each replaced rank its state: a rank holding the same shards (any rank without a
+    mesh or declared replicas: DDP), or the declared replica set's survivors."""
+    moved = sorted(plan.sources or plan.moved_ranks)
+    if state.declared is not None:
+        sources: dict[int, int] = {}
+        for m in moved:
+            peers = [r for r in state.declared.sets[state.declared.index(m)] if r in survivors]
+            if not peers:
+                return {}, f"rank {m} has no surviving replica among its declared replicas {state.declared.sets}"
+            sources[m] = min(peers, key=lambda r: (sum(1 for v in sources.values() if v == r), r))
+        return sources, ""
+    if state.mesh is None:
+        return dict(plan.sources), ""
+    sharded = shards.sharded_dims(state.tracked, state.mesh.names)
+    return shards.replica_sources(state.mesh.ranks, state.mesh.names, sharded, moved, survivors)

@@ -26,6 +26,13 @@ runs without migration.
 An unplanned fault (a peer crashed, its node was lost or hung) is recovered without restarting
 the survivors, by the commit rule of the per-step vote and a replica's state sent to the
 replacement: see :mod:`rlaunch.runtime.recovery`.
+
+The runtime checks itself while the job runs: every step's vote compares the decisions every
+rank must make alike (:mod:`rlaunch.runtime.contract`); every move is verified end to end (the
+joiner's digests against the sender's, :mod:`rlaunch.runtime.transfer`, then the replicas
+against each other at the first vote after it); and every ``--verify-every`` steps the replicas
+are compared for silent data corruption, whose suspect is taken out of the job live
+(:mod:`rlaunch.runtime.verify`).
 """
 
 from __future__ import annotations
@@ -53,19 +60,24 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import rng, shards
+from rlaunch.runtime import partition, replicas, rng, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
+from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
-from rlaunch.runtime.recovery import Recovery, commit_point
+from rlaunch.runtime.moves import Moves
+from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
-from rlaunch.runtime.stepstate import StepSnapshots, StepStart, is_stateful
+from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import TransferError, recv_state
 from rlaunch.runtime.untracked import live_schedulers, untracked_state
+from rlaunch.runtime.verify import Verifier
 from rlaunch.runtime.vote import RefusedError, StepVote
+from rlaunch.runtime.voting import Voting
 
 __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
 
@@ -93,49 +105,71 @@ class Runtime:
         timeout: datetime.timedelta,
         backend: backends.Backend = backends.Backend.GLOO,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.generation = generation
-        self.standby = standby
-        self._link = link
-        self._store = store
-        self._timeout = timeout
+        self._s = RankState(
+            rank=rank, world_size=world_size, generation=generation, standby=standby, link=link, store=store,
+            timeout=timeout, groups=GroupTable(store, timeout), vote=StepVote(world_size),
+        )  # fmt: skip
         self._sandbox_steps = sandbox_steps
         # A standby's rank is -1 until it joins: dist.get_rank() in its sandbox is then -1, as torch
         # answers for a non-member, so rank-0-only code (checkpoints, logging) never runs there.
         self.group = SwitchableGroup(
             WORLD, range(world_size), rank, world_comm, generation, guarded=link is not None, backend=backend
         )
-        self._groups: dict[str, SwitchableGroup] = {WORLD: self.group}
-        self._tracked: dict[str, Any] = {}
-        self._migration = Migration(self)  # planned moves: phase 1 in the background, then the switch
+        self._s.groups.add(self.group)
+        # Under plain torchrun nothing moves: replicas are compared only under an agent.
+        every = verify.interval(os.environ.get(verify.ENV, "auto")) if link is not None else 0
+        self._migration: Migration
+        self._voting = Voting(
+            self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,
+            lambda gen: self._migration.agree(gen) if not self.step_failed else None, self._median_step,
+        )  # fmt: skip
+        self._moves = Moves(self._s, self._voting)
+        self._recovery = Recovery(  # live replacement after a fault
+            self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
+            self._moves.knowledge,
+        )  # fmt: skip
+        # planned moves: phase 1 in the background, then the switch
+        self._migration = Migration(
+            self._s, self._recovery.on_replace, self._moves.drain_refusal, self._moves.knowledge
+        )
         self._durations: deque[float] = deque(maxlen=50)
-        self._measure_after_switch = False
-        self._applied = -1  # the last step whose optimizer step this rank applied
-        self._resume_at: int | None = None  # where steps() goes on after a recovery
         self._snapshots = StepSnapshots()
-        self._start: StepStart | None = None  # what the current step changes besides params and optimizers
         self._device_wait = False  # blocked until this step's GPU work ends (NCCL groups): waits on peers
         # ids of the optimizers and scalers checked for untracked state (at the first vote of each)
         self._checked: set[int] = set()
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
-        self._per_rank: set[str] = set()  # tracked objects whose state differs by rank, as declared
-        self._seed: int | None = None  # rt.seed(per_rank=True): each step's streams derive from this
-        self._vote = StepVote(world_size)  # what the per-step vote carries and proved
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
-        self._recovery = Recovery(self)  # live replacement after a fault
-        self._stopped = threading.Event()
-        self._mesh: RuntimeMesh | None = None
-        self.step = 0
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
             if not standby:
                 self._start_listener()
+
+    # -- where this rank stands (the script reads these) ---------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._s.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._s.world_size
+
+    @property
+    def generation(self) -> int:
+        return self._s.generation
+
+    @property
+    def standby(self) -> bool:
+        return self._s.standby
+
+    @property
+    def step(self) -> int:
+        return self._s.step
 
     # -- the API ------------------------------------------------------------------------------
 
@@ -147,9 +181,10 @@ class Runtime:
         differs by rank is declared with :meth:`track_per_rank`. A ``torch.Generator`` the script
         made is tracked by its state (:class:`rlaunch.runtime.rng.ScriptGenerator`).
         """
+        tracked = self._s.tracked
         for name, obj in objects.items():
             if isinstance(obj, torch.Generator):
-                held = self._tracked.get(name)
+                held = tracked.get(name)
                 same = isinstance(held, rng.ScriptGenerator) and held.generator is obj
                 obj = held if same else rng.ScriptGenerator(obj)
             if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
@@ -157,12 +192,9 @@ class Runtime:
                     f"rt.track({name}=...) needs an object with state_dict() and load_state_dict() "
                     f"(or a torch.Generator); got {type(obj).__name__}."
                 )
-            if name in self._tracked and self._tracked[name] is not obj:
+            if name in tracked and tracked[name] is not obj:
                 raise ValueError(f"rt.track() already tracks another object named {name!r}; give each its own name.")
-            self._tracked[name] = obj
-        why = shards.uneven(objects) if self._link is not None else ""
-        if why:
-            raise RefusedError(f"rt.track(): {why}.")
+            tracked[name] = obj
 
     def track_per_rank(self, **objects: Any) -> None:
         """Register state that differs from rank to rank (a data loader over this rank's shard).
@@ -174,22 +206,38 @@ class Runtime:
             if not is_stateful(obj):
                 raise TypeError(f"rt.track_per_rank({name}=...): modules and optimizers are tracked with rt.track().")
         self.track(**objects)
-        self._per_rank.update(objects)
+        self._s.per_rank.update(objects)
+
+    def declare_replicas(self, sets: Sequence[Sequence[int]]) -> None:
+        """Say which ranks hold equal copies of the tracked parameters, when it is not DDP or a mesh.
+
+        For tensor or expert parallelism built by hand on :meth:`new_group`: ``sets`` is every
+        data-parallel group of the job (each rank's parameters equal those of the other ranks of its
+        set), the same on every rank, e.g. ``rt.declare_replicas([[0, 2], [1, 3]])`` for 2-way tensor
+        parallelism over 4 ranks. The runtime then compares each set's members, not every rank, and a
+        replaced rank gets its state from its own set. Without it, parameters that differ by rank make
+        a live replacement refused (a drain still moves them).
+        """
+        self._s.declared = replicas.declare(sets, self.world_size)
 
     def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False) -> EpochLoader:
         """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
 
         ``data.batch()`` (or ``next(data)``) returns the next batch, moving to the next epoch (with
         ``sampler.set_epoch``) when one ends; ``data.epoch`` is the current epoch. A redone step
-        gets the same batches again; a joiner resumes at the same sample with its own rank's
-        partition (``sampler.rank`` is set when it joins). See :mod:`rlaunch.runtime.data`.
+        gets the same batches again; a joiner resumes at the same sample with the partition of its
+        new position: ``sampler.rank`` is set to its global rank, or to its coordinate on the mesh
+        dimension the sampler splits over (``DistributedSampler(num_replicas=mesh["dp"].size(),
+        rank=...)``: the runtime finds which at the first vote; see :mod:`rlaunch.runtime.partition`).
 
         The loader's state holds the base seed of its worker processes, drawn from the global
         torch generator at each epoch's start: with a seed per rank (``rt.seed(per_rank=True)``
         included) it differs by rank and the vote refuses it, so pass ``per_rank=True``: it is
         then tracked with :meth:`track_per_rank` (a drain moves it, a live replacement is refused).
         """
-        data = EpochLoader(loader, sampler, lambda: self.rank)
+        data = EpochLoader(loader, sampler, lambda: self._voting.part(name))
+        if partition.has_partition(sampler):
+            self._voting.samplers[name] = sampler
         if per_rank:
             self.track_per_rank(**{name: data})
         else:
@@ -206,15 +254,15 @@ class Runtime:
         once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see the README.)
         """
         if per_rank:
-            self._seed = seed
+            self._s.seed = seed
             self._reseed(self.step)
         else:
-            self._seed = None
+            self._s.seed = None
             rng.seed_all(seed)
 
     def _reseed(self, step: int) -> None:
-        assert self._seed is not None
-        digest = hashlib.blake2b(f"{self._seed}/{self.rank}/{step}".encode(), digest_size=8).digest()
+        assert self._s.seed is not None
+        digest = hashlib.blake2b(f"{self._s.seed}/{self.rank}/{step}".encode(), digest_size=8).digest()
         rng.seed_all(int.from_bytes(digest, "little") >> 1)
 
     def new_group(self, name: str, ranks: Sequence[int], backend: str | None = None) -> SwitchableGroup:
@@ -222,26 +270,25 @@ class Runtime:
 
         ``backend`` (``gloo`` or ``nccl``) defaults to ``rt.group``'s (see :mod:`rlaunch.runtime.backend`).
         """
+        s = self._s
         members = sorted(set(ranks))
         kind = backends.choose(backend, None, self.group.backend)
-        if name in self._groups:
+        if name in s.groups:
             raise ValueError(f"A group named {name!r} already exists; give each group its own name.")
         if not members or members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"The ranks {list(ranks)} of group {name!r} are not all in 0..{self.world_size - 1}.")
         comm: Any = None
-        if self._link is None:
+        if s.link is None:
             # plain torchrun: the default group's backend unless one is asked for, as torch does
             comm = dist.new_group(members, backend=backends.torch_backend_string(kind) if backend else None)
-        elif self.standby:
+        elif s.standby:
             comm = SandboxComm(0, len(members))
         elif self.rank in members:
-            comm = self._group_comm(name, members, self.rank, self.generation, kind)
-        group = SwitchableGroup(
-            name, members, self.rank, comm, self.generation, guarded=self._link is not None, backend=kind
-        )
-        self._groups[name] = group
-        if self._link is not None and self.rank in members:
-            register(group, self._store, {g: i for i, g in enumerate(members)})
+            comm = s.groups.communicator(name, members, self.rank, s.generation, kind)
+        group = SwitchableGroup(name, members, self.rank, comm, s.generation, guarded=s.link is not None, backend=kind)
+        s.groups.add(group)
+        if s.link is not None and self.rank in members:
+            register(group, s.store, {g: i for i, g in enumerate(members)})
         return group
 
     def device_mesh(
@@ -254,69 +301,75 @@ class Runtime:
         tensor parallelism on this mesh take part in live drains and replacements. Slice it as
         usual (``mesh["shard"]``). Every rank calls it once, with the same arguments.
         """
+        s = self._s
         chosen = check_shape(shape, names, self.world_size)
-        if self._link is None:
+        if s.link is None:
             return init_device_mesh(device_type, tuple(shape), mesh_dim_names=chosen)
-        if self._mesh is not None:
+        if s.mesh is not None:
             raise ValueError(
                 "rt.device_mesh() was already called; build one mesh for the job and slice it (mesh['dp'])."
             )
         # A standby lays its model out as rank 0 would (see rlaunch.runtime.mesh), until it joins.
-        rank = 0 if self.standby else self.rank
+        rank = 0 if s.standby else self.rank
         kind = backends.choose(None, device_type, self.group.backend)
         mesh = RuntimeMesh(shape, chosen, rank)
         groups = []
         for name, members in mesh.lines(rank):
-            if name in self._groups:
+            if name in s.groups:
                 raise ValueError(f"A group named {name!r} already exists; mesh groups are named mesh.<dim>.<line>.")
-            if self.standby:
+            if s.standby:
                 comm: Any = SandboxComm(members.index(rank), len(members))
             else:
-                comm = self._group_comm(name, members, rank, self.generation, kind)
-            group = SwitchableGroup(name, members, rank, comm, self.generation, guarded=True, backend=kind)
-            self._groups[name] = group
+                comm = s.groups.communicator(name, members, rank, s.generation, kind)
+            group = SwitchableGroup(name, members, rank, comm, s.generation, guarded=True, backend=kind)
+            s.groups.add(group)
             ranks = {g: i for i, g in enumerate(members)}
-            if self.standby:
+            if s.standby:
                 # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays
                 # the model out as holds it until the standby joins (rebind registers it anew)
                 ranks[-1] = members.index(rank)
-            register(group, self._store, ranks)
+            register(group, s.store, ranks)
             groups.append(group)
-        self._mesh = mesh
-        if self.standby:
+        s.mesh = mesh
+        if s.standby:
             mesh.show_rank_to_torch()
         return mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
 
     def _rebind_mesh(self, rank: int) -> None:
-        """(joiner) Move the mesh's dimension groups to the lines of ``rank``, before they are rebuilt."""
-        if self._mesh is None:
+        """(joiner) Move the mesh's dimension groups to the lines of ``rank``, before they are rebuilt.
+
+        The group table renames them where they stand, so the joiner builds its groups in the
+        survivors' order.
+        """
+        s = self._s
+        if s.mesh is None:
             return
-        for old, group, new in self._mesh.rebind(rank):
-            del self._groups[old]
-            self._groups[new] = group
-            register(group, self._store, {g: i for i, g in enumerate(group.members)})
+        for old, group, new in s.mesh.rebind(rank):
+            s.groups.rename(old, new)
+            register(group, s.store, {g: i for i, g in enumerate(group.members)})
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""
+        s = self._s
         step = start
-        self._applied = start - 1
-        if self.standby:
+        s.applied = start - 1
+        if s.standby:
             yield from self._sandbox(min(self._sandbox_iterations(), total))
             step = self._join()
         last = time.perf_counter()
         while step < total:
-            self.step = step
+            s.step = step
             self._begin_step(step)
             self._step_began = last
             yield step
             now = time.perf_counter()
             self._after_step(now - last)
-            if self._resume_at is not None:
-                step, self._resume_at = self._resume_at, None
-                if step == self.step and self._start is not None:
+            if s.resume_at is not None:
+                step, s.resume_at = s.resume_at, None
+                if step == s.step and s.start is not None:
                     # The step is redone: as if never run. Before the replicas are sent, so that a
                     # replacement starts from the same step start as the survivors.
-                    self._snapshots.restore(self._start, self._tracked)
+                    self._snapshots.restore(s.start, s.tracked)
                 self._recovery.send_replicas(step)
                 last = time.perf_counter()
                 continue
@@ -324,18 +377,22 @@ class Runtime:
                 self._migration.switch(step + 1)
             last = time.perf_counter()
             step += 1
-        if self._link is not None:
+        if s.link is not None:
             # Done stepping: take no more plans, and what follows (saving, teardown) is not a
             # hang, however long it takes.
-            self._stopped.set()
-            self._link.call("done")
+            s.stopped.set()
+            verifier = self._voting.verifier
+            s.link.call(
+                "done", rank=s.rank, steps=self._completed, step_s=self._median_step(), verify_s=verifier.spent_s,
+                verifications=verifier.count,
+            )  # fmt: skip
 
     def _begin_step(self, step: int) -> None:
         """At a step's start: derive per-rank streams (rt.seed) and keep what the step may change."""
         self._voted = None
-        if self._seed is not None:
+        if self._s.seed is not None:
             self._reseed(step)
-        self._start = self._snapshots.take(step, self._tracked)
+        self._s.start = self._snapshots.take(step, self._s.tracked)
 
     def optimizer_step(self, *optimizers: torch.optim.Optimizer, scaler: Any = None) -> bool:
         """Join the per-step vote, then step every optimizer; return whether the step was applied.
@@ -346,28 +403,31 @@ class Runtime:
         (its inf-skip works as usual); do not call them yourself.
 
         The vote is a small allreduce after gradient sync; it also carries "ready for the next
-        generation", so every rank decides to switch at the same boundary, and fingerprints of the
-        RNG states and the tracked objects' states, so state that differs by rank without being
-        declared is refused before anything is stepped. A rank steps only if its vote completed;
+        generation", so every rank decides to switch at the same boundary, the step's contract
+        (generation, step and commit point, compared across ranks), fingerprints of the RNG states
+        and the tracked objects' states, so state that differs by rank without being declared is
+        refused before anything is stepped, and, every few steps and after every move, digests of
+        the replicas' parameters and optimizer state. A rank steps only if its vote completed;
         after a fault, this is where the step is rolled forward or discarded (see the module
         docstring). A discarded step is redone from its start: buffers, RNG states and tracked
         objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
+        s = self._s
         if not optimizers:
             raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
         names = ", ".join(type(o).__name__ for o in optimizers)
         if self._voted is not None:
             raise RefusedError(
-                f"rt.optimizer_step() was called a second time in step {self.step} (first for {self._voted}, now for "
+                f"rt.optimizer_step() was called a second time in step {s.step} (first for {self._voted}, now for "
                 f"{names}); a step has one vote: pass every optimizer of the step to one call, "
                 "rt.optimizer_step(opt1, opt2)."
             )
         self._voted = names
-        if self._link is not None:
+        if s.link is not None:
             objects = {id(o) for o in (*optimizers, scaler) if o is not None}
             if not objects <= self._checked:  # an optimizer first stepped late (a GAN's second) is checked then
                 self._checked |= objects
-                why = untracked_state(self._tracked, optimizers, scaler, live_schedulers())
+                why = untracked_state(s.tracked, optimizers, scaler, live_schedulers())
                 if why:
                     raise RefusedError(why)
 
@@ -384,22 +444,12 @@ class Runtime:
             apply()
             return True
         if not self.step_failed:
-            issued = max(g.last_issue for g in self._mine())
+            issued = max(g.last_issue for g in s.groups.mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
             self._finish_device_work()
-            ready = self._migration.ready
-            vote, layout = self._vote.tensor(
-                ready, self.group.group_rank, self._start, self._tracked, self._per_rank, self._seed is not None
-            )
-            self.group.allreduce([vote]).wait()
-            # A failed or abandoned vote leaves the tensor partly summed at most; a full sum means
-            # every rank finished its gradient sync for this step, so stepping is safe.
-            if vote[0].item() == self.world_size:
-                self._vote.accept(vote, layout, self.step, self._tracked, self.rank)
-                self._applied = self.step
-                if vote[1].item() == self.world_size and not self.step_failed:
-                    self._migration.agree()
+            if self._voting.cast():
+                self._moves.report()
                 apply()
                 return True
         return self._recovery.recover(apply)
@@ -414,7 +464,7 @@ class Runtime:
         leaves this wait blocked until the replacement plan aborts the communicator; meanwhile the
         heartbeat says this rank waits on its peers.
         """
-        if not any(g.backend is backends.Backend.NCCL for g in self._mine()):
+        if not any(g.backend is backends.Backend.NCCL for g in self._s.groups.mine()):
             return
         self._device_wait = True
         try:
@@ -431,15 +481,11 @@ class Runtime:
         The step will be rolled forward or redone in ``optimizer_step``; until then, code should
         not act on collective results (``rt.steps()`` yields the step again if it is redone).
         """
-        return self._recovery.planned or any(g.failed for g in self._mine())
-
-    def _mine(self) -> list[SwitchableGroup]:
-        """The groups this rank is a member of (a snapshot: safe from other threads)."""
-        return [g for g in list(self._groups.values()) if g.group_rank >= 0]
+        return self._recovery.planned or any(g.failed for g in self._s.groups.mine())
 
     def group_version(self, name: str) -> int:
         """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""
-        return self._groups[name].version
+        return self._s.groups[name].version
 
     def _shutdown(self) -> None:
         """At exit, release every communicator now, in order, on this thread.
@@ -448,8 +494,8 @@ class Runtime:
         after Python has gone, which can abort the process ("terminate called without an
         active exception").
         """
-        self._stopped.set()
-        for group in self._groups.values():
+        self._s.stopped.set()
+        for group in self._s.groups:
             unregister(group)
             backends.current().release(group.comm)  # an NCCL communicator is aborted, not left to teardown
             group.comm = None
@@ -463,55 +509,57 @@ class Runtime:
         DDP rebuilds its gradient buckets at the start of its second iteration; a joiner must
         arrive with the same buckets as the survivors, or the first real allreduce mismatches.
         """
-        uses_ddp = any(isinstance(obj, DistributedDataParallel) for obj in self._tracked.values())
+        uses_ddp = any(isinstance(obj, DistributedDataParallel) for obj in self._s.tracked.values())
         return max(self._sandbox_steps, DDP_MIN_ITERATIONS) if uses_ddp else self._sandbox_steps
 
     def _sandbox(self, n: int) -> Iterator[int]:
         for step in range(n):
-            self.step = step
+            self._s.step = step
             self._voted = None
             yield step
-        assert self._link is not None
-        self._link.call("warm", steps=n)
+        assert self._s.link is not None
+        self._s.link.call("warm", steps=n)
 
     def _join(self) -> int:
         """Wait to be given ranks, build the new groups, receive state; return the next step."""
-        assert self._link is not None
-        if not self._tracked:
+        s = self._s
+        assert s.link is not None
+        if not s.tracked:
             raise RuntimeError(
                 "rt.track() was not called before rt.steps(): a standby has nothing to receive its state into; "
                 "call rt.track(model=..., optimizer=...) first."
             )
         plan = self._migration.wait_plan(0)
         began = time.perf_counter()
-        self.rank = plan.rank
-        self._rebind_mesh(self.rank)
+        s.rank = plan.rank
+        self._rebind_mesh(s.rank)
         comms = self._migration.prepare(plan)
-        self.standby = False
-        for name, group in self._groups.items():
-            group.group_rank = group.members.index(self.rank) if self.rank in group.members else -1
-            if name in comms:
-                group.swap(comms[name], plan.generation)
-                if name != WORLD:
-                    register(group, self._store, {g: i for i, g in enumerate(group.members)})
+        s.standby = False
+        for group in s.groups:
+            group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
+            if group.label in comms:
+                group.swap(comms[group.label], plan.generation)
+                if group.label != WORLD:
+                    register(group, s.store, {g: i for i, g in enumerate(group.members)})
         try:
-            next_step = recv_state(comms["channel"], self._tracked)
+            landed = recv_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn)
         except TransferError:
             raise
         except RuntimeError as exc:  # the sender went away mid-transfer: the job ended, or it died
             raise TransferBrokenError(
-                f"The state transfer for rank {self.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
+                f"The state transfer for rank {s.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
                 "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
                 "again."
             ) from exc
         retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
-        self._applied = next_step - 1
-        self.generation = plan.generation
-        self._link.call("joined", generation=self.generation, seconds=time.perf_counter() - began)
+        s.applied = landed.step - 1
+        s.generation = plan.generation
+        s.verify_due = True  # the first vote after joining compares the replicas
+        s.link.call("joined", generation=s.generation, seconds=time.perf_counter() - began, verify_s=landed.verify_s)
         self._start_listener()
-        return next_step
+        return landed.step
 
-    # -- background threads; the communicators of a next generation ---------------------------
+    # -- background threads --------------------------------------------------------------------
 
     def _start_listener(self) -> None:
         threading.Thread(target=self._migration.listen, name="rlaunch-plans", daemon=True).start()
@@ -519,43 +567,36 @@ class Runtime:
 
     def _heartbeat(self) -> None:
         """Tell the agent, about once a second, how far this rank got and whether it waits on peers."""
-        assert self._link is not None
-        while not self._stopped.wait(HEARTBEAT_S):
+        s = self._s
+        assert s.link is not None
+        while not s.stopped.wait(HEARTBEAT_S):
             durations, compute = tuple(self._durations), tuple(self._compute)  # one C call each: thread-safe
-            waiting = self._recovery.active or self._device_wait or any(g.busy for g in self._mine())
+            waiting = self._recovery.active or self._device_wait or any(g.busy for g in s.groups.mine())
             try:
-                self._link.call(
-                    "heartbeat", steps=self._completed, waiting=waiting, rank=self.rank, applied=self._applied,
+                s.link.call(
+                    "heartbeat", steps=self._completed, waiting=waiting, rank=s.rank, applied=s.applied,
                     step_s=_median(durations) if durations else 0.0,
                     compute_s=_median(compute) if compute else 0.0,
                 )  # fmt: skip
             except (OSError, AgentLinkError) as exc:
-                log.warning("rank %d: heartbeats to the agent stopped: %s", self.rank, exc)
+                log.warning("rank %d: heartbeats to the agent stopped: %s", s.rank, exc)
                 return  # the agent is gone; it stops this worker anyway
 
-    def _group_comm(
-        self, name: str, members: Sequence[int], rank: int, gen: int, kind: backends.Backend | None = None
-    ) -> Any:
-        assert self._store is not None
-        kind = kind or self._groups[name].backend
-        return backends.build(
-            self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout, kind
-        )
-
-    def _channel(self, gen: int, side: int, moved_rank: int) -> Any:
-        """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
-        assert self._store is not None
-        return backends.build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, self.group.backend)
+    def _median_step(self) -> float:
+        """The median step time, or (before any step ended) how long this one has run."""
+        return _median(self._durations) if self._durations else time.perf_counter() - self._step_began
 
     def _after_step(self, seconds: float) -> None:
+        s = self._s
         self._completed += 1
-        if self._measure_after_switch:
-            self._measure_after_switch = False
+        if s.measure_after_switch:
+            s.measure_after_switch = False
             median = _median(self._durations) if self._durations else 0.0
-            if self._link is not None:
-                self._link.call(
-                    "switched", generation=self.generation, rank=self.rank,
+            if s.link is not None:
+                s.link.call(
+                    "switched", generation=s.generation, rank=s.rank,
                     downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000, median_ms=median * 1000,
+                    verify_ms=self._voting.verifier.last_cost_s * 1000,
                 )  # fmt: skip
             return
         self._durations.append(seconds)

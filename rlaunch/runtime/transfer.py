@@ -13,6 +13,14 @@ CUDA tensors move into the joiner's live CUDA tensors. Over a channel whose back
 go GPU to GPU (NCCL send/recv); over a gloo channel each is staged through host memory, one
 tensor at a time (:func:`wire`), so the staging never holds more than the largest tensor.
 
+Every move is verified end to end: after the tensors, the sender sends a digest of each tracked
+object's state as it sent it (and of the RNG states and the step), computed on the tensors' own
+device (:mod:`rlaunch.runtime.digest`); the joiner digests what it holds once everything landed
+and refuses the move, before any step is applied, if one differs. State the joiner holds that
+the sender did not send (optimizer state a sandbox made for a parameter the sender's optimizer
+never stepped) is dropped when the state is loaded, and would show in the joiner's digest if
+it were not.
+
 Two functions are the extension points: :func:`tensors_of` builds the (name, live tensor) list
 and the header entry of each tensor; :func:`check_tensor` compares one incoming entry with the
 joiner's live tensor.
@@ -20,8 +28,11 @@ joiner's live tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +41,11 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import rng, shards
+from rlaunch.runtime import digest, rng, shards
 
 _TAG = 7
 #: Header format version: a joiner refuses a header it does not know.
-HEADER_VERSION = 1
+HEADER_VERSION = 2
 
 
 class TransferError(RuntimeError):
@@ -119,8 +130,29 @@ def _loads(raw: bytes) -> dict[str, Any]:
     return loaded
 
 
-def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_state: rng.RngState) -> int:
-    """Send the state of ``tracked`` to rank 1 of ``channel``; return the bytes sent."""
+def state_digests(tracked: dict[str, Any], step: int, rng_state: rng.RngState) -> dict[str, str]:
+    """A digest of each tracked object's state as :func:`tensors_of` sees it (its tensors and its
+    other values), of the RNG states and of the step: what a move must carry unchanged."""
+    pairs, kinds, values = tensors_of(tracked)
+    out = {}
+    for name in tracked:
+        prefix = f"{name}."
+        items = [(n, t) for n, t in pairs if n.startswith(prefix)]
+        out[name] = digest.hexed(digest.of_items([("kind", kinds[name]), ("values", values.get(name)), *items]))
+    out["rng"] = digest.hexed(digest.of_items(sorted(rng.fingerprints(rng_state).items())))
+    out["step"] = str(step)
+    return out
+
+
+def send_state(
+    channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_state: rng.RngState,
+    knowledge: dict[str, Any] | None = None,
+) -> int:  # fmt: skip
+    """Send the state of ``tracked`` to rank 1 of ``channel``; return the bytes sent.
+
+    ``knowledge``: what the runtime knows that the joiner must know too (JSON values; see
+    ``Runtime._knowledge``). The digests of what was sent follow the tensors.
+    """
     pairs, kinds, values = tensors_of(tracked)
     blob = _dumps(values)
     header = {
@@ -130,10 +162,9 @@ def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_st
         "tensors": [describe(n, t) for n, t in pairs],
         "rng": rng.to_json(rng_state),
         "blob_bytes": len(blob),
+        "runtime": knowledge or {},
     }
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    _send(channel, torch.tensor([len(raw)], dtype=torch.int64))
-    _send(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    _send_json(channel, header)
     if blob:
         _send(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total = 0
@@ -141,22 +172,53 @@ def send_state(channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_st
         data = shards.local(t).detach().contiguous()
         _send(channel, data)
         total += data.numel() * data.element_size()
+    _send_json(channel, {"digests": state_digests(tracked, step, rng_state)})
     return total
 
 
-def recv_state(channel: ProcessGroup, tracked: dict[str, Any]) -> int:
-    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return the next step.
+def _send_json(channel: ProcessGroup, value: dict[str, Any]) -> None:
+    raw = json.dumps(value, separators=(",", ":")).encode()
+    _send(channel, torch.tensor([len(raw)], dtype=torch.int64))
+    _send(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
-    Every tensor is checked before the first one is received; the RNG states are restored.
-    """
+
+def _recv_json(channel: ProcessGroup, what: str) -> Any:
     size = torch.zeros(1, dtype=torch.int64)
     _recv(channel, size)
+    if not 0 < int(size.item()) <= MAX_JSON_BYTES:
+        raise TransferError(f"The transfer {what} announces {int(size.item())} bytes; is the sender another version?")
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     _recv(channel, raw)
     try:
-        header = json.loads(raw.numpy().tobytes().decode())
+        return json.loads(raw.numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TransferError(f"The transfer header is not valid JSON ({exc}); is the sender another version?") from exc
+        raise TransferError(f"The transfer {what} is not valid JSON ({exc}); is the sender another version?") from exc
+
+
+#: The largest JSON header or trailer a joiner accepts (a corrupt size must not allocate gigabytes).
+MAX_JSON_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """What a joiner received: the step it goes on with, and the seconds its digests took."""
+
+    step: int
+    verify_s: float
+
+
+def recv_state(
+    channel: ProcessGroup, tracked: dict[str, Any], *, rank: int = -1,
+    learn: Callable[[dict[str, Any]], None] | None = None,
+) -> Landed:  # fmt: skip
+    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return the next step.
+
+    Every tensor is checked before the first one is received; ``learn`` is given the sender's
+    runtime knowledge before any object's state is loaded; the RNG states are restored. Once all
+    has landed, the joiner's own digests must equal the sender's, or :class:`TransferError` says
+    which object differs (``rank``: the rank this joiner takes, for the sentence).
+    """
+    header = _recv_json(channel, "header")
     if not isinstance(header, dict) or header.get("version") != HEADER_VERSION:
         raise TransferError(
             f"The transfer header has version {header.get('version') if isinstance(header, dict) else None!r}, "
@@ -167,12 +229,30 @@ def recv_state(channel: ProcessGroup, tracked: dict[str, Any]) -> int:
         _recv(channel, blob)
     values = _loads(blob.numpy().tobytes()) if blob.numel() else {}
     targets = _targets(tracked, header)
-    _load_values(tracked, header["objects"], values)
+    if learn is not None:
+        learn(dict(header.get("runtime") or {}))
+    _load_values(tracked, header, values)
     with torch.no_grad():
         for t in targets:
             _recv(channel, t)
-    rng.restore(rng.from_json(header["rng"]))
-    return int(header["step"])
+    rng_state = rng.from_json(header["rng"])
+    rng.restore(rng_state)
+    step = int(header["step"])
+    trailer = _recv_json(channel, "digests")
+    theirs = trailer.get("digests") if isinstance(trailer, dict) else None
+    if not isinstance(theirs, dict):
+        raise TransferError("The transfer ended without the digests of what was sent; is the sender another version?")
+    began = time.perf_counter()
+    mine = state_digests(tracked, step, rng.capture())
+    spent = time.perf_counter() - began
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            raise TransferError(
+                f"rank {rank}: the state of {name!r} that landed on this joiner has digest {mine.get(name)} but its "
+                f"sender computed {theirs.get(name)} over what it sent, so the move is refused before any step is "
+                "applied; this joiner stops and the job takes the restart path."
+            )
+    return Landed(step, spent)
 
 
 def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:
@@ -194,14 +274,15 @@ def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tens
     ]
 
 
-def _load_values(tracked: dict[str, Any], kinds: dict[str, str], values: dict[str, Any]) -> None:
-    for name, kind in kinds.items():
+def _load_values(tracked: dict[str, Any], header: dict[str, Any], values: dict[str, Any]) -> None:
+    for name, kind in header["objects"].items():
         obj = tracked[name]
         if kind == "optimizer":
             extra = values[name]
             for group, hyper in zip(obj.param_groups, extra["groups"], strict=True):
                 group.update(hyper)
             params = [p for g in obj.param_groups for p in g["params"]]
+            _drop_unsent_state(obj, params, name, header, extra["scalars"])
             for key, value in extra["scalars"].items():
                 i, k = key.split(".", 1)
                 obj.state[params[int(i)]][k] = value
@@ -211,6 +292,32 @@ def _load_values(tracked: dict[str, Any], kinds: dict[str, str], values: dict[st
             obj.require_forward_param_sync = bool(values[name]["require_forward_param_sync"])
         elif kind != "module":
             raise TransferError(f"The sender describes {name!r} as a {kind!r}, which this joiner does not know.")
+
+
+def _drop_unsent_state(
+    opt: torch.optim.Optimizer, params: list[Any], name: str, header: dict[str, Any], scalars: dict[str, Any]
+) -> None:
+    """Forget the joiner's optimizer state the sender does not have (a sandbox stepped its own
+    Adam; the sender's had not stepped yet, or a GradScaler skipped its steps)."""
+    sent: dict[int, set[str]] = {}
+    prefix = f"{name}.state."
+    for entry in header["tensors"]:
+        if entry["name"].startswith(prefix):
+            i, key = entry["name"][len(prefix) :].split(".", 1)
+            sent.setdefault(int(i), set()).add(key)
+    for key in scalars:
+        i, k = key.split(".", 1)
+        sent.setdefault(int(i), set()).add(k)
+    for i, p in enumerate(params):
+        state = opt.state.get(p)
+        if not state:
+            continue
+        keep = sent.get(i, set())
+        if not keep:
+            del opt.state[p]
+            continue
+        for key in [k for k in state if k not in keep]:
+            del state[key]
 
 
 def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> torch.Tensor:

@@ -1,7 +1,12 @@
-"""What the per-step vote carries besides "healthy" and "ready", and what it proves.
+"""The per-step vote: what it carries, how it is read, and what completed votes proved.
 
-The vote is one float64 allreduce after gradient sync. Beyond its two head scalars it carries:
+The vote is one float64 allreduce after gradient sync, laid out as :class:`Layout` says:
 
+- ``healthy`` (every rank adds 1) and, as the last element, a trailer (1 again): a vote counts
+  as complete only if its allreduce succeeded and both read the world size (:meth:`StepVote.complete`);
+- ``ready``: the generation this rank has prepared for, and its square: every rank switches at
+  this step's end only if all hold the same one (:meth:`StepVote.ready_for`);
+- the step's contract digest (see :mod:`rlaunch.runtime.contract`);
 - for each fingerprint (each random generator unless ``rt.seed(per_rank=True)`` derives them;
   each tracked object not declared per rank) its value and its square: the sums tell whether
   every rank holds the same value (a replica can then stand in for a lost rank). A tracked
@@ -9,6 +14,8 @@ The vote is one float64 allreduce after gradient sync. Beyond its two head scala
   draws from it (Python's ``random`` is seeded per process at import, and many scripts never
   use it), so each generator also carries "this step drew from it"; one that differs and is
   used is remembered, and a later live replacement is refused;
+- named sections other modules fill and read: replica fingerprints (:mod:`rlaunch.runtime.verify`),
+  the group catalog (:mod:`rlaunch.runtime.contract`), a sampler's partition (:mod:`rlaunch.runtime.partition`);
 - every rank's module buffers, one row per rank (each rank fills its own, the sum is all of
   them), up to :data:`~rlaunch.runtime.stepstate.CARRY_LIMIT` elements: under DDP they differ by
   rank (each rank's BatchNorm statistics after its own batch), and a replaced rank needs its own.
@@ -19,15 +26,16 @@ Sums of integers below 2^53 are exact in float64, and so is a float32 buffer in 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlaunch.errors import UsageError
-from rlaunch.runtime import rng
+from rlaunch.runtime import contract, rng
 from rlaunch.runtime.stepstate import CARRY_LIMIT, StepStart, fingerprint_value, module_buffers, uniform, vote_terms
 
 log = logging.getLogger(__name__)
@@ -45,12 +53,48 @@ class RefusedError(UsageError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each part lies in one step's vote tensor."""
+    """Where each part lies in one step's vote tensor (see the module docstring)."""
 
     checked: tuple[str, ...]  # what each fingerprint is of (a tracked name, a generator, or BUFFERS)
     generators: int  # the first ones of ``checked`` are generators, with a "used" term each
-    head: int  # 2 scalars + 2 per fingerprint + 1 per generator
+    sections: tuple[tuple[str, int], ...]  # named sections after the fingerprints: (name, length)
     row: int  # elements of one rank's buffers (0: none carried)
+    world: int
+
+    @property
+    def head(self) -> int:
+        """Where the named sections start."""
+        return FINGERPRINTS + 2 * len(self.checked) + self.generators
+
+    @property
+    def buffers(self) -> int:
+        """Where the buffer rows start."""
+        return self.head + sum(n for _, n in self.sections)
+
+    @property
+    def size(self) -> int:
+        return self.buffers + self.world * self.row + 1  # the trailer
+
+    def section(self, vote: torch.Tensor, name: str) -> torch.Tensor:
+        at = self.head
+        for label, n in self.sections:
+            if label == name:
+                return vote[at : at + n]
+            at += n
+        raise KeyError(name)
+
+    def has(self, name: str) -> bool:
+        return any(label == name for label, _ in self.sections)
+
+    def digest(self) -> int:
+        """A 64-bit digest of the layout: every rank's vote must be laid out alike."""
+        raw = repr((self.checked, self.generators, self.sections, self.row, self.world)).encode()
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+#: [0] healthy, [1:3] ready generation and its square, [3:11] the contract digest's limb terms
+HEALTHY, READY, CONTRACT = 0, 1, 3
+FINGERPRINTS = CONTRACT + contract.TERMS
 
 
 class StepVote:
@@ -71,9 +115,12 @@ class StepVote:
         return buffers if self.world_size * sum(t.numel() for t in buffers) <= CARRY_LIMIT else []
 
     def tensor(
-        self, ready: bool, group_rank: int, start: StepStart | None, tracked: dict[str, Any],
-        per_rank: set[str], seeded: bool,
+        self, *, ready: int, group_rank: int, start: StepStart | None, tracked: dict[str, Any],
+        per_rank: set[str], seeded: bool, sections: Sequence[tuple[str, torch.Tensor]],
+        contract_of: Callable[[Layout], int],
     ) -> tuple[torch.Tensor, Layout]:  # fmt: skip
+        """This rank's vote: ``ready`` is the generation it has prepared for (0: none), ``sections``
+        the named sections other modules built, ``contract_of`` the step's contract digest for a layout."""
         checked: list[str] = []
         prints: list[int] = []
         used: list[float] = []
@@ -93,22 +140,56 @@ class StepVote:
                 if name not in per_rank:
                     checked.append(name)
                     prints.append(fingerprint_value(state))
-        head = [1.0, 1.0 if ready else 0.0, *vote_terms(prints), *used]
         size = sum(t.numel() for t in buffers)
-        vote = torch.zeros(len(head) + self.world_size * size, dtype=torch.float64)
+        layout = Layout(
+            tuple(checked), len(used), tuple((n, int(t.numel())) for n, t in sections), size, self.world_size
+        )
+        head = [1.0, float(ready), float(ready) ** 2, *contract.terms(contract_of(layout)), *vote_terms(prints), *used]
+        vote = torch.zeros(layout.size, dtype=torch.float64)
         vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
+        for name, part in sections:
+            layout.section(vote, name).copy_(part)
         if buffers:  # this rank's buffers in its own row
-            at = len(head) + group_rank * size
+            at = layout.buffers + group_rank * size
             torch.cat([t.detach().reshape(-1).to(torch.float64) for t in buffers], out=vote[at : at + size])
-        return vote, Layout(tuple(checked), len(used), len(head), size)
+        vote[-1] = 1.0
+        return vote, layout
+
+    def knowledge(self) -> dict[str, Any]:
+        """What completed votes proved, for a joiner to decide as the other ranks do (JSON values)."""
+        return {"differs": dict(self.differs), "used": sorted(self._used), "differing": dict(self._differing)}
+
+    def learn(self, known: dict[str, Any]) -> None:
+        self.differs = {str(k): int(v) for k, v in known["differs"].items()}
+        self._used = {str(n) for n in known["used"]}
+        self._differing = {str(k): int(v) for k, v in known["differing"].items()}
+
+    def complete(self, vote: torch.Tensor, layout: Layout, succeeded: bool) -> bool:
+        """Whether the vote's allreduce completed on every rank's input.
+
+        ``succeeded``: the allreduce itself returned without error here. A failed ring can leave
+        some segments fully summed and others not, so a full first element alone proves nothing.
+        """
+        return succeeded and vote[HEALTHY].item() == self.world_size and vote[-1].item() == self.world_size
+
+    def ready_for(self, vote: torch.Tensor) -> int:
+        """The generation every rank has prepared for (0 unless all prepared for the same one)."""
+        total, squares = round(vote[READY].item()), round(vote[READY + 1].item())
+        n = self.world_size
+        if total <= 0 or total % n or n * squares != total * total:
+            return 0
+        return total // n
+
+    def contract_agrees(self, vote: torch.Tensor) -> bool:
+        return contract.agree(self.world_size, vote[CONTRACT:FINGERPRINTS].tolist())
 
     def accept(self, vote: torch.Tensor, layout: Layout, step: int, tracked: dict[str, Any], rank: int) -> None:
         """Read a completed vote: refuse a tracked object that differs by rank, keep the rest.
 
         Raises before anything is stepped; every rank reads the same sums, so all raise alike.
         """
-        terms = 2 + 2 * len(layout.checked)
-        equal = uniform(self.world_size, vote[2:terms].tolist())
+        terms = FINGERPRINTS + 2 * len(layout.checked)
+        equal = uniform(self.world_size, vote[FINGERPRINTS:terms].tolist())
         used = vote[terms : layout.head].tolist()
         for i, name in enumerate(layout.checked[: layout.generators]):
             if used[i] > 0:
@@ -140,7 +221,8 @@ class StepVote:
                 f"with rt.track_per_rank({name}=...) instead of rt.track()."
             )
         if layout.row:
-            self._carried = (step, vote[layout.head :].view(self.world_size, layout.row))
+            rows = vote[layout.buffers : layout.buffers + self.world_size * layout.row]
+            self._carried = (step, rows.view(self.world_size, layout.row))
 
     def refusal(self, per_rank: set[str], seeded: bool, start: StepStart | None = None) -> str:
         """Why no replica can stand in for a replaced rank ("" when one can).

@@ -305,7 +305,7 @@ def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -
     from rlaunch.plans import MigratePlan, Role
 
     rt = _nccl_runtime(world_comm=SandboxComm(0, 1), generation=1, store=HashStore())
-    rt._groups["cpu_side"] = SwitchableGroup("cpu_side", [0], 0, SandboxComm(0, 1), 1, backend=Backend.GLOO)
+    rt._s.groups.add(SwitchableGroup("cpu_side", [0], 0, SandboxComm(0, 1), 1, backend=Backend.GLOO))
     plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
     comms = rt._migration.prepare(plan)
     assert sorted(comms) == ["cpu_side", "world"]
@@ -357,7 +357,7 @@ def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: Fak
     plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
     comms = rt._migration.prepare(plan)
     rt._migration._prepared = Prepared(plan, comms)
-    assert [rt._migration.ready for _ in range(3)] == [False, False, True]
+    assert [rt._migration.ready for _ in range(3)] == [0, 0, 2], "ready for generation 2 once built"
     assert [c[0] for c in fake.calls] == ["create", "ready", "ready", "ready"], "polled, never waited"
     for comm in comms.values():
         backends.current().release(comm)

@@ -69,7 +69,7 @@ def _move(sender: dict[str, Any], receiver: dict[str, Any], step: int = 5) -> tu
     t = threading.Thread(target=send)
     t.start()
     try:
-        got: int | None = recv_state(ch1, receiver)
+        got: int | None = recv_state(ch1, receiver).step
         error = None
     except TransferError as exc:
         got, error = None, exc
@@ -155,3 +155,56 @@ def test_uniform_fingerprints_are_recognised(values: list[int]) -> None:
     assert uniform(len(values), summed) == [True]
     summed = [sum(x) for x in zip(*(vote_terms([v + i]) for i, v in enumerate(values)), strict=True)]
     assert uniform(len(values), summed) == [False]
+
+
+def test_optimizer_state_the_sender_never_had_is_dropped_on_the_joiner() -> None:
+    """A fault in step 0 (or a GradScaler still skipping steps): the sender's Adam has no state yet,
+    but the joiner's sandbox stepped its own. It must not keep it: the next step would differ."""
+    sender, receiver = _objects(0), _objects(0)
+    opt = receiver["opt"]
+    receiver["model"](torch.randn(16, 4)).sum().backward()
+    opt.step()  # the sandbox's own step: moments the sender does not have
+    assert opt.state and not sender["opt"].state
+    step, error = _move(sender, receiver)
+    assert error is None and step == 5
+    assert not opt.state, "the joiner holds exactly the sender's (empty) optimizer state"
+    # and the next step is the same on both
+    for objs in (sender, receiver):
+        objs["opt"].zero_grad(set_to_none=True)
+        torch.manual_seed(11)
+        objs["model"](torch.randn(16, 4)).sum().backward()
+        objs["opt"].step()
+    pairs = zip(sender["model"].parameters(), receiver["model"].parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+class _Tampering:
+    """A channel that flips one bit of the n-th tensor it sends (a copy: the sender's state is intact)."""
+
+    def __init__(self, inner: ProcessGroup, nth: int) -> None:
+        self._inner, self._nth, self._sent = inner, nth, 0
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self._sent += 1
+        if self._sent == self._nth:
+            copy = tensors[0].clone()
+            copy.view(torch.uint8).view(-1)[3] ^= 1 << 5
+            tensors = [copy]
+        return self._inner.send(tensors, dst, tag)
+
+
+def test_a_tampered_transfer_is_refused_naming_the_object_and_both_digests() -> None:
+    sender, receiver = _objects(1), _objects(0)
+    ch0, ch1 = _pair()
+    # frames: header size, header, blob, then tensors in tensors_of order: model.0.weight is the 4th
+    tamper = _Tampering(ch0, 4)
+    t = threading.Thread(target=lambda: send_state(tamper, sender, 5, rng.capture()))  # type: ignore[arg-type]
+    t.start()
+    with pytest.raises(TransferError) as refused:
+        recv_state(ch1, receiver, rank=1)
+    t.join(60)
+    text = str(refused.value)
+    assert "rank 1: the state of 'model' that landed on this joiner has digest 0x" in text
+    assert "but its sender computed 0x" in text and "refused before any step is applied" in text
+    mine, theirs = (text.split("digest ")[1].split()[0], text.split("computed ")[1].split()[0])
+    assert mine != theirs

@@ -34,6 +34,14 @@ def _rank(seed: int, position: int) -> dict[str, Any]:
     return {"model": model, "pos": Position(position)}
 
 
+def _tensor(vote: StepVote, rank: int, start: Any, tracked: dict[str, Any], per_rank: set[str]) -> Any:
+    """One rank's vote of step 5 (ready for nothing, no sections, a contract every rank shares)."""
+    return vote.tensor(
+        ready=0, group_rank=rank, start=start, tracked=tracked, per_rank=per_rank, seeded=False, sections=(),
+        contract_of=lambda layout: 7,
+    )  # fmt: skip
+
+
 def _votes(ranks: list[dict[str, Any]], per_rank: set[str] = frozenset()) -> tuple[list[StepVote], Any, Any]:
     votes, tensors, layout = [], [], None
     for i, tracked in enumerate(ranks):
@@ -41,7 +49,7 @@ def _votes(ranks: list[dict[str, Any]], per_rank: set[str] = frozenset()) -> tup
         start = StepSnapshots().take(5, tracked)
         torch.rand(1)  # the step draws from torch's generator (seeded per rank above)
         vote = StepVote(len(ranks))
-        t, layout = vote.tensor(False, i, start, tracked, set(per_rank), seeded=False)
+        t, layout = _tensor(vote, i, start, tracked, set(per_rank))
         votes.append(vote)
         tensors.append(t)
     return votes, sum(tensors), layout
@@ -99,7 +107,7 @@ def test_a_generator_that_differs_but_is_never_drawn_from_is_not_held_against_a_
         torch.manual_seed(0)
         start = StepSnapshots().take(5, tracked)
         vote = StepVote(2)
-        t, layout = vote.tensor(False, i, start, tracked, set(), seeded=False)
+        t, layout = _tensor(vote, i, start, tracked, set())
         tensors.append(t)
         votes.append(vote)
     votes[0].accept(sum(tensors), layout, 5, ranks[0], 0)
@@ -107,3 +115,40 @@ def test_a_generator_that_differs_but_is_never_drawn_from_is_not_held_against_a_
     start = StepSnapshots().take(6, ranks[0])
     random.random()  # the next step draws from it before a fault: now it matters
     assert "the python random number generator since step 6" in votes[0].refusal(set(), False, start)
+
+
+def _three_rank_vote(ready: list[int]) -> tuple[list[Any], Any, Any]:
+    ranks = [_rank(0, 7) for _ in ready]
+    votes, tensors, layout = [], [], None
+    for i, tracked in enumerate(ranks):
+        vote = StepVote(len(ranks))
+        t, layout = vote.tensor(
+            ready=ready[i], group_rank=i, start=StepSnapshots().take(5, tracked), tracked=tracked, per_rank=set(),
+            seeded=True, sections=(), contract_of=lambda lay: 11,
+        )  # fmt: skip
+        votes.append(vote)
+        tensors.append(t)
+    return votes, tensors, layout
+
+
+def test_a_vote_whose_ring_failed_midway_is_not_complete_even_with_a_full_head() -> None:
+    """A failed gloo ring can finish the segment holding the head while later ones stay partly
+    summed: only the allreduce's own success, with head and trailer full, counts as complete."""
+    votes, tensors, layout = _three_rank_vote([0, 0, 0])
+    full = sum(tensors)
+    assert votes[0].complete(full, layout, succeeded=True)
+    partial = full.clone()
+    partial[len(partial) // 2 :] = tensors[0][len(partial) // 2 :]  # the back half has only this rank's input
+    assert partial[0].item() == 3, "the head reads the world size: the old test took this for complete"
+    assert not votes[0].complete(partial, layout, succeeded=True), "the trailer is not full"
+    assert not votes[0].complete(full, layout, succeeded=False), "the allreduce itself failed here"
+
+
+def test_ranks_switch_only_when_all_are_ready_for_the_same_generation() -> None:
+    votes, tensors, _ = _three_rank_vote([4, 4, 4])
+    assert votes[0].ready_for(sum(tensors)) == 4
+    votes, tensors, _ = _three_rank_vote([4, 5, 4])  # one rank took a newer plan first
+    assert votes[0].ready_for(sum(tensors)) == 0
+    votes, tensors, _ = _three_rank_vote([4, 4, 0])
+    assert votes[0].ready_for(sum(tensors)) == 0
+    assert votes[0].contract_agrees(sum(tensors)), "every rank gave the same contract digest"

@@ -1,0 +1,106 @@
+"""What this rank's state allows: a live drain, a live replacement, and why not.
+
+A move the runtime cannot make bit-identical is refused when it is asked for, with a sentence,
+and the job takes the restart path; training itself goes on as under torchrun. :class:`Moves`
+holds those rules in one place: the listener asks :meth:`Moves.drain_refusal` before preparing a
+drain, the survivors ask :meth:`Moves.replace_refusal` before a live replacement, and the rank
+reports both to its agent (:meth:`Moves.report`) so that ``rlaunch status`` and the job's log say
+whether live moves are possible and, if not, why.
+
+A joiner must decide as the ranks it joins do, so what they learnt while the job ran (what
+differs by rank, which replicas were compared, which partition each sampler reads) travels in
+the transfer header (:meth:`Moves.knowledge`, :meth:`Moves.learn`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlaunch.runtime import shards
+from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.voting import Voting
+
+
+class Moves:
+    """The rules for moving one rank live, and what it reported of them (see the module docstring)."""
+
+    def __init__(self, state: RankState, voting: Voting) -> None:
+        self._s = state
+        self._voting = voting
+        self._reported: tuple[bool, bool, str] | None = None
+        self._seen: tuple[Any, ...] | None = None  # what the last report was computed from
+
+    def drain_refusal(self) -> str:
+        """Why this rank's state cannot be moved live by a drain ("" when it can)."""
+        s = self._s
+        if not s.tracked:
+            return "rt.track() was never called, so this rank has no state to hand over"
+        why = shards.uneven(s.tracked)
+        if why:
+            return why
+        unknown = sorted(n for n, rule in self._voting.partitions.items() if not rule)
+        if unknown:
+            sampler = self._voting.samplers[unknown[0]]
+            return (
+                f"the sampler of {unknown[0]!r} reads part {sampler.rank} of {sampler.num_replicas}, which is neither "
+                "the global rank nor a coordinate of one mesh dimension on every rank, so a joiner could not know its "
+                "part"
+            )
+        return ""
+
+    def replace_refusal(self) -> str:
+        """Why no replica can stand in for a replaced rank ("" when one can)."""
+        s = self._s
+        return (
+            self.drain_refusal()
+            or s.vote.refusal(s.per_rank, s.seed is not None, s.start)
+            or self._voting.verifier.refusal()
+        )
+
+    def _no_replica(self) -> str:
+        """Why this rank's shards have no replica anywhere ("" when some rank holds them). A replacement
+        finds its sources when it happens (``recovery.mesh_sources``): this is for the report."""
+        s = self._s
+        if s.mesh is None or s.declared is not None:
+            return ""
+        others = [r for r in range(s.world_size) if r != s.rank]
+        sharded = shards.sharded_dims(s.tracked, s.mesh.names)
+        return shards.replica_sources(s.mesh.ranks, s.mesh.names, sharded, [s.rank], others)[1]
+
+    def report(self) -> None:
+        """Tell the agent whether this rank can be drained and replaced live (when that changed).
+
+        Called after every vote; it recomputes only when what the rules read may have changed (the
+        refusals walk every tracked tensor).
+        """
+        s = self._s
+        v = self._voting
+        seen = (
+            s.generation, s.rank, len(s.tracked), len(s.per_rank), s.declared, tuple(sorted(s.vote.differs)),
+            tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())),
+        )  # fmt: skip
+        if s.link is None or seen == self._seen:
+            return
+        self._seen = seen
+        drain = self.drain_refusal()
+        replace = drain or self.replace_refusal() or self._no_replica()
+        moves = (not drain, not replace, drain or replace)
+        if moves != self._reported:
+            self._reported = moves
+            s.link.call("moves", drain=moves[0], replace=moves[1], reason=moves[2], rank=s.rank)
+
+    def knowledge(self) -> dict[str, Any]:
+        """What the other ranks learnt while the job ran (JSON values, for the transfer header)."""
+        return {
+            "vote": self._s.vote.knowledge(),
+            "verify": self._voting.verifier.knowledge(),
+            "partitions": dict(self._voting.partitions),
+        }
+
+    def learn(self, known: dict[str, Any]) -> None:
+        """(joiner) Take what the sender knows, before its tracked state is loaded."""
+        if not known:
+            return
+        self._s.vote.learn(known["vote"])
+        self._voting.verifier.learn(known["verify"])
+        self._voting.partitions = {str(k): str(v) for k, v in known["partitions"].items()}

@@ -1,0 +1,63 @@
+"""What one rank of the runtime knows of itself, shared by the runtime, migration and recovery.
+
+:class:`~rlaunch.runtime.runtime.Runtime` (the script's API and the step loop),
+:class:`~rlaunch.runtime.migration.Migration` (planned moves) and
+:class:`~rlaunch.runtime.recovery.Recovery` (live replacement) read and update one
+:class:`RankState`: where the rank stands (rank, generation, step, the last step it applied),
+what it tracks and how it talks to its agent. Keeping it here, rather than in the runtime's
+private attributes, is what lets the two move protocols live in modules of their own without
+importing the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from typing import Any
+
+from torch.distributed import Store
+
+from rlaunch.runtime.agent_link import AgentLink
+from rlaunch.runtime.grouptable import GroupTable
+from rlaunch.runtime.mesh import RuntimeMesh
+from rlaunch.runtime.replicas import Declared
+from rlaunch.runtime.stepstate import StepStart
+from rlaunch.runtime.vote import StepVote
+
+
+@dataclasses.dataclass(eq=False)
+class RankState:
+    """One rank's position in the job and the objects it moves (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    generation: int
+    standby: bool
+    link: AgentLink | None
+    store: Store | None
+    timeout: datetime.timedelta
+    groups: GroupTable
+    vote: StepVote
+    #: the objects a joiner receives (rt.track), by name
+    tracked: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: tracked objects whose state differs by rank, as declared (rt.track_per_rank)
+    per_rank: set[str] = dataclasses.field(default_factory=set)
+    #: rt.seed(per_rank=True): each step's streams derive from this
+    seed: int | None = None
+    #: the ranks that hold equal copies of the parameters, as the script declared them (rt.declare_replicas)
+    declared: Declared | None = None
+    mesh: RuntimeMesh | None = None
+    step: int = 0
+    #: the last step whose optimizer step this rank applied
+    applied: int = -1
+    #: where rt.steps() goes on after a recovery
+    resume_at: int | None = None
+    #: what the current step changes besides parameters and optimizers
+    start: StepStart | None = None
+    #: the next vote verifies that replicas hold equal state (set at every move's boundary)
+    verify_due: bool = True
+    #: the first step after a switch reports its downtime
+    measure_after_switch: bool = False
+    #: rt.steps() has ended: no more plans are taken
+    stopped: threading.Event = dataclasses.field(default_factory=threading.Event)

@@ -1,0 +1,294 @@
+"""Replicas compared while the job runs: every move verified, silent data corruption caught.
+
+Data-parallel replicas hold the same parameters and optimizer state after every optimizer step
+(:mod:`rlaunch.runtime.replicas` says which ranks are replicas of what). A :class:`Verifier`
+makes the vote compare them:
+
+- at the job's first vote: what differs already is a layout, not a fault (tensor parallelism
+  built by hand, replicas seeded apart): it is remembered, and a live replacement that would
+  copy another rank's shard is refused (:attr:`Verifier.differs`);
+- at the first vote after every drain and live replacement, before its optimizer step: a
+  replica that differs means the move went wrong, and the job stops (:class:`MoveVerificationError`);
+- every ``--verify-every`` steps (``auto``: an interval whose cost stays under
+  :data:`BUDGET` of the step time, from the cost every rank measured): a replica that differs
+  is silent data corruption. :func:`verdict` names the suspect by majority where a slot has
+  three or more replicas, else by reading the state again (a device whose reading changed is the
+  suspect), else it cannot name one and the job stops rather than train on.
+
+Each compared print is one tracked module's parameters (or one optimizer's state) of one
+pattern, digested on its device (:mod:`rlaunch.runtime.digest`); each rank adds the limb terms
+of its digest to its slot of the vote section (:mod:`rlaunch.runtime.contract`), so the sums say
+whether every slot's members agree. Naming needs every rank's digests: one more allreduce,
+only when something differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlaunch.errors import RlaunchError, UsageError
+from rlaunch.runtime import contract, digest, replicas
+from rlaunch.runtime.replicas import Declared, Pattern, Slots
+
+#: ``auto``: verification may take this fraction of the median step time
+BUDGET = 0.005
+#: the longest ``auto`` interval, in steps
+MAX_INTERVAL = 10_000
+#: the environment variable the agent sets from ``--verify-every``
+ENV = "RLAUNCH_VERIFY_EVERY"
+SECTION = "verify"
+
+
+class MoveVerificationError(RlaunchError):
+    """After a move, ranks that must hold equal state do not; the job stops before the step is applied."""
+
+
+class SilentCorruptionError(RlaunchError):
+    """A replica's state differs from its peers' between moves: the sentence names the suspect (or why none)."""
+
+
+def interval(value: str) -> int | None:
+    """``--verify-every`` as the runtime reads it: None for ``auto``, 0 for off, else steps."""
+    text = value.strip().lower()
+    if text in ("", "auto"):
+        return None
+    try:
+        every = int(text)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise UsageError(f"{ENV} is {value!r}; use a number of steps, 0 (off) or 'auto'.")
+    return every
+
+
+@dataclass(frozen=True)
+class Print:
+    """One compared digest: the tensors of one tracked object that share a pattern."""
+
+    obj: str
+    pattern: Pattern
+    slots: Slots
+
+    @property
+    def key(self) -> tuple[str, Pattern]:
+        return (self.obj, self.pattern)
+
+    def label(self) -> str:
+        where = "" if self.pattern in ((), replicas.DECLARED) else f" (sharded on {', '.join(self.pattern)})"
+        return f"{self.obj!r}{where}"
+
+
+def _items(obj: Any, root: Sequence[str], declared: Declared | None) -> dict[Pattern, list[tuple[str, Any]]]:
+    """A module's parameters, or an optimizer's state, grouped by pattern (buffers differ by rank: not compared)."""
+    grouped: dict[Pattern, list[tuple[str, Any]]] = {}
+    if isinstance(obj, nn.Module):
+        for name, p in obj.named_parameters():
+            grouped.setdefault(replicas.pattern_of(p, root, declared), []).append((name, p))
+    elif isinstance(obj, torch.optim.Optimizer):
+        params = [p for g in obj.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            state = obj.state.get(p)
+            if state:
+                grouped.setdefault(replicas.pattern_of(p, root, declared), []).append((str(i), dict(state)))
+    return grouped
+
+
+@dataclass
+class Verdict:
+    """Who is suspected of holding corrupt state, or why nobody can be named."""
+
+    suspects: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # rank -> evidence
+    unnamed: list[str] = dataclasses.field(default_factory=list)  # sentences
+
+
+class Verifier:
+    """When the vote compares replicas, what it compares, and what the comparisons found."""
+
+    def __init__(self, every: int | None, world: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.every = every
+        self.world = world
+        self._clock = clock
+        #: the next step whose vote compares replicas without a move (a periodic check)
+        self.next_step = 0
+        #: prints (object, pattern) compared at least once, and equal then
+        self.good: set[tuple[str, Pattern]] = set()
+        #: prints that differed at their first comparison: a layout (no replica holds them) -> step
+        self.differs: dict[tuple[str, Pattern], int] = {}
+        self.last_cost_s = 0.0  # what the last comparison cost this rank (digests only)
+        self.spent_s = 0.0  # what every comparison so far cost this rank
+        self.count = 0  # comparisons so far
+
+    def due(self, step: int, move: bool) -> bool:
+        return move or (self.every != 0 and step >= self.next_step)
+
+    def prints(self, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
+               declared: Declared | None) -> list[Print]:  # fmt: skip
+        """What this vote compares, in an order every rank computes alike."""
+        out = []
+        for obj_name, obj in tracked.items():
+            for pattern in sorted(_items(obj, names, declared)):
+                if (obj_name, pattern) in self.differs:
+                    continue
+                slots = replicas.slots(pattern, self.world, mesh, names, declared)
+                if slots.comparable:
+                    out.append(Print(obj_name, pattern, slots))
+        return out
+
+    def digests(self, tracked: dict[str, Any], prints: Sequence[Print], names: Sequence[str],
+                declared: Declared | None) -> list[int]:  # fmt: skip
+        began = self._clock()
+        out = []
+        by_object: dict[str, dict[Pattern, list[tuple[str, Any]]]] = {}
+        for p in prints:
+            grouped = by_object.setdefault(p.obj, _items(tracked[p.obj], names, declared))
+            out.append(digest.of_items(grouped[p.pattern]))
+        self.last_cost_s = self._clock() - began
+        self.spent_s += self.last_cost_s
+        self.count += 1
+        return out
+
+    def section(self, rank: int, prints: Sequence[Print], digests: Sequence[int], step_s: float) -> torch.Tensor:
+        """This rank's part: its digests in its slots, and what they cost against its step (microseconds)."""
+        sizes = [len(p.slots.counts) * contract.TERMS for p in prints]
+        out = torch.zeros(sum(sizes) + 2, dtype=torch.float64)
+        at = 0
+        for p, d, size in zip(prints, digests, sizes, strict=True):
+            slot = p.slots.of_rank[rank] * contract.TERMS
+            out[at + slot : at + slot + contract.TERMS] = torch.tensor(contract.terms(d), dtype=torch.float64)
+            at += size
+        out[-2] = float(round(self.last_cost_s * 1e6))
+        out[-1] = float(round(step_s * 1e6))
+        return out
+
+    def differing(self, summed: torch.Tensor, prints: Sequence[Print]) -> list[tuple[int, int]]:
+        """(print index, slot) of every slot whose members did not all hold the same digest."""
+        found = []
+        at = 0
+        for i, p in enumerate(prints):
+            for slot, count in enumerate(p.slots.counts):
+                part = summed[at + slot * contract.TERMS : at + (slot + 1) * contract.TERMS].tolist()
+                if count > 1 and not contract.agree(count, part):
+                    found.append((i, slot))
+            at += len(p.slots.counts) * contract.TERMS
+        return found
+
+    def settle(self, step: int, summed: torch.Tensor, prints: Sequence[Print], differing: Sequence[tuple[int, int]],
+               periodic: bool) -> list[tuple[int, int]]:  # fmt: skip
+        """Record a comparison that every rank read alike; return the differences that are faults.
+
+        A print that differs at its first comparison is a layout (remembered in :attr:`differs`);
+        one that was equal before and differs now is a fault. The next periodic comparison is
+        scheduled from the cost every rank measured (``auto``) or the fixed interval.
+        """
+        bad = {i for i, _ in differing}
+        for i, p in enumerate(prints):
+            if i not in bad:
+                self.good.add(p.key)
+            elif p.key not in self.good:
+                self.differs[p.key] = step
+        faults = [(i, slot) for i, slot in differing if prints[i].key in self.good]
+        if periodic or self.next_step <= step:
+            self.next_step = step + self._interval(summed[-2].item(), summed[-1].item())
+        return faults
+
+    def _interval(self, cost_us: float, step_us: float) -> int:
+        if self.every is not None:
+            return self.every if self.every > 0 else MAX_INTERVAL * 100
+        if step_us <= 0:
+            return 1
+        return max(1, min(MAX_INTERVAL, math.ceil(cost_us / (BUDGET * step_us))))
+
+    def refusal(self) -> str:
+        """Why no replica can stand in for a replaced rank, by what differed from the start ("" if nothing)."""
+        if not self.differs:
+            return ""
+        what = " and ".join(
+            repr(k[0]) if k[1] in ((), replicas.DECLARED) else f"{k[0]!r} (sharded on {', '.join(k[1])})"
+            for k in sorted(self.differs)
+        )
+        return (
+            f"the tracked {what} differ from rank to rank since step {min(self.differs.values())}, so no replica "
+            "holds them (tensor or expert parallelism built on rt.new_group? declare which ranks hold equal copies "
+            "with rt.declare_replicas(...), or build the layout on rt.device_mesh)"
+        )
+
+    def knowledge(self) -> dict[str, Any]:
+        """What a joiner must know to decide as the other ranks do (JSON values)."""
+        return {
+            "next_step": self.next_step,
+            "good": [[k[0], list(k[1])] for k in sorted(self.good)],
+            "differs": [[k[0], list(k[1]), s] for k, s in sorted(self.differs.items())],
+        }
+
+    def learn(self, known: dict[str, Any]) -> None:
+        self.next_step = int(known["next_step"])
+        self.good = {(str(o), tuple(str(d) for d in p)) for o, p in known["good"]}
+        self.differs = {(str(o), tuple(str(d) for d in p)): int(s) for o, p, s in known["differs"]}
+
+
+def verdict(prints: Sequence[Print], faults: Sequence[tuple[int, int]], first: torch.Tensor,
+            again: torch.Tensor | None, step: int) -> Verdict:  # fmt: skip
+    """Name the suspects of the faulty slots from every rank's digests (``first``, world x prints,
+    as 4 limbs each), by majority, else by a second reading (``again``: the same after every rank
+    digested its state once more; None when not taken). Every rank computes the same verdict."""
+    out = Verdict()
+
+    def value(table: torch.Tensor, rank: int, i: int) -> int:
+        return contract.from_limbs(table[rank, i * contract.LIMBS : (i + 1) * contract.LIMBS].tolist())
+
+    for i, slot in faults:
+        p = prints[i]
+        members = p.slots.members(slot)
+        held = {r: value(first, r, i) for r in members}
+        counts: dict[int, int] = {}
+        for v in held.values():
+            counts[v] = counts.get(v, 0) + 1
+        majority = max(counts, key=lambda v: counts[v])
+        shown = {r: digest.hexed(v) for r, v in held.items()}
+        if counts[majority] * 2 > len(members):
+            for r, v in held.items():
+                if v != majority:
+                    found = _evidence(p, step, "majority", shown[r], digest.hexed(majority), members)
+                    out.suspects.setdefault(r, found)
+            continue
+        changed = [r for r in members if again is not None and value(again, r, i) != held[r]]
+        if len(changed) == 1:
+            r = changed[0]
+            others = [digest.hexed(held[o]) for o in members if o != r]
+            out.suspects.setdefault(r, _evidence(p, step, "reread", shown[r], others[0], members))
+            continue
+        out.unnamed.append(
+            f"the replicas {members} of {p.label()} hold different state at step {step} (digests "
+            f"{', '.join(f'rank {r}: {d}' for r, d in shown.items())}), and with {len(members)} of them and a second "
+            "reading that changed nothing, no one can be named"
+        )
+    return out
+
+
+def _evidence(p: Print, step: int, method: str, mine: str, theirs: str, members: list[int]) -> dict[str, Any]:
+    return {
+        "object": p.obj, "pattern": list(p.pattern), "step": step, "method": method, "digest": mine,
+        "replica_digest": theirs, "replicas": members,
+    }  # fmt: skip
+
+
+def rows_of(prints: Sequence[Print], digests: Sequence[int]) -> list[float]:
+    """This rank's digests as limbs, for the gather that names suspects."""
+    return [float(x) for d in digests for x in contract.limbs(d)]
+
+
+def describe_suspect(rank: int, evidence: dict[str, Any]) -> str:
+    how = "by majority" if evidence["method"] == "majority" else "as the one whose second reading changed"
+    return (
+        f"rank {rank}'s copy of {evidence['object']!r} (digest {evidence['digest']}) differs from its replicas' "
+        f"{evidence['replicas']} ({evidence['replica_digest']}) at step {evidence['step']}, named {how}: silent data "
+        "corruption is suspected"
+    )

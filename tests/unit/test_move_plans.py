@@ -1,0 +1,93 @@
+"""The listener and the recovery as they take plans: a failed preparation does not end the listener,
+and a survivor recovers to the newest replacement plan it holds."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from typing import Any
+
+from torch.distributed import HashStore
+
+from rlaunch.plans import MigratePlan, ReplacePlan, Role, plan_to_json
+from rlaunch.runtime.agent_link import AgentLinkError
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
+from rlaunch.runtime.grouptable import GroupTable
+from rlaunch.runtime.migration import Migration
+from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.recovery import Recovery
+from rlaunch.runtime.vote import StepVote
+
+TIMEOUT = datetime.timedelta(seconds=5)
+
+
+class _Link:
+    """The agent as the listener sees it: plans handed out in turn, then the agent is gone."""
+
+    def __init__(self, plans: list[Any]) -> None:
+        self._plans: Iterator[Any] = iter(plans)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.calls.append((op, fields))
+        if op == "wait_plan":
+            try:
+                return plan_to_json(next(self._plans))
+            except StopIteration:
+                raise AgentLinkError("The rlaunch agent closed the connection during 'wait_plan'.") from None
+        return {}
+
+
+def _state(link: _Link, build: Any) -> RankState:
+    groups = GroupTable(HashStore(), TIMEOUT, build=build)
+    groups.add(SwitchableGroup("world", [0, 1], 0, SandboxComm(0, 2), 1))
+    state = RankState(
+        rank=0, world_size=2, generation=1, standby=False, link=link, store=HashStore(), timeout=TIMEOUT,
+        groups=groups, vote=StepVote(2),
+    )  # type: ignore[arg-type]  # fmt: skip
+    state.tracked["model"] = object()
+    return state
+
+
+def test_a_failed_preparation_leaves_the_listener_taking_later_plans() -> None:
+    """An etcd outage in the middle of a drain's phase 1 failed the build: that rank never took a plan again."""
+    built: list[str] = []
+
+    def build(store: Any, prefix: str, rank: int, size: int, timeout: Any, backend: Any) -> Any:
+        if prefix.startswith("g2/"):
+            raise RuntimeError("etcd at 127.0.0.1:2379 did not answer within 5.0 s")
+        built.append(prefix)
+        return SandboxComm(rank, size)
+
+    plans = [
+        MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2),
+        MigratePlan(generation=3, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2),
+    ]
+    link = _Link(plans)
+    migration = Migration(_state(link, build), lambda plan: None, lambda: "", dict)
+    migration.listen()  # returns once the agent is gone
+    assert ("prepared", {"generation": 3}) in link.calls and built == ["g3/world/"]
+    assert migration.ready == 3
+
+
+def test_a_drain_this_rank_cannot_make_is_never_prepared() -> None:
+    link = _Link([MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2)])
+    migration = Migration(_state(link, lambda *a: SandboxComm(0, 2)), lambda plan: None, lambda: "no state", dict)
+    migration.listen()
+    assert not any(op == "prepared" for op, _ in link.calls) and migration.ready == 0
+
+
+def _replace(gen: int, moved: tuple[int, ...]) -> ReplacePlan:
+    return ReplacePlan(generation=gen, role=Role.SURVIVOR, rank=0, moved_ranks=moved, world_size=3, sources={})
+
+
+def test_a_survivor_recovers_to_the_newest_plan_it_holds() -> None:
+    """Two faults seconds apart: the older plan's exchange waits on a rank the newer plan replaces."""
+    state = _state(_Link([]), lambda *a: SandboxComm(0, 2))
+    recovery = Recovery(state, lambda: "", lambda plan, alive: ({}, ""), dict)
+    recovery.on_replace(_replace(5, (1,)))
+    recovery.on_replace(_replace(6, (1, 2)))
+    assert recovery._take_plan().generation == 6
+    recovery.on_replace(_replace(7, (1, 2)))
+    newer = recovery._newer_than(_replace(6, (1, 2)))
+    assert newer is not None and newer.generation == 7 and recovery._newer_than(newer) is None

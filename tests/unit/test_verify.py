@@ -1,0 +1,118 @@
+"""Replicas compared in the vote: first-vote layouts, faults, and the verdict that names a suspect.
+
+Each "rank" is a model and optimizer in this process; the vote's allreduce is the sum of their
+sections, and the gather that names suspects is the stack of their rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from rlaunch.runtime import verify
+from rlaunch.runtime.replicas import declare
+from rlaunch.runtime.verify import Verifier
+
+
+def _rank(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(99)  # the same batch on every replica: gradients as after DDP's allreduce
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    return {"model": model, "opt": opt}
+
+
+def _compare(ranks: list[dict[str, Any]], verifiers: list[Verifier], step: int, declared: Any = None) -> Any:
+    world = len(ranks)
+    prints = verifiers[0].prints(ranks[0], None, (), declared)
+    digests = [v.digests(r, prints, (), declared) for v, r in zip(verifiers, ranks, strict=True)]
+    summed = sum(v.section(i, prints, d, 0.1) for i, (v, d) in enumerate(zip(verifiers, digests, strict=True)))
+    rows = torch.tensor([verify.rows_of(prints, d) for d in digests], dtype=torch.float64)
+    found = []
+    for v in verifiers:
+        differing = v.differing(summed, prints)
+        found.append(v.settle(step, summed, prints, differing, periodic=True))
+    assert all(f == found[0] for f in found), "every rank reads the same faults"
+    assert world == len(verifiers)
+    return prints, found[0], rows
+
+
+def test_replicas_that_agree_are_remembered_good_and_a_flip_is_named_by_majority() -> None:
+    ranks, verifiers = [_rank() for _ in range(3)], [Verifier(1, 3) for _ in range(3)]
+    prints, faults, _ = _compare(ranks, verifiers, 0)
+    assert faults == [] and {p.obj for p in prints} == {"model", "opt"}
+    assert verifiers[0].good == {("model", ()), ("opt", ())} and not verifiers[0].differs
+    with torch.no_grad():
+        ranks[1]["model"][0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20  # one bit, on rank 1
+    prints, faults, rows = _compare(ranks, verifiers, 1)
+    assert [prints[i].obj for i, _ in faults] == ["model"]
+    found = verify.verdict(prints, faults, rows, None, 1)
+    assert found.unnamed == [] and list(found.suspects) == [1]
+    evidence = found.suspects[1]
+    assert evidence["method"] == "majority" and evidence["replicas"] == [0, 1, 2] and evidence["object"] == "model"
+    assert evidence["digest"] != evidence["replica_digest"]
+    assert "rank 1's copy of 'model'" in verify.describe_suspect(1, evidence)
+
+
+def test_two_replicas_cannot_be_told_apart_unless_a_second_reading_changes() -> None:
+    ranks, verifiers = [_rank() for _ in range(2)], [Verifier(1, 2) for _ in range(2)]
+    _compare(ranks, verifiers, 0)
+    with torch.no_grad():
+        ranks[0]["opt"].state[ranks[0]["model"][2].bias]["exp_avg"].view(torch.int32)[0] ^= 1
+    prints, faults, rows = _compare(ranks, verifiers, 1)
+    found = verify.verdict(prints, faults, rows, None, 1)
+    assert not found.suspects and "no one can be named" in found.unnamed[0] and "'opt'" in found.unnamed[0]
+    # a second reading: rank 0's changed (a flaky device), rank 1's did not
+    again = rows.clone()
+    again[0] += 1
+    found = verify.verdict(prints, faults, rows, again, 1)
+    assert list(found.suspects) == [0] and found.suspects[0]["method"] == "reread"
+
+
+def test_parameters_that_differ_at_the_first_comparison_are_a_layout_not_a_fault() -> None:
+    """Tensor parallelism built by hand: each rank holds its own shard from the start."""
+    ranks, verifiers = [_rank(seed) for seed in (0, 1)], [Verifier(1, 2) for _ in range(2)]
+    prints, faults, _ = _compare(ranks, verifiers, 0)
+    assert faults == [] and ("model", ()) in verifiers[0].differs
+    assert "the tracked 'model' and 'opt' differ from rank to rank since step 0" in verifiers[0].refusal()
+    assert "rt.declare_replicas" in verifiers[1].refusal()
+    later = verifiers[0].prints(ranks[0], None, (), None)
+    assert "model" not in {p.obj for p in later}, "a layout is not compared again"
+
+
+def test_declared_replica_sets_are_compared_set_by_set() -> None:
+    """2-way tensor parallelism over 4 ranks: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1."""
+    declared = declare([[0, 2], [1, 3]], 4)
+    ranks = [_rank(0), _rank(1), _rank(0), _rank(1)]
+    verifiers = [Verifier(1, 4) for _ in range(4)]
+    prints, faults, _ = _compare(ranks, verifiers, 0, declared)
+    assert faults == [] and not verifiers[0].differs, "each set agrees within itself"
+    assert prints[0].slots.of_rank == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match="must name every rank 0..3 exactly once"):
+        declare([[0, 1], [1, 2, 3]], 4)
+
+
+def test_auto_interval_keeps_the_cost_under_the_budget() -> None:
+    v = Verifier(None, 2)
+    summed = torch.zeros(2, dtype=torch.float64)
+    summed[-2], summed[-1] = 2 * 20_000.0, 2 * 400_000.0  # 20 ms of digests, 400 ms steps, on 2 ranks
+    v.settle(10, summed, [], [], periodic=True)
+    assert v.next_step == 10 + 10, "20 ms every 10 steps of 400 ms is 0.5 %"
+    fixed = Verifier(7, 2)
+    fixed.settle(10, summed, [], [], periodic=True)
+    assert fixed.next_step == 17 and not Verifier(0, 2).due(10**6, move=False) and Verifier(0, 2).due(5, move=True)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", None), ("", None), ("0", 0), ("25", 25)])
+def test_the_interval_is_read_from_the_agent(value: str, expected: int | None) -> None:
+    assert verify.interval(value) == expected
+
+
+def test_a_bad_interval_is_a_sentence() -> None:
+    with pytest.raises(Exception, match=r"RLAUNCH_VERIFY_EVERY is 'often'; use a number of steps, 0 \(off\) or 'auto'"):
+        verify.interval("often")
