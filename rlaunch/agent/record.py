@@ -9,6 +9,7 @@ hardware fault, if a detector found one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -69,6 +70,9 @@ class RecordPublisher:
         self._unsent = False  # etcd has not acknowledged self.record yet
         self._resend_at = 0.0  # when to try sending it again
         self._compute_at = 0.0  # when compute_s was last published
+        # One send at a time, each of the latest record: the main loop and a worker's report (a
+        # fault) both publish, and two puts in flight could land in either order.
+        self._sending = asyncio.Lock()
 
     def make(
         self,
@@ -124,9 +128,11 @@ class RecordPublisher:
             log.warning("[%s] could not publish state %s: %s", self._cfg.node_id, state.value, exc)
 
     async def republish(self) -> None:
-        """Publish the current record again with fresh worker reports (same state and generation)."""
-        assert self.record is not None
-        await self.publish(self.record.state, self.record.generation)
+        """Publish the current record again with fresh worker reports and fault (same state, generation,
+        exit codes and failure)."""
+        r = self.record
+        assert r is not None
+        await self.publish(r.state, r.generation, dict(r.exit_codes), (r.failure, r.message))
 
     async def resend(self) -> None:
         """Send the record again if etcd has not taken it, at most every :data:`RESEND_EVERY_S`."""
@@ -139,9 +145,12 @@ class RecordPublisher:
         self.record, self._unsent = record, False
 
     async def _send(self) -> None:
-        assert self.record is not None
-        await self._store.put(self._keys.node(self._cfg.node_id), encode(self.record), lease=self._lease())
-        self._unsent = False
+        async with self._sending:
+            record = self.record
+            assert record is not None
+            await self._store.put(self._keys.node(self._cfg.node_id), encode(record), lease=self._lease())
+            if record is self.record:
+                self._unsent = False  # (a newer record made meanwhile is sent by its own publish)
 
     def compute_moved(self) -> bool:
         """Whether the workers' compute time per step moved enough to be published again."""
