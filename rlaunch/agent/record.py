@@ -23,7 +23,7 @@ from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
 from rlaunch.store.embedded import free_port
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import NodeRecord, NodeState, encode
+from rlaunch.store.records import LiveMoves, NodeRecord, NodeState, encode
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class RecordPublisher:
         lease: Callable[[], int],
         restarts: Callable[[], int],
         fault: Callable[[], str],
+        moves: Callable[[], tuple[LiveMoves, str]] = lambda: (LiveMoves.UNKNOWN, ""),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -64,6 +65,7 @@ class RecordPublisher:
         self._lease = lease
         self._restarts = restarts
         self._fault = fault
+        self._moves = moves
         self._clock = clock
         self._monotonic = monotonic
         self.record: NodeRecord | None = None
@@ -82,6 +84,7 @@ class RecordPublisher:
         failure: tuple[str, str] = ("", ""),
     ) -> NodeRecord:
         cfg = self._cfg
+        moves, moves_reason = self._moves()
         return NodeRecord(
             node_id=cfg.node_id,
             host=socket.gethostname(),
@@ -102,6 +105,8 @@ class RecordPublisher:
             probe_port=self._probe_port,
             peer_lost_at=self._link.state.peer_lost_at,
             compute_s=round(self.compute_s(), 6),
+            live_moves=moves,
+            moves_reason=moves_reason,
         )
 
     async def publish(
