@@ -253,7 +253,7 @@ def _on_look(node: Node, obs: Look) -> Decision:
         # A faulty node gives its ranks up: the controller hands them to a standby.
         p.stop()
         if obs.published is None or obs.published.state is not NodeState.FAILED:
-            p.do(Publish(NodeState.FAILED, gen.number))
+            p.do(Publish(NodeState.FAILED, gen.number, failure=("fault", obs.fault)))
         return p.decision()
     leaving = node.state in (AgentState.LEAVING, AgentState.LEAVING_DONE)
     if (

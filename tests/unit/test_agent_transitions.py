@@ -239,6 +239,7 @@ def test_a_faulty_node_stops_its_workers_and_says_failed_once(state: AgentState)
     d = decide(node(state, worker_gen=5), look(gen(6), fault="GPU 0 fell off the bus"))
     assert not d.node.state.workers_run and of(d, StopWorkers)
     assert publishes(d) == [NodeState.FAILED]
+    assert of(d, Publish)[0].failure == ("fault", "GPU 0 fell off the bus"), "its failure is the fault"
     again = decide(d.node, look(gen(6), fault="GPU 0 fell off the bus", published=published(NodeState.FAILED, 6)))
     assert publishes(again) == []
 
