@@ -3,8 +3,8 @@
 The record is the node's state from the moment it is published: a record etcd did not take (it
 was unreachable) is sent again by the agent's loop until etcd has it, so a failure reported
 during an outage reaches the controller when etcd is back. Besides the node state it carries what
-the node's workers reported (runtime use, the last lost peer, compute time per step) and a
-hardware fault, if a detector found one.
+the node's workers reported (runtime use, the last lost peer, compute time per step, which live
+moves its ranks allow) and its fault, if one was found (see :mod:`rlaunch.agent.faults`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from rlaunch.store.records import (
 )
 
 #: States in which a node not holding ranks may be given some in a restart (every worker starts
-#: anew, so a node whose own workers failed is fine; one with a hardware fault is not live).
+#: anew, so a node whose own workers failed is fine; one with a fault is not live).
 _SPARE_STATES = (NodeState.WAITING, NodeState.WARMING, NodeState.STANDBY, NodeState.FAILED)
 
 

@@ -137,7 +137,8 @@ class NodeRecord:
     message: str = ""
     #: every local worker called ``rlaunch.init()``: the job can migrate live
     runtime: bool = False
-    #: a hardware fault found by a detector (a sentence); such a node holds no ranks any more
+    #: a fault (a sentence): a GPU fault a detector found, or silent data corruption the runtime's replica
+    #: check suspected; such a node holds no ranks any more
     fault: str = ""
     #: why its workers failed, typed: ``exit`` (non-zero code), ``signal``, ``hang``, ``refused`` (a live
     #: replacement was refused) or ``fault`` (the node's fault ended them); ``message`` says more
