@@ -98,7 +98,7 @@ async def fetch_status(
     try:
         await store.connect(timeout)
         snap = await read_snapshot(store, keys, suspects=True)
-        if snap.spec is None and snap.generation is None and not snap.nodes and not snap.drained:
+        if snap.spec is None and snap.generation is None and not snap.nodes and not snap.drained and not snap.suspects:
             return None
         ttls = {}
         for node_id, lease in snap.node_leases.items():
