@@ -34,10 +34,12 @@ from typing import Any
 from rlaunch.agent import states as st
 from rlaunch.agent.config import LaunchConfig, Std, route_addr
 from rlaunch.agent.control import ControlServer
+from rlaunch.agent.faults import Faults
 from rlaunch.agent.generations import GenerationWatch
 from rlaunch.agent.join import join_job
 from rlaunch.agent.lease import LeaseKeeper, keepalive_store
 from rlaunch.agent.metrics import AgentMetrics
+from rlaunch.agent.moves import NodeMoves, sentence
 from rlaunch.agent.progress import ProgressReporter, progress_batch, progress_every_s
 from rlaunch.agent.record import RecordPublisher
 from rlaunch.agent.supervision import Supervisor
@@ -93,7 +95,7 @@ class Agent:
         self.node = st.Node()
         self._etcd_warned_at = -ETCD_WARN_EVERY_S
         self._prepared_reported: set[int] = set()
-        self._fault = ""  # a hardware fault sentence, once a detector found one
+        self.moves = NodeMoves(cfg.nproc_per_node)  # which live moves the node's ranks allow, as published
         self._signal: int | None = None
         self._fenced: str | None = None
         self._log_root: Path | None = cfg.log_dir
@@ -137,9 +139,12 @@ class Agent:
         self.records = RecordPublisher(
             self.store, self.keys, self.cfg, self.link, self.events.emit, addr=self.addr,
             probe_port=self._probe_port, lease=lambda: self._lease,
-            restarts=lambda: max(0, self.workers.starts - 1), fault=lambda: self._fault,
-            clock=self._clock, monotonic=self._monotonic,
+            restarts=lambda: max(0, self.workers.starts - 1), fault=lambda: self.faults.sentence,
+            moves=lambda: self.moves.current, clock=self._clock, monotonic=self._monotonic,
         )  # fmt: skip
+        self.faults = Faults(self.node_id, self.store, self.keys, self.records, self.events.emit, self._wake.set,
+                             self._clock)  # fmt: skip
+        self.link.on_sdc = lambda local, report: self.faults.sdc_suspected(local, report, self.node.worker_gen)
         self.watch = GenerationWatch(
             self.store, self.keys, self.node_id, self._wake.set, self._ctl_wake.set, self.metrics.on_generation
         )
@@ -212,6 +217,7 @@ class Agent:
                 return await self._decide(st.Fenced(self._fenced))
             try:
                 await self.records.resend()
+                await self.faults.resend()
                 code = await self._look()
                 if code is not None:
                     return code
@@ -257,7 +263,7 @@ class Agent:
         published = st.Published(record.state, record.generation, record.exit_codes) if record else None
         state = self.link.state
         return st.Look(
-            gen, self.node_id, self.cfg.nproc_per_node, published, self._fault, frozenset(state.left),
+            gen, self.node_id, self.cfg.nproc_per_node, published, self.faults.sentence, frozenset(state.left),
             len(state.warm), self.watch.nodes_changed, uses_runtime, acked,
         )  # fmt: skip
 
@@ -335,7 +341,7 @@ class Agent:
         state = self.link.state
         obs = st.WorkersExited(
             tuple(codes), gen.number if gen else 0, frozenset(state.left), tuple(self.workers.hung),
-            state.unrecoverable,
+            state.unrecoverable, self.faults.sentence,
         )  # fmt: skip
         await self._carry_out(decide(self.node, obs))
 
@@ -360,6 +366,19 @@ class Agent:
             if len(ranks) >= self.cfg.nproc_per_node and gen not in self._prepared_reported:
                 self._prepared_reported.add(gen)
                 self.events.emit("prepared", gen)
+        await self._sync_moves()
+
+    async def _sync_moves(self) -> None:
+        """Publish the node's live moves summary once every local rank reported, and when it changes."""
+        previous = self.moves.update(self.link.state.moves)
+        if previous is None:
+            return
+        moves, reason = self.moves.current
+        log.info("[%s] live moves: %s", self.node_id, sentence(moves, reason))
+        self.events.emit("live_moves", self.node.worker_gen, moves=moves.value, reason=reason,
+                         previous=previous.value)  # fmt: skip
+        if self.records.record is not None:
+            await self.records.republish()
 
     # -- background tasks ---------------------------------------------------------------------
 
@@ -392,10 +411,8 @@ class Agent:
             log.info("[%s] %s", self.node_id, result)
             self.events.emit("gpu_health_off", 0, reason=result)
         elif result:
-            self._fault = "; ".join(f.sentence() for f in result)
-            log.error("[%s] %s: this node gives up its ranks", self.node_id, self._fault)
             self.events.emit("gpu_fault", self.node.worker_gen, faults=[dataclasses.asdict(f) for f in result])
-            self._wake.set()
+            await self.faults.found("; ".join(f.sentence() for f in result))
 
     async def _info(self, request: dict[str, Any]) -> dict[str, Any]:
         gen, record = self.watch.generation, self.records.record

@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 
 from rlaunch import __version__
+from rlaunch.agent.env import VERIFY_AUTO
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
 from rlaunch.store.records import JobSpec
@@ -103,6 +104,9 @@ class LaunchConfig:
     log_line_prefix_template: str | None = None
     #: accepted for torchrun compatibility: every worker is a fresh ``python`` process anyway
     start_method: str = "spawn"
+    #: steps between the runtime's replica fingerprint checks (silent data corruption): a positive
+    #: number, 0 (off), or None for ``auto`` (the runtime keeps the check under 1 % of step time)
+    verify_every: int | None = None
     # -- security toward etcd (--cacert, --cert, --key, --user; ETCDCTL_* variables) --
     #: TLS and credentials of the external etcd (the embedded one makes its own)
     etcd_security: EtcdSecurity = EtcdSecurity()
@@ -206,6 +210,20 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
         ) from None
 
 
+def parse_verify_every(text: str) -> int | None:
+    """``--verify-every``: a number of steps (0: off), or ``auto`` (None: the runtime picks it)."""
+    value = text.strip()
+    if value.lower() == VERIFY_AUTO:
+        return None
+    if value.isascii() and value.isdigit():
+        return int(value)
+    raise UsageError(
+        f"--verify-every {text!r} is not valid: give a number of steps between checks of the replicas' "
+        "fingerprints (such as 100), auto (the default: the runtime keeps the check under 1 % of the step "
+        "time) or 0 (off)."
+    )
+
+
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -252,6 +270,7 @@ def build_config(
     log_line_prefix_template: str | None = None,
     start_method: str = "spawn",
     run_path: bool = False,
+    verify_every: str = VERIFY_AUTO,
     # -- security toward etcd --
     etcd_cacert: str | None = None,
     etcd_cert: str | None = None,
@@ -286,6 +305,7 @@ def build_config(
         raise UsageError(f"--master-port {master_port} is not valid: give a port between 1 and 65535.")
     n = parse_nnodes(nnodes)
     nproc = parse_nproc(nproc_per_node)
+    verify = parse_verify_every(verify_every)
     conf = parse_rdzv_conf(rdzv_conf)
     if "join_timeout" in conf:
         try:
@@ -350,6 +370,7 @@ def build_config(
         role=role,
         log_line_prefix_template=log_line_prefix_template or None,
         start_method=start_method,
+        verify_every=verify,
         etcd_security=security,
     )
 

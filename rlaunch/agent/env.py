@@ -10,6 +10,9 @@ from rlaunch.store.records import Generation
 #: torchrun's default ROLE_NAME (``--role`` changes it)
 ROLE_NAME = "default"
 
+#: ``RLAUNCH_VERIFY_EVERY`` for ``--verify-every auto`` (else the number of steps; ``0``: off)
+VERIFY_AUTO = "auto"
+
 #: ProcessGroupNCCL's watchdog settings for workers, each only where the user has not set it.
 #: Torch's defaults end a worker whose collective hangs: its watchdog aborts the process when the
 #: group's timeout passes (10 min for NCCL), and its monitor thread does when the watchdog itself
@@ -41,6 +44,7 @@ def worker_env(
     max_restarts: int,
     agent_addr: str,
     role: str = ROLE_NAME,
+    verify_every: int | None = None,
 ) -> dict[str, str]:
     node_rank = gen.assignment[node_id]
     nproc = gen.nproc_per_node
@@ -67,6 +71,7 @@ def worker_env(
         RLAUNCH_ROLE="active",
         RLAUNCH_GENERATION=str(gen.number),
         RLAUNCH_JOB_ID=job_id,
+        RLAUNCH_VERIFY_EVERY=verify_value(verify_every),
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     for key, value in NCCL_ENV.items():
@@ -83,6 +88,7 @@ def standby_env(
     job_id: str,
     agent_addr: str,
     role: str = ROLE_NAME,
+    verify_every: int | None = None,
 ) -> dict[str, str]:
     """A standby's sandbox worker: no rank yet (the runtime learns it when given one)."""
     env = {k: v for k, v in base.items() if k not in ("RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -98,8 +104,14 @@ def standby_env(
         RLAUNCH_NODE_ID=node_id,
         RLAUNCH_ROLE="standby",
         RLAUNCH_JOB_ID=job_id,
+        RLAUNCH_VERIFY_EVERY=verify_value(verify_every),
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     for key, value in NCCL_ENV.items():
         env.setdefault(key, value)
     return env
+
+
+def verify_value(verify_every: int | None) -> str:
+    """``RLAUNCH_VERIFY_EVERY`` for ``--verify-every`` (None: ``auto``)."""
+    return VERIFY_AUTO if verify_every is None else str(verify_every)

@@ -4,8 +4,8 @@ An agent joins by creating its node record under its lease, guarded by the revis
 spec it checked, in one transaction; the first agent writes the spec and its record together.
 Leftovers of a previous run (a spec with no live nodes) are cleared; a job that has ended but whose
 agents are still exiting is waited out. An agent is refused, with a sentence saying what to do,
-when its spec differs from the job's, when its node was drained and not undrained, or when a live
-agent already holds its node id.
+when its spec differs from the job's, when its node was drained and not undrained, when its node
+was suspected of silent data corruption in this job, or when a live agent already holds its node id.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import JoinError, RecordError
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import JobSpec, NodeRecord, decode, encode
+from rlaunch.store.records import JobSpec, NodeRecord, SuspectMark, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ async def join_job(
                 f"Node {node_id!r} was drained from job {job_id!r}; run `rlaunch undrain "
                 f"{node_id} --rdzv-endpoint ... --rdzv-id {job_id}` before it rejoins."
             )
+        suspect = await store.get(keys.suspect(node_id))
+        if suspect is not None:
+            raise JoinError(suspect_message(keys, node_id, suspect.value))
         try:
             theirs = decode(JobSpec, spec_kv.value, keys.spec)
         except RecordError as exc:
@@ -101,4 +104,17 @@ def duplicate_message(keys: JobKeys, node_id: str, raw: bytes) -> str:
     return (
         f"Node id {node_id!r} is already registered in job {keys.job_id!r} by a live "
         f"agent{where}; give this agent another --node-id or stop the other one."
+    )
+
+
+def suspect_message(keys: JobKeys, node_id: str, raw: bytes) -> str:
+    """The refusal for an agent whose node was suspected of silent data corruption in this job."""
+    try:
+        why = f": {decode(SuspectMark, raw, keys.suspect(node_id)).fault}"
+    except RecordError:
+        why = ""
+    return (
+        f"Node {node_id!r} was taken out of job {keys.job_id!r} because silent data corruption was suspected on "
+        f"it{why}. It takes no ranks in this job again; check the machine (its GPUs' memory and compute), then "
+        "run it in another job (another --rdzv-id)."
     )

@@ -32,14 +32,17 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from rlaunch import __version__
 from rlaunch.errors import UsageError
 from rlaunch.store import client
-from rlaunch.store.records import Event, Generation, NodeState
+from rlaunch.store.records import Event, Generation, LiveMoves, NodeState
 
 log = logging.getLogger(__name__)
 
 #: Downtime buckets, in seconds: from a fast switch (tens of ms) to a full restart (minutes).
 DOWNTIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 #: Event kinds of detector findings, and the ``detector`` label each one counts under.
-FINDINGS = {"worker_hung": "hang", "gpu_fault": "gpu_fault", "straggler": "straggler", "node_dead": "node_loss"}
+FINDINGS = {
+    "worker_hung": "hang", "gpu_fault": "gpu_fault", "straggler": "straggler", "node_dead": "node_loss",
+    "sdc_suspected": "sdc",
+}  # fmt: skip
 
 
 class Goodput:
@@ -137,6 +140,14 @@ class AgentMetrics:
         self.generation = Gauge("rlaunch_generation", "The newest generation this node has seen.", node, registry=r)
         self.state = Enum("rlaunch_node_state", "This node's state.", node, states=[s.value for s in NodeState],
                           registry=r)  # fmt: skip
+        self.sdc_suspected = Counter(
+            "rlaunch_sdc_suspected", "Ranks of this node whose replica check suspected silent data corruption.",
+            node, registry=r,
+        )  # fmt: skip
+        self.live_moves = Enum(
+            "rlaunch_live_moves", "Which live moves this node's ranks allow, as its workers reported.", node,
+            states=[m.value for m in LiveMoves], registry=r,
+        )  # fmt: skip
         Info("rlaunch_agent", "This agent.", node, registry=r).labels(node_id).info({"version": __version__})
         r.register(client.REQUEST_SECONDS)
         self.node_goodput.labels(node_id).set_function(self._node_goodput)
@@ -144,6 +155,8 @@ class AgentMetrics:
         for detector in FINDINGS.values():
             self.findings.labels(node_id, detector)  # present at 0 from the start, so rate() sees the first
         self.restarts.labels(node_id)
+        self.sdc_suspected.labels(node_id)
+        self.live_moves.labels(node_id).state(LiveMoves.UNKNOWN.value)
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -244,6 +257,10 @@ class AgentMetrics:
         node = self.node_id
         if kind in FINDINGS:
             self.findings.labels(node, FINDINGS[kind]).inc()
+            if kind == "sdc_suspected":
+                self.sdc_suspected.labels(node).inc()
+        elif kind == "live_moves":
+            self.live_moves.labels(node).state(str(data["moves"]))
         elif kind == "node_state":
             self.state.labels(node).state(str(data["state"]))
         elif kind == "migration_offered":

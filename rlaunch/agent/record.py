@@ -3,12 +3,13 @@
 The record is the node's state from the moment it is published: a record etcd did not take (it
 was unreachable) is sent again by the agent's loop until etcd has it, so a failure reported
 during an outage reaches the controller when etcd is back. Besides the node state it carries what
-the node's workers reported (runtime use, the last lost peer, compute time per step) and a
-hardware fault, if a detector found one.
+the node's workers reported (runtime use, the last lost peer, compute time per step, which live
+moves its ranks allow) and its fault, if one was found (see :mod:`rlaunch.agent.faults`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
 from rlaunch.store.embedded import free_port
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import NodeRecord, NodeState, encode
+from rlaunch.store.records import LiveMoves, NodeRecord, NodeState, encode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RecordPublisher:
         lease: Callable[[], int],
         restarts: Callable[[], int],
         fault: Callable[[], str],
+        moves: Callable[[], tuple[LiveMoves, str]] = lambda: (LiveMoves.UNKNOWN, ""),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -63,12 +65,16 @@ class RecordPublisher:
         self._lease = lease
         self._restarts = restarts
         self._fault = fault
+        self._moves = moves
         self._clock = clock
         self._monotonic = monotonic
         self.record: NodeRecord | None = None
         self._unsent = False  # etcd has not acknowledged self.record yet
         self._resend_at = 0.0  # when to try sending it again
         self._compute_at = 0.0  # when compute_s was last published
+        # One send at a time, each of the latest record: the main loop and a worker's report (a
+        # fault) both publish, and two puts in flight could land in either order.
+        self._sending = asyncio.Lock()
 
     def make(
         self,
@@ -78,6 +84,7 @@ class RecordPublisher:
         failure: tuple[str, str] = ("", ""),
     ) -> NodeRecord:
         cfg = self._cfg
+        moves, moves_reason = self._moves()
         return NodeRecord(
             node_id=cfg.node_id,
             host=socket.gethostname(),
@@ -98,6 +105,8 @@ class RecordPublisher:
             probe_port=self._probe_port,
             peer_lost_at=self._link.state.peer_lost_at,
             compute_s=round(self.compute_s(), 6),
+            live_moves=moves,
+            moves_reason=moves_reason,
         )
 
     async def publish(
@@ -124,9 +133,11 @@ class RecordPublisher:
             log.warning("[%s] could not publish state %s: %s", self._cfg.node_id, state.value, exc)
 
     async def republish(self) -> None:
-        """Publish the current record again with fresh worker reports (same state and generation)."""
-        assert self.record is not None
-        await self.publish(self.record.state, self.record.generation)
+        """Publish the current record again with fresh worker reports and fault (same state, generation,
+        exit codes and failure)."""
+        r = self.record
+        assert r is not None
+        await self.publish(r.state, r.generation, dict(r.exit_codes), (r.failure, r.message))
 
     async def resend(self) -> None:
         """Send the record again if etcd has not taken it, at most every :data:`RESEND_EVERY_S`."""
@@ -139,9 +150,12 @@ class RecordPublisher:
         self.record, self._unsent = record, False
 
     async def _send(self) -> None:
-        assert self.record is not None
-        await self._store.put(self._keys.node(self._cfg.node_id), encode(self.record), lease=self._lease())
-        self._unsent = False
+        async with self._sending:
+            record = self.record
+            assert record is not None
+            await self._store.put(self._keys.node(self._cfg.node_id), encode(record), lease=self._lease())
+            if record is self.record:
+                self._unsent = False  # (a newer record made meanwhile is sent by its own publish)
 
     def compute_moved(self) -> bool:
         """Whether the workers' compute time per step moved enough to be published again."""

@@ -112,7 +112,7 @@ class Look:
     node_id: str
     nproc: int
     published: Published | None = None
-    #: a hardware fault sentence, once a detector found one ("" if none)
+    #: a fault sentence, once a detector (or the replica check: silent data corruption) found one ("" if none)
     fault: str = ""
     #: local workers that sent their state over in a migration (from the worker link)
     left: frozenset[int] = frozenset()
@@ -137,6 +137,8 @@ class WorkersExited:
     hung: tuple[str, ...] = ()
     #: why a survivor refused a live replacement ("" if none did)
     unrecoverable: str = ""
+    #: the node's fault sentence, if a detector or the replica check found one ("" if none)
+    fault: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

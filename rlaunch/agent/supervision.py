@@ -78,6 +78,7 @@ class Supervisor:
                 max_restarts=self.cfg.max_restarts,
                 agent_addr=self._control_path,
                 role=self.cfg.role,
+                verify_every=self.cfg.verify_every,
             )  # fmt: skip
             for i in range(gen.nproc_per_node)
         ]
@@ -100,6 +101,7 @@ class Supervisor:
                 job_id=self.cfg.job_id,
                 agent_addr=self._control_path,
                 role=self.cfg.role,
+                verify_every=self.cfg.verify_every,
             )  # fmt: skip
             for i in range(gen.nproc_per_node)
         ]

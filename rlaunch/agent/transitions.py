@@ -19,7 +19,7 @@ state           observation            next state (actions)
 any             Signalled              exited (stop with grace, record ``stopping``, exit 1)
 any             Fenced                 exited (kill at once, exit 1)
 any             Look: job ended        exited (stop, exit 0 or 1)
-any             Look: GPU fault        idle (stop, record ``failed``)
+any             Look: fault            idle (stop, record ``failed``): a GPU fault, or suspected SDC
 idle            Look: restart, ranks   starting (record ``restarting``, ack; then read every ack)
 starting        Look: all acked        active (start workers, record ``running``)
 idle            Look: no ranks         sandbox if the job uses the runtime and no sandbox ran yet
@@ -44,8 +44,8 @@ leaving_done    Look: state not sent   idle, move ended here (``migration_failed
 leaving(_done)  Look: not a leaver     active / idle (``migration_abandoned``)
 sandbox         WorkersExited          idle, sandbox failed (record ``failed``)
 leaving         WorkersExited all 0    leaving_done (finished if not all state was sent)
-running         WorkersExited, failed  idle / leaving_done (reap, record ``failed``: hang, refused,
-                                       signal or exit)
+running         WorkersExited, failed  idle / leaving_done (reap, record ``failed``: fault, hang,
+                                       refused, signal or exit)
 active/settling WorkersExited all 0    idle (record ``succeeded``)
 exited          anything               IllegalTransition
 not running     WorkersExited          IllegalTransition
@@ -216,7 +216,11 @@ def _on_exit(node: Node, obs: WorkersExited) -> Decision:
         p.set(state=AgentState.LEAVING_DONE if node.state is AgentState.LEAVING else AgentState.IDLE)
         exit_codes = {str(i): c for i, c in enumerate(codes) if c is not None and c != 0}
         p.do(ReapFailed(node.worker_gen, exit_codes))
-        if obs.hung:
+        if obs.fault:
+            # The node's fault ended them (a suspect worker exits after reporting itself): the fault
+            # is on the record as well, so the controller hands the ranks to a standby, never back here.
+            failure = ("fault", obs.fault)
+        elif obs.hung:
             failure = ("hang", "; ".join(obs.hung))
         elif obs.unrecoverable:
             failure = ("refused", obs.unrecoverable)
@@ -249,7 +253,7 @@ def _on_look(node: Node, obs: Look) -> Decision:
         # A faulty node gives its ranks up: the controller hands them to a standby.
         p.stop()
         if obs.published is None or obs.published.state is not NodeState.FAILED:
-            p.do(Publish(NodeState.FAILED, gen.number))
+            p.do(Publish(NodeState.FAILED, gen.number, failure=("fault", obs.fault)))
         return p.decision()
     leaving = node.state in (AgentState.LEAVING, AgentState.LEAVING_DONE)
     if (

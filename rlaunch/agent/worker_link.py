@@ -11,6 +11,14 @@
 - ``unrecoverable``: a survivor refused a live replacement (no replica holds what a replaced rank
   had: its shards, or its per-rank state); it exits next, and
   the node's failure says why (the job falls back to a restart).
+- ``moves``: whether a drain can move this rank live and a live replacement can serve it, and if
+  not why (a :class:`~rlaunch.agent.reports.MovesReport`); the latest one per local rank is kept
+  for the node's summary (see :mod:`rlaunch.agent.moves`).
+- ``sdc_suspected``: the replica check found this rank's copy different from its replicas'
+  (a :class:`~rlaunch.agent.reports.SdcReport`). The agent takes the node out of the job
+  (:attr:`WorkerLink.on_sdc`) *before* it replies: the worker exits non-zero only after the reply,
+  so its exit is never seen before the fault, and is never taken for an ordinary worker failure
+  that restarts the node in place.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ import base64
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.metrics import AgentMetrics
+from rlaunch.agent.reports import MovesReport, ReportError, SdcReport
 from rlaunch.detectors.hang import HangDetector
 from rlaunch.errors import StoreError
 from rlaunch.plans import Hello, MigratePlan, Plan, ReplacePlan, Role, StartRole, plan_to_json
@@ -55,6 +64,8 @@ class LinkState:
     unrecoverable: str = ""
     #: local ranks whose rt.steps() has ended (no longer watched for hangs)
     done: set[int] = dataclasses.field(default_factory=set)
+    #: each local rank's latest ``moves`` report
+    moves: dict[int, MovesReport] = dataclasses.field(default_factory=dict)
 
 
 def replica_sources(gen: Generation) -> dict[int, int]:
@@ -93,11 +104,14 @@ class WorkerLink:
         self._plan_changed = asyncio.Event()
         self.hangs = HangDetector(60.0)
         self.metrics: AgentMetrics | None = None
+        #: takes the node out of the job on an ``sdc_suspected`` report (local rank, report); the
+        #: agent sets it, and the reply waits for it
+        self.on_sdc: Callable[[int, SdcReport], Awaitable[None]] | None = None
 
     def register(self, server: ControlServer) -> None:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
-            "heartbeat", "replica_sent", "unrecoverable", "done",
+            "heartbeat", "replica_sent", "unrecoverable", "done", "moves", "sdc_suspected",
             "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count", "kv_gather",
         )  # fmt: skip
         for op in ops:
@@ -218,6 +232,30 @@ class WorkerLink:
     async def _unrecoverable(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.unrecoverable = str(req["reason"])
         self._emit("replacement_refused", int(req["generation"]), local_rank=req["local_rank"], reason=req["reason"])
+        return {}
+
+    async def _moves(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A rank's latest answer on live moves; the agent's loop publishes the node's summary."""
+        self.state.moves[int(req["local_rank"])] = MovesReport.from_request(req)
+        self._wake()
+        return {}
+
+    async def _sdc_suspected(self, req: dict[str, Any]) -> dict[str, Any]:
+        """This rank's copy differs from its replicas': the node is out of the job before the reply.
+
+        A malformed report still takes the node out (the worker found its own copy suspect), and
+        then answers with the sentence naming the bad field.
+        """
+        local_rank = int(req["local_rank"])
+        try:
+            report, problem = SdcReport.from_request(req), None
+        except ReportError as exc:
+            report, problem = SdcReport.malformed(req, str(exc)), exc
+        if self.on_sdc is None:
+            raise ReportError("This agent cannot take a node out of the job yet; it is still starting.")
+        await self.on_sdc(local_rank, report)
+        if problem is not None:
+            raise problem
         return {}
 
     async def _left(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -138,6 +138,13 @@ def run(
         "0: off.",
         env=False,
     ),
+    verify_every: str = _opt(
+        "auto",
+        "--verify-every",
+        help="Steps between checks that data-parallel replicas hold the same parameters and optimizer state "
+        "(silent data corruption): a number, auto (the runtime keeps the check under 1 % of step time) or 0 (off).",
+        env=False,
+    ),
     cacert: str | None = CACERT,
     cert: str | None = CERT,
     key: str | None = KEY,
@@ -154,7 +161,7 @@ def run(
             no_python=no_python, master_port=master_port, node_id=node_id, standby=standby,
             lease_ttl=lease_ttl, rdzv_timeout=rdzv_timeout, local_addr=local_addr, sandbox_steps=sandbox_steps,
             standby_wait=standby_wait, hang_timeout=hang_timeout, straggler_window=straggler_window,
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, verify_every=verify_every,
             node_rank=node_rank, master_addr=master_addr, rdzv_backend=rdzv_backend, role=role,
             log_line_prefix_template=log_line_prefix_template, start_method=start_method, run_path=run_path,
             etcd_cacert=cacert, etcd_cert=cert, etcd_key=key, etcd_user=user,

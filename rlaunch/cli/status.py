@@ -14,11 +14,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from rlaunch.agent.moves import combine, sentence
 from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, TIMEOUT, USER, connection, fail
 from rlaunch.controller.view import JobSnapshot, read_snapshot
 from rlaunch.errors import RlaunchError, StoreError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import LiveMoves
 from rlaunch.store.security import EtcdSecurity
 
 
@@ -44,14 +46,25 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
             "fault": rec.fault,
             "failure": rec.failure,
             "message": rec.message,
+            "live_moves": rec.live_moves.value,
+            "moves_reason": rec.moves_reason,
         })  # fmt: skip
     for mark in sorted(snap.drained.values(), key=lambda m: m.at):
         if mark.node_id not in snap.nodes:
             nodes.append({
                 "node_id": mark.node_id, "host": "", "role": "none", "state": "drained", "node_rank": None,
                 "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": "",
-                "failure": "", "message": "", "replaced_by": mark.replaced_by,
+                "failure": "", "message": "", "live_moves": "unknown", "moves_reason": "",
+                "replaced_by": mark.replaced_by,
             })  # fmt: skip
+    for suspect in sorted(snap.suspects.values(), key=lambda m: m.at):
+        if suspect.node_id not in snap.nodes and suspect.node_id not in snap.drained:
+            nodes.append({
+                "node_id": suspect.node_id, "host": "", "role": "none", "state": "failed", "node_rank": None,
+                "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": suspect.fault,
+                "failure": "fault", "message": "", "live_moves": "unknown", "moves_reason": "",
+            })  # fmt: skip
+    moves, moves_reason = job_moves(snap)
     return {
         "job": job_id,
         "generation": gen.number if gen else 0,
@@ -59,9 +72,21 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
         "restart_count": gen.restart_count if gen else 0,
         "reason": gen.reason if gen else "",
         "controller": snap.leader,
+        "live_moves": moves.value,
+        "moves_reason": moves_reason,
         "nodes": nodes,
         "problems": snap.problems,
     }
+
+
+def job_moves(snap: JobSnapshot) -> tuple[LiveMoves, str]:
+    """The job's live moves: as far as every node holding ranks allows (the reason of the first, in
+    node rank order, that allows less); ``unknown`` until each of them reported."""
+    gen = snap.generation
+    if gen is None:
+        return LiveMoves.UNKNOWN, ""
+    held = sorted((n for n in gen.assignment if n in snap.nodes), key=lambda n: gen.assignment[n])
+    return combine((snap.nodes[n].record.live_moves, snap.nodes[n].record.moves_reason) for n in held)
 
 
 async def fetch_status(
@@ -72,8 +97,8 @@ async def fetch_status(
     keys = JobKeys(job_id)
     try:
         await store.connect(timeout)
-        snap = await read_snapshot(store, keys)
-        if snap.spec is None and snap.generation is None and not snap.nodes and not snap.drained:
+        snap = await read_snapshot(store, keys, suspects=True)
+        if snap.spec is None and snap.generation is None and not snap.nodes and not snap.drained and not snap.suspects:
             return None
         ttls = {}
         for node_id, lease in snap.node_leases.items():
@@ -91,8 +116,18 @@ async def fetch_status(
 #: wrap or get cut; problem sentences go below the table, so the table fits 80 columns.
 _COLUMNS = (
     ("node", True), ("host", False), ("role", True), ("state", True), ("node\nrank", True),
-    ("ranks", True), ("restarts", True), ("seen", True),
+    ("ranks", True), ("restarts", True), ("seen", True), ("live\nmoves", True),
 )  # fmt: skip
+#: A node's live moves in its column, in one short word (the job's line below the heading says it whole).
+_MOVES_WORD = {
+    "drain and replacement": "both", "drain only": "drain", "replacement only": "repl", "none": "none",
+    "unknown": "-",
+}  # fmt: skip
+
+
+def moves_line(status: dict[str, Any]) -> str:
+    """The job's line: ``Live moves: drain only: <why>`` (``not known yet`` until every active node reported)."""
+    return f"Live moves: {sentence(LiveMoves(status.get('live_moves', 'unknown')), status.get('moves_reason', ''))}"
 
 
 def _problem(node: dict[str, Any]) -> str:
@@ -112,11 +147,14 @@ def _short_host(host: str) -> str:
 
 
 def render_table(status: dict[str, Any]) -> Group:
-    """A heading, the nodes as a table that fits 80 columns, then the reason and node problems.
+    """A heading and the job's live moves, the nodes as a table that fits 80 columns, then the reason and
+    node problems (a node's fault, or its failure; why a node moves less live than ``both``).
 
     The heading and the sentences are printed at the terminal's width, not the table's.
     """
     notes = [f"{n['node_id']}: {_problem(n)}" for n in status["nodes"] if _problem(n)]
+    notes += [f"{n['node_id']}: live moves {sentence(LiveMoves(n['live_moves']), n['moves_reason'])}"
+              for n in status["nodes"] if n.get("moves_reason") and n["role"] == "active"]  # fmt: skip
     if status["reason"]:
         notes.insert(0, status["reason"])
     heading = Text(
@@ -135,8 +173,9 @@ def render_table(status: dict[str, Any]) -> Group:
             f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else ",".join(map(str, ranks)) or "-",
             str(n["restarts"]),
             "-" if n["last_seen_s"] is None else f"{n['last_seen_s']}s ago",
+            _MOVES_WORD.get(n.get("live_moves", "unknown"), n.get("live_moves", "-")),
         )  # fmt: skip
-    return Group(heading, table, *(Text(note) for note in notes))
+    return Group(heading, Text(moves_line(status)), table, *(Text(note) for note in notes))
 
 
 def status(

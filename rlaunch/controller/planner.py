@@ -9,9 +9,10 @@ Rules (torchrun's semantics, plus standbys):
   with node ranks in join order; later nodes are standbys.
 - A worker failure restarts every node in a new generation with the same ranks, counted
   against ``max_restarts``; past it the job fails.
-- A lost node (lease gone, stopping, or reporting a hardware fault) does not count as a
-  restart: its node rank goes to the earliest-joined spare node. With no spare, the job waits
-  up to ``replace_timeout`` for one.
+- A lost node (lease gone, stopping, or reporting a fault: a hardware fault, or silent data
+  corruption suspected by the runtime's replica check) does not count as a restart: its node rank
+  goes to the earliest-joined spare node, never back to a faulty node. With no spare, the job waits
+  up to ``replace_timeout`` for one, then fails; the reasons name the fault.
 - A lost node is handled before worker failures seen in the same view: the new generation
   restarts every worker anyway, and the failures are taken as caused by the loss.
 - Live replacement (``replace``) comes first when every node's workers use the runtime and the
@@ -41,7 +42,7 @@ from rlaunch.store.records import (
 )
 
 #: States in which a node not holding ranks may be given some in a restart (every worker starts
-#: anew, so a node whose own workers failed is fine; one with a hardware fault is not live).
+#: anew, so a node whose own workers failed is fine; one with a fault is not live).
 _SPARE_STATES = (NodeState.WAITING, NodeState.WARMING, NodeState.STANDBY, NodeState.FAILED)
 
 
@@ -74,7 +75,7 @@ class PlannerConfig:
 
 
 def can_hold_ranks(record: NodeRecord) -> bool:
-    """A live node that may hold ranks: not stopping, and no hardware fault reported."""
+    """A live node that may hold ranks: not stopping, and no fault reported (hardware, or suspected SDC)."""
     return record.state is not NodeState.STOPPING and not record.fault
 
 
@@ -159,6 +160,18 @@ def _moot(view: ClusterView, gen: Generation, records: dict[str, NodeRecord]) ->
     return finished >= set(records)
 
 
+def _why_out(view: ClusterView, node: str) -> str:
+    """Why a node of the generation cannot hold its ranks: its fault, or lost (gone, or stopping)."""
+    record = view.nodes[node].record if node in view.nodes else None
+    return f"fault: {record.fault}" if record is not None and record.fault else "lost"
+
+
+def _faults(view: ClusterView, nodes: list[str]) -> str:
+    """`` (b: <fault>; ...)`` for those of ``nodes`` with a fault on their record ("" if none)."""
+    found = [f"{n}: {view.nodes[n].record.fault}" for n in nodes if n in view.nodes and view.nodes[n].record.fault]
+    return f" ({'; '.join(found)})" if found else ""
+
+
 def _failed_in(record: NodeRecord, gen: Generation) -> bool:
     return record.state is NodeState.FAILED and record.generation == gen.number
 
@@ -224,14 +237,17 @@ def _replace(
                 return None  # no standby came in time: fall back to a restart
             if gen.deadline:
                 return None, f"waiting for a standby to replace {node} live"
-            reason = f"node {node} lost and no standby is ready; waiting up to {cfg.standby_wait:.0f} s for one"
+            reason = (
+                f"node {node} lost{_faults(view, [node])} and no standby is ready; waiting up to "
+                f"{cfg.standby_wait:.0f} s for one"
+            )
             return dataclasses.replace(gen, deadline=now + cfg.standby_wait, reason=reason), reason
     assignment = {n: gen.assignment[n] for n in survivors}
     moves = []
     for leaver, joiner in zip(leavers, joiners, strict=True):
         assignment[joiner] = gen.assignment[leaver]
         how = "restarted in place" if joiner == leaver else f"replaced by {joiner}"
-        why = "lost" if leaver in lost else "workers failed"
+        why = _why_out(view, leaver) if leaver in lost else "workers failed"
         moves.append(f"{leaver} ({why}) {how}")
     reason = "; ".join(moves) + f"; survivors {survivors} keep their processes"
     restarts = gen.restart_count + (1 if failed else 0)
@@ -275,7 +291,7 @@ def _fill(
             if n not in survivors and v.record.state in _SPARE_STATES and can_hold_ranks(v.record)
         ],
     )
-    lost_txt = f"node(s) {', '.join(lost)} lost; " if lost else ""
+    lost_txt = f"node(s) {', '.join(lost)} lost{_faults(view, lost)}; " if lost else ""
     if len(spares) >= len(missing):
         assignment = {n: gen.assignment[n] for n in survivors}
         moves = []
@@ -289,7 +305,12 @@ def _fill(
         )
     if gen.status is GenerationStatus.WAITING:
         if now >= gen.deadline:
-            reason = f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s; the job failed"
+            # A faulty node still here is why it did not fill its own rank: the reason names its fault.
+            faulty = [
+                f"{n} may not take one: {v.record.fault}" for n, v in sorted(view.nodes.items()) if v.record.fault
+            ]
+            came = f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s"
+            reason = "; ".join([came, *faulty, "the job failed"])
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
         return None, f"waiting for a node to take node rank(s) {missing}"
     reason = (

@@ -9,7 +9,7 @@ from rlaunch.controller.planner import NodeView
 from rlaunch.errors import RecordError
 from rlaunch.store.client import KV, Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import DrainedMark, DrainRequest, Generation, JobSpec, NodeRecord, decode
+from rlaunch.store.records import DrainedMark, DrainRequest, Generation, JobSpec, NodeRecord, SuspectMark, decode
 
 R = TypeVar("R")
 
@@ -29,6 +29,8 @@ class JobSnapshot:
     generation_malformed: bool = False
     drains: dict[str, DrainRequest] = dataclasses.field(default_factory=dict)
     drained: dict[str, DrainedMark] = dataclasses.field(default_factory=dict)
+    #: nodes suspected of silent data corruption (they take no ranks again in this job)
+    suspects: dict[str, SuspectMark] = dataclasses.field(default_factory=dict)
 
 
 class RecordCache:
@@ -79,8 +81,14 @@ class RecordCache:
             del self._views[key]
 
 
-async def read_snapshot(store: Store, keys: JobKeys, cache: RecordCache | None = None) -> JobSnapshot:
-    """The job's state as etcd holds it now; ``cache`` spares decoding unchanged node records again."""
+async def read_snapshot(
+    store: Store, keys: JobKeys, cache: RecordCache | None = None, *, suspects: bool = False
+) -> JobSnapshot:
+    """The job's state as etcd holds it now; ``cache`` spares decoding unchanged node records again.
+
+    ``suspects``: also read the suspect marks (``rlaunch status`` shows them; the controller needs
+    none, since a suspect's agent never rejoins, so its ticks spare the read).
+    """
     cache = cache if cache is not None else RecordCache()
     problems: list[str] = []
     spec = None
@@ -111,7 +119,11 @@ async def read_snapshot(store: Store, keys: JobKeys, cache: RecordCache | None =
     cache.keep_only({kv.key for kv in kvs})
     drains = {r.node_id: r for r in await _records(store, keys.drains_prefix, DrainRequest, problems)}
     drained = {m.node_id: m for m in await _records(store, keys.drained_prefix, DrainedMark, problems)}
-    return JobSnapshot(spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad, drains, drained)
+    marks = await _records(store, keys.suspects_prefix, SuspectMark, problems) if suspects else []
+    return JobSnapshot(
+        spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad, drains, drained,
+        {m.node_id: m for m in marks},
+    )  # fmt: skip
 
 
 async def _records(store: Store, prefix: str, cls: type[R], problems: list[str]) -> list[R]:

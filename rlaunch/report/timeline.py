@@ -10,7 +10,8 @@ What the events say, arranged for a picture and for a table:
   workers measured when they reported one (``switched``'s ``downtime_ms``, ``recovered``'s
   ``seconds``), otherwise the time from the fault until the nodes ran again;
 - **findings**: the detectors' and agents' alarms (a failed worker, a lost node, a hang, a GPU fault,
-  a straggler, a fenced agent), drawn as marks on the node they concern;
+  silent data corruption suspected by the replica check, a straggler, a fenced agent), drawn as marks
+  on the node they concern;
 - **points**: step time and goodput over time, per node, from the samples in the agents' batched
   ``progress`` events (one sample per 30 s of training, see rlaunch.agent.progress), and the step
   that took each migration (``switched``: its ``step_ms``).
@@ -43,6 +44,7 @@ FINDINGS = {
     "node_dead": "node lost",
     "worker_hung": "worker hung",
     "gpu_fault": "GPU fault",
+    "sdc_suspected": "silent data corruption suspected",
     "straggler": "straggler",
     "fenced": "agent fenced",
     "sandbox_failed": "standby workers failed",
@@ -52,7 +54,7 @@ FINDINGS = {
     "agent_signalled": "agent signalled",
 }
 #: Findings that start an outage (the next generation's incident is measured from them).
-FAULTS = ("workers_failed", "node_dead", "worker_hung", "gpu_fault", "fenced")
+FAULTS = ("workers_failed", "node_dead", "worker_hung", "gpu_fault", "sdc_suspected", "fenced")
 #: Incident kind per plan of a new generation.
 INCIDENTS = {"migrate": "drain", "replace": "recovery", "restart": "restart"}
 

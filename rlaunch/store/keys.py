@@ -79,6 +79,14 @@ class JobKeys:
         return self.drained_prefix + _check_segment("node id", node_id)
 
     @property
+    def suspects_prefix(self) -> str:
+        return self.prefix + "suspects/"
+
+    def suspect(self, node_id: str) -> str:
+        """A node suspected of silent data corruption (:class:`~rlaunch.store.records.SuspectMark`)."""
+        return self.suspects_prefix + _check_segment("node id", node_id)
+
+    @property
     def events_prefix(self) -> str:
         return self.prefix + "events/"
 

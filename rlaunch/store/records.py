@@ -47,6 +47,35 @@ class NodeState(str, enum.Enum):
     DRAINED = "drained"
 
 
+class LiveMoves(str, enum.Enum):
+    """Which live moves a node's ranks allow, as its workers' runtime reported them.
+
+    ``drain``: a planned drain can move the ranks live; ``replacement``: a live replacement after a
+    fault can serve them (a replica holds their state). ``unknown`` until every local worker reported;
+    then it changes only when a report changes (see :mod:`rlaunch.agent.moves`).
+    """
+
+    UNKNOWN = "unknown"
+    BOTH = "drain and replacement"
+    DRAIN_ONLY = "drain only"
+    REPLACEMENT_ONLY = "replacement only"
+    NONE = "none"
+
+    @classmethod
+    def of(cls, drain: bool, replace: bool) -> LiveMoves:
+        if drain:
+            return cls.BOTH if replace else cls.DRAIN_ONLY
+        return cls.REPLACEMENT_ONLY if replace else cls.NONE
+
+    @property
+    def allows_drain(self) -> bool:
+        return self in (LiveMoves.BOTH, LiveMoves.DRAIN_ONLY)
+
+    @property
+    def allows_replacement(self) -> bool:
+        return self in (LiveMoves.BOTH, LiveMoves.REPLACEMENT_ONLY)
+
+
 class GenerationStatus(str, enum.Enum):
     """The job-wide state of a generation, written only by the controller.
 
@@ -108,9 +137,11 @@ class NodeRecord:
     message: str = ""
     #: every local worker called ``rlaunch.init()``: the job can migrate live
     runtime: bool = False
-    #: a hardware fault found by a detector (a sentence); such a node holds no ranks any more
+    #: a fault (a sentence): a GPU fault a detector found, or silent data corruption the runtime's replica
+    #: check suspected; such a node holds no ranks any more
     fault: str = ""
-    #: why its workers failed, typed: ``exit`` (non-zero code), ``signal`` or ``hang``; ``message`` says more
+    #: why its workers failed, typed: ``exit`` (non-zero code), ``signal``, ``hang``, ``refused`` (a live
+    #: replacement was refused) or ``fault`` (the node's fault ended them); ``message`` says more
     failure: str = ""
     #: TCP port where the agent answers liveness probes (0: none; see rlaunch.detectors.liveness)
     probe_port: int = 0
@@ -118,6 +149,10 @@ class NodeRecord:
     peer_lost_at: float = 0.0
     #: its workers' median compute time per step, in seconds (0: not known; see detectors.straggler)
     compute_s: float = 0.0
+    #: which live moves its ranks allow, as its workers reported (see rlaunch.agent.moves)
+    live_moves: LiveMoves = LiveMoves.UNKNOWN
+    #: why not both (the first reason its ranks gave; "" when both are possible or not known yet)
+    moves_reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +207,22 @@ class DrainedMark:
     node_id: str
     generation: int
     replaced_by: str
+    at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SuspectMark:
+    """Left by an agent whose worker's replica check suspected silent data corruption on its node.
+
+    Not leased: it outlives the agent, so the node takes no ranks again in this job (a restarted
+    agent with its node id is refused). It goes with the job's other keys when a new run clears them.
+    """
+
+    node_id: str
+    generation: int
+    rank: int
+    step: int
+    fault: str
     at: float
 
 

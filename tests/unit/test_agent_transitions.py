@@ -239,6 +239,7 @@ def test_a_faulty_node_stops_its_workers_and_says_failed_once(state: AgentState)
     d = decide(node(state, worker_gen=5), look(gen(6), fault="GPU 0 fell off the bus"))
     assert not d.node.state.workers_run and of(d, StopWorkers)
     assert publishes(d) == [NodeState.FAILED]
+    assert of(d, Publish)[0].failure == ("fault", "GPU 0 fell off the bus"), "its failure is the fault"
     again = decide(d.node, look(gen(6), fault="GPU 0 fell off the bus", published=published(NodeState.FAILED, 6)))
     assert publishes(again) == []
 
@@ -538,3 +539,15 @@ def test_a_failed_sends_message_names_the_codes() -> None:
 def test_nodes_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         node().state = S.ACTIVE  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("state", [S.ACTIVE, S.SETTLING])
+def test_workers_that_exit_on_a_faulty_node_failed_of_the_fault(state: AgentState) -> None:
+    """A suspect worker (silent data corruption) exits non-zero after its report: its failure is the fault."""
+    fault = "rank 3's parameters differ from its replicas' at step 40"
+    d = decide(node(state, worker_gen=5), WorkersExited((3, None), 5, hung=("x",), fault=fault))
+    assert d.actions[0] == ReapFailed(5, {"0": 3})
+    (pub,) = of(d, Publish)
+    assert (pub.state, pub.failure) == (NodeState.FAILED, ("fault", fault))
+    look_after = decide(d.node, look(gen(5), fault=fault, published=Published(NodeState.FAILED, 5, {"0": 3})))
+    assert of(look_after, Publish) == [] and look_after.node.state is S.IDLE, "recorded once; it stays out"

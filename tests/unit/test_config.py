@@ -20,7 +20,7 @@ from rlaunch.agent.config import (
     parse_std,
     script_fingerprint,
 )
-from rlaunch.agent.env import worker_env
+from rlaunch.agent.env import standby_env, worker_env
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
 from rlaunch.store.keys import JobKeys
@@ -419,3 +419,40 @@ def test_fault_timeouts_default_and_pass_through(script: Path) -> None:
     assert (config(script).standby_wait, config(script).hang_timeout) == (30.0, 300.0)
     cfg = config(script, standby_wait=0.0, hang_timeout=2.5)
     assert (cfg.standby_wait, cfg.hang_timeout) == (0.0, 2.5)
+
+
+# --- --verify-every -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [("auto", None), ("AUTO", None), (" auto ", None), ("0", 0),
+                                                ("1", 1), ("250", 250)])  # fmt: skip
+def test_verify_every_takes_auto_zero_or_a_number_of_steps(script: Path, text: str, expected: int | None) -> None:
+    assert config(script).verify_every is None, "auto is the default"
+    assert config(script, verify_every=text).verify_every == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "", "x", "auto5", "1e3", "٣", "+4"])
+def test_a_bad_verify_every_is_a_usage_error_naming_the_value_and_the_choices(script: Path, text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        config(script, verify_every=text)
+    message = str(info.value)
+    assert f"--verify-every {text!r} is not valid" in message
+    assert "auto" in message and "0 (off)" in message
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "auto"), (0, "0"), (40, "40")])
+def test_verify_every_reaches_active_and_standby_workers(value: int | None, shown: str) -> None:
+    common: dict[str, Any] = dict(node_id="b", local_rank=0, job_id="j", agent_addr="/s", verify_every=value)
+    assert worker_env({}, generation(), max_restarts=0, **common)["RLAUNCH_VERIFY_EVERY"] == shown
+    assert standby_env({"RLAUNCH_VERIFY_EVERY": "stale"}, generation(), **common)["RLAUNCH_VERIFY_EVERY"] == shown
+
+
+def test_a_bad_verify_every_on_the_command_line_exits_non_zero_with_a_sentence(script: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rlaunch.cli import app
+
+    res = CliRunner().invoke(app, ["run", "--verify-every", "often", str(script)])
+    assert res.exit_code == 2, res.output
+    assert "rlaunch: error: --verify-every 'often' is not valid" in res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)

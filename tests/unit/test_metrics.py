@@ -210,3 +210,21 @@ def test_the_grafana_dashboard_uses_only_exported_names() -> None:
     assert len(exprs) >= 10 and used, board
     assert used <= exported, f"the dashboard queries names no agent exports: {sorted(used - exported)}"
     assert {"rlaunch_node_goodput_ratio", "rlaunch_etcd_request_seconds_bucket"} <= used
+
+
+def test_sdc_suspected_counts_per_node_and_as_a_finding_and_live_moves_shows_the_summary() -> None:
+    m = AgentMetrics("b", 2, Clock())
+    assert value(m, "rlaunch_sdc_suspected_total", node="b") == 0, "present at 0 from the start"
+    assert value(m, "rlaunch_detector_findings_total", node="b", detector="sdc") == 0
+    evidence = {"object": "model", "digest": "0x1", "replica_digest": "0x2", "replicas": [0, 2], "method": "majority"}
+    for local_rank in (0, 1):
+        m.on_event(event("sdc_suspected", 3, local_rank=local_rank, rank=2 + local_rank, step=40,
+                         sentence="differs", evidence=evidence))  # fmt: skip
+    m.on_event(event("gpu_fault", 3, faults=[]))
+    assert value(m, "rlaunch_sdc_suspected_total", node="b") == 2
+    assert value(m, "rlaunch_detector_findings_total", node="b", detector="sdc") == 2
+    assert value(m, "rlaunch_detector_findings_total", node="b", detector="gpu_fault") == 1
+    assert value(m, "rlaunch_live_moves", node="b", rlaunch_live_moves="unknown") == 1
+    m.on_event(event("live_moves", 3, moves="drain only", reason="rank 3 has no replica", previous="unknown"))
+    assert value(m, "rlaunch_live_moves", node="b", rlaunch_live_moves="drain only") == 1
+    assert value(m, "rlaunch_live_moves", node="b", rlaunch_live_moves="unknown") == 0

@@ -111,3 +111,18 @@ def test_a_leaver_lost_before_its_joiner_joined_restarts_every_node() -> None:
     done = dataclasses.replace(c, state=NodeState.SUCCEEDED)
     new, reason = plan(NOW, view(dataclasses.replace(a, state=NodeState.SUCCEEDED), done, generation=g2), CFG)
     assert new is not None and new.status is GenerationStatus.SUCCEEDED, reason
+
+
+def test_reasons_name_the_fault_of_a_node_that_gave_up_its_ranks() -> None:
+    fault = "GPU 0 fell off the bus"
+    faulty = dataclasses.replace(rt(rec("b", NodeState.FAILED, generation=1)), fault=fault)
+    a = rt(rec("a", NodeState.RUNNING, generation=1))
+    new, reason = plan(NOW, view(a, faulty, rt(rec("c", NodeState.STANDBY)), generation=G1), CFG)
+    assert new is not None and f"b (fault: {fault}) replaced by c" in reason
+    waiting, reason = plan(NOW, view(a, faulty, generation=G1), CFG)
+    assert waiting is not None and f"node b lost (b: {fault}) and no standby is ready" in reason
+    fallback, reason = plan(waiting.deadline, view(a, faulty, generation=waiting), CFG)
+    assert fallback is not None and f"node(s) b lost (b: {fault}); no standby is ready" in reason
+    failed, reason = plan(fallback.deadline, view(a, faulty, generation=fallback), CFG)
+    assert failed is not None and failed.status is GenerationStatus.FAILED
+    assert reason == f"no node came to take node rank(s) [1] within 60 s; b may not take one: {fault}; the job failed"

@@ -355,3 +355,28 @@ def test_progress_batch_comes_from_the_environment() -> None:
     for bad in ("0", "-1", "many", "2.5"):
         with pytest.raises(UsageError, match="RLAUNCH_PROGRESS_BATCH"):
             progress_batch({"RLAUNCH_PROGRESS_BATCH": bad})
+
+
+def test_silent_data_corruption_is_a_finding_and_names_the_recovery_it_caused() -> None:
+    sentence = "rank 1's parameters differ from those of its replicas at step 40"
+    events = [
+        ev(0.0, "a", "generation", 1, plan="restart", status="running", reason="2 node(s) joined",
+           assignment={"a": 0, "b": 1}, restart_count=0),
+        ev(5.0, "b", "live_moves", 1, moves="drain and replacement", reason="", previous="unknown"),
+        ev(10.0, "b", "sdc_suspected", 1, local_rank=0, rank=1, step=40, sentence=sentence,
+           evidence={"object": "model", "replicas": [0]}),
+        ev(10.1, "b", "workers_failed", 1, exit_codes={"0": 3}),
+        ev(10.2, "a", "generation", 2, plan="replace", status="running", reason=f"b (fault: {sentence}) replaced by c",
+           assignment={"a": 0, "c": 1}, restart_count=0),
+        ev(10.2, "c", "replacement_offered", 2, role="joiner", leavers=["b"]),
+        ev(10.2, "a", "replacement_offered", 2, role="survivor", leavers=["b"], joiners=["c"]),
+        ev(11.0, "a", "recovered", 2, seconds=0.8, rank=0, step=40),
+        ev(11.1, "c", "joined", 2, local_rank=0, seconds=0.9),
+    ]  # fmt: skip
+    tl = timeline.build("j", events)
+    assert [(f.node, f.label) for f in tl.findings][0] == ("b", "silent data corruption suspected")
+    (recovery,) = tl.incidents
+    assert recovery.start == T0 + 10.0, "the outage starts at the suspicion"
+    assert recovery.detail == "silent data corruption suspected on b; c took the ranks of b live"
+    header, rows = export.rows(tl)["events"]
+    assert any(r[4] == "sdc_suspected" and sentence in r[-1] for r in rows), "the events table lists it"

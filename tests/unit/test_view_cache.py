@@ -78,3 +78,14 @@ def test_a_malformed_record_is_reported_on_every_read() -> None:
         snap = read(store, cache)
         assert snap.nodes == {} and len(snap.problems) == 2, snap.problems
         assert "not valid JSON" in snap.problems[0] and "names node 'x'" in snap.problems[1]
+
+
+def test_suspect_marks_are_read_only_when_asked_for() -> None:
+    from rlaunch.store.records import SuspectMark
+
+    store, mark = FakeStore(), SuspectMark(node_id="b", generation=1, rank=1, step=40, fault="differs", at=5.0)
+    store.put(KEYS.generation, generation(1))
+    store.put(KEYS.suspect("b"), encode(mark))
+    assert read(store, RecordCache()).suspects == {}, "the controller's ticks spare the read"
+    asked = asyncio.run(read_snapshot(store, KEYS, suspects=True))  # type: ignore[arg-type]
+    assert asked.suspects == {"b": mark}
