@@ -19,6 +19,8 @@
   (:attr:`WorkerLink.on_sdc`) *before* it replies: the worker exits non-zero only after the reply,
   so its exit is never seen before the fault, and is never taken for an ordinary worker failure
   that restarts the node in place.
+- ``done``: the worker's ``rt.steps()`` ended; it says what comparing replicas cost it over the
+  job (a ``verification`` event: seconds spent, comparisons, steps and the median step).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ class WorkerLink:
 
     async def _joined(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.joined.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
-        self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"])
+        self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"],
+                   verify_s=round(float(req.get("verify_s", 0.0)), 4))  # fmt: skip
         self._wake()
         return {}
 
@@ -227,6 +230,10 @@ class WorkerLink:
         """The worker's ``rt.steps()`` ended: its hang watch stops (saving and teardown may take long)."""
         self.hangs.forget(int(req["local_rank"]))
         self.state.done.add(int(req["local_rank"]))
+        if "verify_s" in req:  # what comparing the replicas cost this rank over the job
+            self._emit("verification", self.generation.number if self.generation else 0, rank=req["rank"],
+                       steps=req["steps"], step_s=round(req["step_s"], 4), verify_s=round(req["verify_s"], 4),
+                       verifications=req["verifications"])  # fmt: skip
         return {}
 
     async def _unrecoverable(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -266,7 +273,8 @@ class WorkerLink:
 
     async def _switched(self, req: dict[str, Any]) -> dict[str, Any]:
         self._emit("switched", int(req["generation"]), rank=req["rank"], downtime_ms=round(req["downtime_ms"], 1),
-                   step_ms=round(req["step_ms"], 1), median_ms=round(req["median_ms"], 1))  # fmt: skip
+                   step_ms=round(req["step_ms"], 1), median_ms=round(req["median_ms"], 1),
+                   verify_ms=round(float(req.get("verify_ms", 0.0)), 1))  # fmt: skip
         return {}
 
     # -- the c10d store in etcd ---------------------------------------------------------------

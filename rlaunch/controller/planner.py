@@ -140,8 +140,8 @@ def _stalled_move(view: ClusterView, gen: Generation) -> str:
 
 def _failure(record: NodeRecord) -> str:
     """A failed node's failure, as the restart reason names it."""
-    if record.failure == "refused":  # a live replacement was refused: say why a restart is needed
-        return f"live replacement refused: {record.message}"
+    if record.failure == "refused":  # no live move may follow (a refused replacement, a failed check): say why
+        return f"no live move: {record.message}"
     return f"exit codes {record.exit_codes}"
 
 

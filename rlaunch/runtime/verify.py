@@ -265,10 +265,11 @@ def verdict(prints: Sequence[Print], faults: Sequence[tuple[int, int]], first: t
             others = [digest.hexed(held[o]) for o in members if o != r]
             out.suspects.setdefault(r, _evidence(p, step, "reread", shown[r], others[0], members))
             continue
+        how = "and a second reading that changed nothing, " if again is not None else ""
         out.unnamed.append(
             f"the replicas {members} of {p.label()} hold different state at step {step} (digests "
-            f"{', '.join(f'rank {r}: {d}' for r, d in shown.items())}), and with {len(members)} of them and a second "
-            "reading that changed nothing, no one can be named"
+            f"{', '.join(f'rank {r}: {d}' for r, d in shown.items())}), and with {len(members)} of them {how}no one "
+            "can be named"
         )
     return out
 

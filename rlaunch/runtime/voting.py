@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlaunch.errors import RlaunchError
 from rlaunch.runtime import contract, partition, verify
 from rlaunch.runtime.contract import ContractError, GroupCatalog, StepContract
 from rlaunch.runtime.groups import SwitchableGroup
@@ -123,11 +124,11 @@ class Voting:
             return False
         if not s.vote.contract_agrees(vote):
             table = contract.rows(self._group, self._contract(layout).row(), self._group.group_rank, s.world_size)
-            raise ContractError(
+            raise self._stop(ContractError(
                 f"rank {s.rank}: the ranks disagree on what every rank must decide alike at step {s.step}: "
                 f"{contract.explain(table)}. This worker stops rather than hang or diverge; the job takes the "
                 "restart path."
-            )
+            ))
         if catalog is not None:
             self._check_groups(catalog, layout.section(vote, GROUPS))
         if pending:
@@ -168,12 +169,21 @@ class Voting:
             for i, (name, v, m, _) in enumerate(s.groups.describe())
             if s.rank in m
         ]
-        raise ContractError(
+        raise self._stop(ContractError(
             f"rank {s.rank}: the members of group(s) {wrong} did not build them alike (the same place in each "
             f"member's build order, the same version and members) at step {s.step}; this rank holds "
             f"{'; '.join(mine)}. This worker stops rather than wait on a group its peers built differently; the job "
             "takes the restart path."
-        )
+        ))
+
+    def _stop(self, error: RlaunchError) -> RlaunchError:
+        """``error``, once the agent was told that no live move can follow it: the node's failure is then
+        a refusal, and the controller restarts every worker (a live replacement would copy state this
+        very check found untrustworthy)."""
+        s = self._s
+        if s.link is not None:
+            s.link.call("unrecoverable", generation=s.generation, reason=str(error))
+        return error
 
     def _gather(self, values: list[float]) -> torch.Tensor:
         return contract.rows(self._group, values, self._group.group_rank, self._s.world_size)
@@ -191,20 +201,20 @@ class Voting:
         found = verify.verdict(prints, faults, first, None, s.step)
         if move:
             what = found.unnamed + [verify.describe_suspect(r, e) for r, e in sorted(found.suspects.items())]
-            raise MoveVerificationError(
+            raise self._stop(MoveVerificationError(
                 f"rank {s.rank}: after the move to generation {s.generation}, ranks that must hold equal state do "
                 f"not: {'; '.join(what)}. The step is not applied: this worker stops and the job takes the restart "
                 "path."
-            )
+            ))
         if found.unnamed:  # every rank reads the same table, so all read their state again alike
             again = self.verifier.digests(s.tracked, prints, self._mesh()[1], s.declared)
             found = verify.verdict(prints, faults, first, self._gather(verify.rows_of(prints, again)), s.step)
         if found.unnamed:
-            raise SilentCorruptionError(
+            raise self._stop(SilentCorruptionError(
                 f"rank {s.rank}: {'; '.join(found.unnamed)}. The job stops rather than train on possibly corrupt "
                 "state; run with three or more replicas for the suspect to be named and replaced live, test the "
                 "machines, and restart from your checkpoint."
-            )
+            ))
         evidence = found.suspects.get(s.rank)
         if evidence is not None:
             sentence = verify.describe_suspect(s.rank, evidence)

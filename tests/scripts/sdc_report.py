@@ -1,7 +1,7 @@
 """A runtime training loop that tells its agent what the runtime's replica check will tell it.
 
 The runtime's half of the ``moves`` and ``sdc_suspected`` reports is built apart; until then this
-script sends them itself through the runtime's agent link (``rt._link.call``), as the runtime will:
+script sends them itself through the runtime's agent link (``rt._s.link.call``), as the runtime will:
 
 - every active rank reports ``moves`` (a drain and a live replacement can both move it) after its
   first step's vote;
@@ -61,8 +61,8 @@ def main() -> None:
         if rt.standby:
             continue
         if not reported:
-            assert rt._link is not None
-            rt._link.call("moves", drain=True, replace=True, reason="", rank=rt.rank)
+            assert rt._s.link is not None
+            rt._s.link.call("moves", drain=True, replace=True, reason="", rank=rt.rank)
             reported = True
         if rt.rank == 0 and (step + 1) % 10 == 0:
             print(f"step {step + 1}/{args.steps}", flush=True)
@@ -87,8 +87,8 @@ def report_suspect(rt: Runtime, step: int, trigger: str) -> None:
     )
     evidence = {"object": "model", "digest": "0x9e3779b97f4a7c15", "replica_digest": "0x6a09e667f3bcc908",
                 "replicas": others, "method": "majority"}  # fmt: skip
-    assert rt._link is not None
-    rt._link.call("sdc_suspected", rank=rt.rank, step=step, sentence=sentence, evidence=evidence)
+    assert rt._s.link is not None
+    rt._s.link.call("sdc_suspected", rank=rt.rank, step=step, sentence=sentence, evidence=evidence)
     print(sentence, file=sys.stderr, flush=True)
     sys.exit(SUSPECT_EXIT)
 

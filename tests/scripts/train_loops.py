@@ -6,7 +6,8 @@ gradient accumulation under ``no_sync()`` (``--accum``), gradient clipping (``--
 scheduler stepped unconditionally (``--sched``), an evaluation ``all_reduce`` every N steps
 (``--eval-every``), draws from ``random`` and NumPy, and seeds: the same on every rank
 (``--seed-mode same``), one per rank set once as nanoGPT does (``rank-once``), or per rank
-through the runtime (``rt``). ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
+through the runtime (``rt``). ``--flip RANK:STEP`` and ``--flip-after-move RANK`` inject silent data
+corruption: one flipped bit in one rank's parameter. ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
 == 0``) every 5 steps (step 0 included: a sandbox runs a few) and logs who wrote it. ``--misuse`` exercises a refusal.
 
 At the end each rank prints ``rank R final: steps=N params=<model state digest>
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
+    ap.add_argument("--flip", default="", help="RANK:STEP: flip a bit of its first weight then")
+    ap.add_argument("--flip-after-move", type=int, default=-1, help="RANK: flip a bit at its first step after a move")
     ap.add_argument(
         "--misuse", choices=["", "two-votes", "rank-state", "untracked-sched", "late-untracked-sched"], default=""
     )
@@ -123,6 +126,8 @@ def main() -> None:
             own_gen = torch.Generator().manual_seed(args.seed + 2)
             rt.track(noise=own_gen)
     die_rank, die_step = (int(v) for v in args.die.split(":")) if args.die else (-2, -2)
+    flip_rank, flip_step = (int(v) for v in args.flip.split(":")) if args.flip else (-2, -2)
+    started_in = rt.generation
     if args.seed_mode == "rank-once":
         torch.manual_seed(args.seed + 1 + max(rt.rank, 0))  # as nanoGPT: seed + rank, once
         random.seed(args.seed + max(rt.rank, 0))
@@ -142,6 +147,13 @@ def main() -> None:
         if (rt.rank, step) == (die_rank, die_step) and os.environ.get("RLAUNCH_ROLE") == "active":
             os.kill(os.getppid(), signal.SIGKILL)  # a node lost at a chosen point: the step's start
             os.kill(os.getpid(), signal.SIGKILL)
+        active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on a standby that took the rank
+        moved = args.flip_after_move == rt.rank and rt.generation != started_in
+        if active and ((rt.rank, step) == (flip_rank, flip_step) or moved):
+            with torch.no_grad():  # silent data corruption: one bit of one rank's parameter
+                model.module[0].weight.view(-1).view(torch.int32)[3] ^= 1 << 21
+            print(f"rank {rt.rank}: flipped a bit of its first weight at step {step}", flush=True)
+            args.flip, args.flip_after_move, flip_rank = "", -1, -2
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         for micro in range(args.accum):
