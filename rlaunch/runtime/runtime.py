@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import rng, shards
+from rlaunch.runtime import reshard, rng
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
@@ -160,9 +160,6 @@ class Runtime:
             if name in self._tracked and self._tracked[name] is not obj:
                 raise ValueError(f"rt.track() already tracks another object named {name!r}; give each its own name.")
             self._tracked[name] = obj
-        why = shards.uneven(objects) if self._link is not None else ""
-        if why:
-            raise RefusedError(f"rt.track(): {why}.")
 
     def track_per_rank(self, **objects: Any) -> None:
         """Register state that differs from rank to rank (a data loader over this rank's shard).
@@ -494,6 +491,7 @@ class Runtime:
                 group.swap(comms[name], plan.generation)
                 if name != WORLD:
                     register(group, self._store, {g: i for i, g in enumerate(group.members)})
+        reshard.to_coordinate(self._tracked)  # uneven shards: rank 0's shapes become this rank's
         try:
             next_step = recv_state(comms["channel"], self._tracked)
         except TransferError:
