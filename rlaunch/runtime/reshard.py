@@ -92,7 +92,7 @@ def to_coordinate(tracked: dict[str, Any]) -> list[str]:
             fp = fsdp.get(id(t))
             if fp is not None:
                 _fsdp_to_coordinate(fp)
-            else:
+            elif _uneven(t.shape, t.device_mesh, t.placements):
                 t._local_tensor = _new_local(t._local_tensor, _local_shape(t))
             if tuple(t._local_tensor.shape) != before:
                 moved.append(name)
@@ -242,7 +242,8 @@ def _fsdp_to_coordinate(fp: Any) -> None:
         if tp_shape != tuple(fp._orig_size):
             raise ReshardError(
                 f"FSDP's parameter {fp._param_fqn} is a tensor-parallel shard of shape {tuple(fp._orig_size)} here "
-                f"but {tp_shape} at this rank's coordinate; it cannot be re-laid out."
+                f"but {tp_shape} at this rank's coordinate, so this joiner cannot re-lay it out; make its "
+                "tensor-parallel dimension divide evenly to let it move."
             )
     info = fp.mesh_info
     rank, world = (info.shard_mesh_rank, info.shard_mesh_size) if isinstance(info, FSDPMeshInfo) else (0, 1)
@@ -250,12 +251,12 @@ def _fsdp_to_coordinate(fp: Any) -> None:
     shape = fp._orig_size
     chunks = _chunk_with_empty(torch.empty(shape, device="meta"), world, dim=dim)
     size = _get_dim_chunked_size(chunks[rank], shape, dim=dim)
-    fp.sharded_size = size
-    fp.contiguous_sharded_stride = make_contiguous_strides_for(size)
     if fp.post_forward_mesh_info is not None:
         fp._init_sharded_post_forward_param_metadata(torch.empty(shape, device="meta"))
-    if fp._sharded_param_data.is_meta:
-        return
+    if size == fp.sharded_size or fp._sharded_param_data.is_meta:
+        return  # an even shard: the same shape at every coordinate
+    fp.sharded_size = size
+    fp.contiguous_sharded_stride = make_contiguous_strides_for(size)
     padded = fp._sharded_param_data.view(fp.padded_sharded_param_size)
     rows = size[dim]
     padded.narrow(dim, rows, padded.size(dim) - rows).zero_()  # FSDP's padding holds zeros
@@ -295,7 +296,10 @@ def _forget_sharding_decisions() -> None:
 
 
 def _grad_to_coordinate(p: Any) -> None:
-    """A gradient kept between steps (``zero_grad(set_to_none=False)``) is zeros at every rank."""
+    """A gradient kept between steps (``zero_grad(set_to_none=False)``) takes the new shape, as zeros.
+
+    Gradients do not travel with the state (the step that made them is over), even shards' neither.
+    """
     grad = p.grad
     if grad is None:
         return
