@@ -130,7 +130,11 @@ def _sharded(tracked: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _fsdp_params(tracked: dict[str, Any]) -> dict[int, Any]:
-    """FSDP2's ``FSDPParam`` of every sharded parameter of the tracked modules, by id of the parameter."""
+    """FSDP2's ``FSDPParam`` of every parameter of the tracked modules, by id of the parameter.
+
+    Keyed by the sharded parameter and, mid-step, by the unsharded one the module then holds, so
+    that :func:`refusal` answers alike whenever it is asked.
+    """
     if "torch.distributed.fsdp" not in sys.modules:
         return {}
     from torch.distributed.fsdp import FSDPModule
@@ -144,6 +148,9 @@ def _fsdp_params(tracked: dict[str, Any]) -> dict[int, Any]:
                 for group in module._get_fsdp_state()._fsdp_param_groups:
                     for fp in group.fsdp_params:
                         found[id(fp.sharded_param)] = fp
+                        for attr in ("_unsharded_param", "_sharded_post_forward_param"):
+                            if getattr(fp, attr, None) is not None:
+                                found[id(getattr(fp, attr))] = fp
     return found
 
 

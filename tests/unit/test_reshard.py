@@ -276,9 +276,12 @@ def test_fsdp_over_an_uneven_tensor_parallel_shard_trains_but_cannot_move(job: C
     mesh = j.mesh((2, 2), ("dp", "tp"), 0)
     model = shard(tensor_parallel_model(5, mesh["tp"], rowwise=False), mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tp_step(model, opt)  # it trains
     tracked = {"model": model, "optimizer": opt}
+    mid_forward: list[str] = []  # asked while FSDP holds the layer unsharded: the same answer
+    model[0].register_forward_pre_hook(lambda *_: mid_forward.append(shards.move_refusal(tracked)))
+    tp_step(model, opt)  # it trains
     why = shards.move_refusal(tracked)
+    assert mid_forward == [why]
     assert why.startswith("model.0.weight of global shape (5, 8) is sharded by FSDP over a tensor-parallel"), why
     assert "cannot move live (drains and live replacements are refused). Make its dimension 0 a multiple of 2" in why
     j.join(j.meshes[-1], 1)
