@@ -9,7 +9,8 @@ own line, named ``mesh.<dim>.<line>`` on every member, so a move rebuilds exactl
 contain a moved rank (the runtime's usual rule) and the others keep their communicators.
 
 A standby builds the mesh in its sandbox as if it held rank 0 (torch needs a coordinate to
-shard parameters; the shapes of an evenly sharded model are the same at every coordinate) while
+shard parameters; an unevenly sharded model is re-laid out for the rank it takes, by
+:mod:`rlaunch.runtime.reshard`, once the mesh is rebound) while
 ``dist.get_rank()`` stays a rank no active worker holds: until it joins, torch's mesh module
 alone (slicing ``mesh["tp"]`` asks it for the global rank) is shown the mesh's rank. When it is
 given rank ``r``, :meth:`RuntimeMesh.rebind` moves each of its dimension groups to ``r``'s line,

@@ -35,7 +35,7 @@ class Moves:
         s = self._s
         if not s.tracked:
             return "rt.track() was never called, so this rank has no state to hand over"
-        why = shards.uneven(s.tracked)
+        why = shards.move_refusal(s.tracked)
         if why:
             return why
         unknown = sorted(n for n, rule in self._voting.partitions.items() if not rule)

@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import partition, replicas, rng, verify
+from rlaunch.runtime import partition, replicas, reshard, rng, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
@@ -541,6 +541,7 @@ class Runtime:
                 group.swap(comms[group.label], plan.generation)
                 if group.label != WORLD:
                     register(group, s.store, {g: i for i, g in enumerate(group.members)})
+        reshard.to_coordinate(s.tracked)  # uneven shards: rank 0's shapes become this rank's
         try:
             landed = recv_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn)
         except TransferError:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from rlaunch.runtime import reshard
+
 
 def _is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor, without importing DTensor (40 MB) into scripts that never use it."""
@@ -102,33 +104,15 @@ def tensors(tracked: dict[str, Any]) -> Iterable[torch.Tensor]:
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def uneven(tracked: dict[str, Any]) -> str:
-    """A sentence naming the first tracked DTensor that is sharded unevenly ("" if none is).
+def move_refusal(tracked: dict[str, Any]) -> str:
+    """A sentence saying why no rank of the tracked model can move live ("" if every rank can).
 
-    A standby lays its model out as rank 0 before it knows its rank; with uneven shards another
-    rank's local shapes differ from rank 0's, so the standby could not take that rank live.
+    A standby lays its model out as rank 0 before it knows its rank, then re-lays it out for the
+    rank it takes (see :mod:`rlaunch.runtime.reshard`); uneven FSDP2 shards and DTensors outside
+    FSDP can be re-laid, a few layouts cannot. Such a model trains as usual; a drain or a live
+    replacement of it is refused with this sentence, and ``rlaunch status`` shows it.
     """
-    for name, obj in tracked.items():
-        items: Iterable[tuple[str, torch.Tensor]] = ()
-        if isinstance(obj, torch.nn.Module):
-            items = obj.state_dict(keep_vars=True).items()
-        for key, t in items:
-            if not _is_dtensor(t):
-                continue
-            from torch.distributed.tensor import Shard
-
-            ways: dict[int, int] = {}
-            for dim, placement in enumerate(t.placements):
-                if isinstance(placement, Shard):
-                    ways[placement.dim] = ways.get(placement.dim, 1) * t.device_mesh.size(dim)
-            for tdim, n in ways.items():
-                if t.shape[tdim] % n:
-                    return (
-                        f"{name}.{key} of global shape {tuple(t.shape)} is sharded {n} ways on its dimension "
-                        f"{tdim}, which does not divide evenly; a standby lays shards out before it knows its rank, "
-                        f"so it could not take such a shard live. Make that dimension a multiple of {n}"
-                    )
-    return ""
+    return reshard.refusal(tracked)
 
 
 def sharded_dims(tracked: dict[str, Any], names: Sequence[str]) -> list[str]:

@@ -5,10 +5,16 @@ uninterrupted 4-rank run of the same script: the local shards of every parameter
 optimizer state must be bit-identical. HSDP holds a replica of every shard, so a lost node is
 replaced live from it; pure FSDP holds none, so the replacement is refused with a sentence
 naming the rank and the job restarts instead.
+
+Every job trains the uneven model (``--model uneven``: a 50,257-row embedding and a one-row head),
+so ranks hold shards of different shapes: a standby laid out as rank 0 must re-lay its shards out
+for the rank it takes (rlaunch.runtime.reshard), or the transfer refuses them. Every move below
+gives a joiner at least one rank whose shapes differ from rank 0's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -26,13 +32,14 @@ pytestmark = pytest.mark.timeout(600)  # each test runs a job and its 4-rank ref
 
 
 def _args(layout: str, step_time: str = "0.1") -> tuple[str, ...]:
-    return ("--layout", layout, "--steps", "300", "--step-time", step_time)
+    return ("--layout", layout, "--model", "uneven", "--steps", "300", "--step-time", step_time)
 
 
 def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
     return {int(m.group(1)): (m.group(2), m.group(3)) for a in agents for m in FINAL.finditer(a.output())}
 
 
+@functools.cache  # one per layout for the module: two FSDP jobs share theirs
 def _reference(layout: str) -> dict[int, tuple[str, str]]:
     res = subprocess.run(
         [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "4", str(SHARDED), *_args(layout, "0")],
@@ -61,7 +68,8 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
     for agent in (a, c, d):
         assert agent.wait(240) == 0, agent.output()[-3000:]
     assert _finals(c, d) == _reference("hsdp"), "every shard must end as in an uninterrupted run"
-    # ranks 2 and 3 (replicate row 1) get their shards from ranks 0 and 1 (row 0), now on c
+    # ranks 2 and 3 (replicate row 1) get their shards from ranks 0 and 1 (row 0), now on c; c took
+    # ranks 0 and 1 from a and d takes 2 and 3: ranks 1 and 3 hold the smaller shards
     assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), c.output()[-3000:]
     assert "event replica_sent" in c.output()
     # the controller (c or d, whichever won the election after a left) logs the plan
@@ -70,7 +78,8 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
 
 def test_tensor_x_data_parallel_drain_onto_a_cold_standby_is_bit_identical(cluster: Cluster) -> None:
     # --sandbox-steps 0: the joiner never ran a step, so it has no optimizer state yet and creates
-    # the DTensor moments of its sharded parameters as the state arrives
+    # the DTensor moments of its sharded parameters as the state arrives. Ranks 2 and 3 sit on dp
+    # coordinate 1: their embedding and head shards (FSDP over dp) are smaller than rank 0's.
     a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"], flags=("--sandbox-steps", "0"))
     assert "drained" in drain(cluster, "b")
     for agent in (a, b, c):
@@ -93,3 +102,17 @@ def test_fsdp_drain_is_live_and_a_loss_without_replica_restarts_with_a_reason(cl
     assert "Traceback" not in c.output()
     # the restart starts over from step 0 (the script keeps no checkpoint) and ends as the reference
     assert _finals(c, d) == _reference("fsdp")
+
+
+def test_fsdp_drains_of_both_nodes_move_every_uneven_shard_bit_identically(cluster: Cluster) -> None:
+    """Without a replica FSDP can only drain: a's ranks 0 and 1, then b's 2 and 3, each onto a
+    standby laid out as rank 0. Over 4 shards only rank 0 holds the head's row and rank 3 holds
+    3 embedding rows fewer, so every joiner but rank 0's re-lays its shards out."""
+    a, b, c, d = _start(cluster, "fsdp", ["a", "b", "c", "d"])
+    assert "drained" in drain(cluster, "a")
+    wait_for(lambda: "event joined" in c.output(), 60, "c to take a's ranks")
+    assert "drained" in drain(cluster, "b")
+    for agent in (a, b, c, d):
+        assert agent.wait(240) == 0, agent.output()[-3000:]
+    assert "final" not in a.output() and "final" not in b.output(), "the drained nodes' ranks moved away"
+    assert _finals(c, d) == _reference("fsdp"), "every shard must end as in an uninterrupted run"

@@ -16,7 +16,7 @@ import pytest
 
 from tests.cluster import Cluster, wait_for
 from tests.integration.test_loops import FINAL, LOOPS, finals
-from tests.integration.test_migration import drain, warm
+from tests.integration.test_migration import warm
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = ("--steps", "100")
