@@ -14,7 +14,11 @@ the JSON's top level, and FSDP2 sharding the same model over both ranks, under
            worker checkpoints and exits, the job exits and torchrun starts every worker again on
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
   (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0).
-Downtime of an event = wall time of the 6 steps around it minus 6 median steps. Each event is
+Downtime of an event = wall time of the 6 steps around it minus 6 median steps. ``verification``:
+what comparing replicas costs (the runtime's own timing, from its agents' events): at steady state
+with the default ``--verify-every auto``, the seconds of digests over the seconds of training, and
+for each drain the joiner's digests of what landed plus the first vote's replica digests, also
+against that drain's downtime. Each event is
 repeated (default 3 times, at steps 15, 23, 31); the JSON keeps its keys as the median and adds
 ``_runs``, ``_min`` and ``_max``. The targets are judged on medians, except where named ``max``.
 Prints one JSON object. Usage: scripts/bench_migration.py [--steps 45] [--event-at 15]
@@ -64,10 +68,12 @@ both what their tensors and objects hold: workers of one launcher then agree wit
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -449,6 +455,47 @@ def memory_report(rl: list[dict[str, Any]], tr: list[dict[str, Any]]) -> dict[st
     return out
 
 
+EVENT = re.compile(r"\] \[(\S+)\] event (\w+) \(generation (\d+)\) (\{.*\})$")
+
+
+def agent_events(work: Path, kind: str) -> list[tuple[str, int, dict[str, Any]]]:
+    """(node, generation, data) of every ``kind`` event the agents of a scenario logged."""
+    found = []
+    for path in sorted(work.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = EVENT.search(line)
+            if m and m.group(2) == kind:
+                found.append((m.group(1), int(m.group(3)), ast.literal_eval(m.group(4))))
+    return found
+
+
+def verification_report(steady: list[dict[str, Any]], warm: dict[str, Any], downtimes: list[float]) -> dict[str, Any]:
+    """What comparing replicas cost: in the steady runs (the default ``--verify-every auto``), the
+    seconds each rank spent on digests against the seconds it trained; and for each drain, the
+    joiner's digests of what landed plus the first vote's replica digests, against its downtime."""
+    steady_pct, per_rank = [], []
+    for result in steady:
+        for _, _, data in agent_events(result["work"], "verification"):
+            trained = data["steps"] * data["step_s"]
+            steady_pct.append(100 * data["verify_s"] / trained if trained else 0.0)
+            per_rank.append(data["verifications"])
+    joined = {gen: d for _, gen, d in agent_events(warm["work"], "joined")}
+    switched = {gen: d for _, gen, d in agent_events(warm["work"], "switched")}
+    moves = [
+        float(joined[gen].get("verify_s", 0.0)) + float(switched.get(gen, {}).get("verify_ms", 0.0)) / 1000
+        for gen in sorted(joined)
+    ]
+    out: dict[str, Any] = {
+        "steady_overhead_pct": round(statistics.median(steady_pct), 3) if steady_pct else None,
+        "steady_overhead_pct_max": round(max(steady_pct), 3) if steady_pct else None,
+        "verifications_per_run": per_rank,
+    }
+    with_spread(out, "move_verify_s", moves or [0.0], 4)
+    pct = [100 * m / d for m, d in zip(moves, downtimes, strict=False) if d > 0]
+    with_spread(out, "move_verify_pct_of_downtime", pct or [0.0], 2)
+    return out
+
+
 def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ...], args: Any,
                    bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """Everything the JSON reports for one layout (model and parallelism: ``train_args`` go to
@@ -527,6 +574,7 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
             "peak_spread_within_mode_pct": round(max((max(x) / min(x) - 1) * 100 for x in (default_rl, default_tr)), 2),
         },
         "drain_reported": warm["events"][0]["stdout"],
+        "verification": verification_report(steady_rl, warm, down_warm),
     })  # fmt: skip
     out["targets"] = {
         "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,
@@ -536,6 +584,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "steady_overhead_le_2pct": out["steady_overhead_pct"] <= 2,
         "rss_overhead_le_3pct": out["rss_overhead_pct"] <= 3,
         "rss_overhead_le_1pct_every_worker": max(memory["peak_overhead_worst_pct"], memory["steady_overhead_pct"]) <= 1,
+        "verify_steady_overhead_le_1pct": (out["verification"]["steady_overhead_pct"] or 0.0) <= 1,
+        "verify_move_le_10pct_of_downtime": out["verification"]["move_verify_pct_of_downtime"] <= 10,
     }
     return out
 

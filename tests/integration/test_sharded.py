@@ -31,8 +31,16 @@ FLAGS = ("--nproc-per-node", "2")
 pytestmark = pytest.mark.timeout(600)  # each test runs a job and its 4-rank reference: minutes under load
 
 
-def _args(layout: str, step_time: str = "0.1") -> tuple[str, ...]:
-    return ("--layout", layout, "--model", "uneven", "--steps", "300", "--step-time", step_time)
+#: what each layout's jobs add: tensor x data parallel reads its batches through rt.epochs, with a
+#: sampler over the dp dimension, and averages its loss on a group made after the mesh
+EXTRA = {"tp_dp": ("--loader", "--metrics-group")}
+#: HSDP with three replicas of each shard (a (3, 2) mesh over 3 nodes), for the corruption test
+HSDP3 = ("--replicas", "3")
+
+
+def _args(layout: str, step_time: str = "0.1", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    more = (*EXTRA.get(layout, ()), *extra)
+    return ("--layout", layout, "--model", "uneven", "--steps", "300", "--step-time", step_time, *more)
 
 
 def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
@@ -40,20 +48,24 @@ def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
 
 
 @functools.cache  # one per layout for the module: two FSDP jobs share theirs
-def _reference(layout: str) -> dict[int, tuple[str, str]]:
+def _reference(layout: str, extra: tuple[str, ...] = (), nproc: int = 4) -> dict[int, tuple[str, str]]:
     res = subprocess.run(
-        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "4", str(SHARDED), *_args(layout, "0")],
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", str(nproc), str(SHARDED),
+         *_args(layout, "0", extra)],
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
-    assert sorted(got) == [0, 1, 2, 3], res.stdout[-2000:]
+    assert sorted(got) == list(range(nproc)), res.stdout[-2000:]
     return got
 
 
-def _start(cluster: Cluster, layout: str, names: list[str], flags: tuple[str, ...] = ()) -> list[AgentProc]:
-    agents = cluster.agents_in_order(names, SHARDED, *_args(layout), flags=(*FLAGS, *flags))
-    for standby in names[2:]:
+def _start(
+    cluster: Cluster, layout: str, names: list[str], flags: tuple[str, ...] = (), extra: tuple[str, ...] = (),
+    nnodes: int = 2,
+) -> list[AgentProc]:  # fmt: skip
+    agents = cluster.agents_in_order(names, SHARDED, *_args(layout, extra=extra), flags=(*FLAGS, *flags), nnodes=nnodes)
+    for standby in names[nnodes:]:
         wait_for(lambda s=standby: warm(cluster, s), 180, f"standby {standby} to be warm")
     wait_for(lambda: "step 10/" in agents[0].output(), 120, "training to make progress")
     assert "final" not in agents[0].output(), "the job must still run when its standbys are warm"
@@ -79,13 +91,16 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
 def test_tensor_x_data_parallel_drain_onto_a_cold_standby_is_bit_identical(cluster: Cluster) -> None:
     # --sandbox-steps 0: the joiner never ran a step, so it has no optimizer state yet and creates
     # the DTensor moments of its sharded parameters as the state arrives. Ranks 2 and 3 sit on dp
-    # coordinate 1: their embedding and head shards (FSDP over dp) are smaller than rank 0's.
+    # coordinate 1: their embedding and head shards (FSDP over dp) are smaller than rank 0's. Their
+    # sampler reads dp part 1, not part 2 or 3 (which crashed DistributedSampler), and the group
+    # made after the mesh keeps its place in the joiners' build order (it went last: a hang).
     a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"], flags=("--sandbox-steps", "0"))
     assert "drained" in drain(cluster, "b")
     for agent in (a, b, c):
         assert agent.wait(240) == 0, agent.output()[-3000:]
     assert _finals(a, c) == _reference("tp_dp"), "every shard must end as in an uninterrupted run"
     assert "event state_sent" in b.output() and "event joined" in c.output()
+    assert "live moves: drain only" in a.output(), "no replica of a tensor-parallel shard: drains only"
 
 
 def test_fsdp_drain_is_live_and_a_loss_without_replica_restarts_with_a_reason(cluster: Cluster) -> None:
@@ -116,3 +131,21 @@ def test_fsdp_drains_of_both_nodes_move_every_uneven_shard_bit_identically(clust
         assert agent.wait(240) == 0, agent.output()[-3000:]
     assert "final" not in a.output() and "final" not in b.output(), "the drained nodes' ranks moved away"
     assert _finals(c, d) == _reference("fsdp"), "every shard must end as in an uninterrupted run"
+
+
+def test_hsdp_a_flipped_bit_is_named_by_its_shards_two_peers_and_its_node_replaced_live(cluster: Cluster) -> None:
+    """HSDP on a (3, 2) mesh over 3 nodes: every shard has a replica on each node. Rank 2 (node b,
+    replicate row 1) gets one flipped bit in its first weight shard at the start of step 150; the
+    vote compares each shard's three replicas (``--verify-every 1``), ranks 0 and 4 outvote rank 2,
+    and d takes b's ranks live (rank 3, b's healthy rank, from its own replicas). Step 150 is redone:
+    the job ends bit-identical to an uninterrupted run."""
+    extra = (*HSDP3, "--flip", "2:150")
+    a, b, c, d = _start(cluster, "hsdp", ["a", "b", "c", "d"], flags=("--verify-every", "1"), extra=extra, nnodes=3)
+    for agent in (a, c, d):
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    assert "rank 2: flipped a bit of its first weight shard at step 150" in b.output()
+    assert "rank 2's copy of 'model' (digest" in b.output() and "[0, 2, 4]" in b.output(), b.output()[-3000:]
+    assert "named by majority" in b.output() and "event sdc_suspected" in b.output()
+    assert "event joined" in d.output() and "'resume_at': 150" in a.output()
+    assert "Traceback" not in a.output() + c.output() + d.output()
+    assert _finals(a, c, d) == _reference("hsdp", HSDP3, 6), "the job ends as if the bit never flipped"

@@ -9,14 +9,15 @@ uninterrupted run of the same script.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.cluster import Cluster, wait_for
+from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_loops import FINAL, LOOPS, finals
-from tests.integration.test_migration import warm
+from tests.integration.test_migration import drain, warm
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = ("--steps", "100")
@@ -88,3 +89,50 @@ def test_replicas_that_differ_after_a_drain_stop_the_job_before_the_step_is_appl
     assert "restarting every node" in out, "the restart path"
     assert "Traceback" not in out
     assert finals(a, c) == _reference(2, *extra), "the restart from step 0 ends as an uninterrupted run"
+
+
+EXPERT = SCRIPTS / "expert_train.py"
+EXPERT_FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+)")
+
+
+def _expert_run(*extra: str) -> tuple[int, str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "4", str(EXPERT), *extra],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_parameters_that_differ_by_rank_refuse_a_live_replacement_unless_declared() -> None:
+    """Expert parallelism built on rt.new_group: the first vote finds the parameters differ by rank,
+    so the job says it can drain but not replace live (a replacement would copy another expert);
+    with rt.declare_replicas the replica sets are compared one by one and both moves are possible."""
+    code, out = _expert_run("--steps", "6")
+    assert code == 0, out[-3000:]
+    assert "live moves: drain only: the tracked 'model' and 'optimizer' differ from rank to rank since step 0" in out
+    assert "rt.declare_replicas" in out
+    code, out = _expert_run("--steps", "6", "--declare")
+    assert code == 0 and "live moves: drain and replacement" in out, out[-3000:]
+
+
+def test_declared_replicas_serve_a_replacement_and_a_drain_bit_identically(cluster: Cluster) -> None:
+    """With the replica sets declared: node a (ranks 0 and 1) is drained onto c, then a worker of b
+    (rank 2 or 3) is killed and restarted in place, taking its state from a rank of its own set."""
+    args = ("--steps", "250", "--step-time", "0.05", "--declare")
+    a, b, c = cluster.agents_in_order(
+        ["a", "b", "c"], EXPERT, *args, flags=("--nproc-per-node", "2", "--max-restarts", "1")
+    )
+    wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+    wait_for(lambda: "step 20/" in a.output(), 120, "training to progress")
+    drain(cluster, "a")
+    wait_for(lambda: "event joined" in c.output(), 120, "c to take ranks 0 and 1")
+    b.workers()[1].kill()
+    for agent in (b, c):
+        assert agent.wait(300) == 0, agent.output()[-4000:]
+    assert "event recovered" in c.output() and "'plan': 'replace'" in c.output() + b.output()
+    sent = [line for line in c.output().splitlines() if "'sends_to': [3]" in line]
+    assert sent, "rank 3 (expert 1) gets its state from rank 1, the other rank of its set"
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for x in (b, c) for m in EXPERT_FINAL.finditer(x.output())}
+    code, out = _expert_run(*args[:2], "--declare")
+    ref = {int(m.group(1)): (m.group(2), m.group(3)) for m in EXPERT_FINAL.finditer(out)}
+    assert code == 0 and got == ref, "the job ends as if uninterrupted"

@@ -9,6 +9,13 @@ FSDP2 gives each shard ``ceil(50257 / n)`` embedding rows but the last one fewer
 and 25,128), and the head's single row to shard 0 alone, so ranks hold differently shaped shards
 (the tensor-parallel layers stay even).
 
+``--replicas N``: HSDP's replicate dimension (2 by default). ``--loader``: the batches come from a
+StatefulDataLoader whose ``DistributedSampler`` splits the data over the data-parallel dimension
+only (``num_replicas`` its size, ``rank`` the coordinate on it), as tensor-parallel users write it.
+``--metrics-group``: a group of every rank made after the mesh (``rt.new_group``), which averages
+the loss every 10 steps. ``--flip RANK:STEP``: that rank's first weight shard gets one flipped bit
+at the step's start (silent data corruption).
+
 Every rank prints ``rank R final: params=<digest> optim=<digest>`` of its local shards at the end.
 """
 
@@ -20,10 +27,13 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import rlaunch
 
@@ -45,6 +55,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--loader", action="store_true")
+    ap.add_argument("--metrics-group", action="store_true")
+    ap.add_argument("--flip", default="")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -64,7 +78,7 @@ def main() -> None:
         mesh = rt.device_mesh((world,), ("shard",))
         data_dim = "shard"
     elif args.layout == "hsdp":
-        mesh = rt.device_mesh((2, world // 2), ("replicate", "shard"))
+        mesh = rt.device_mesh((args.replicas, world // args.replicas), ("replicate", "shard"))
         data_dim = ""  # every rank gets its own batch: both dimensions are data parallel
     else:
         mesh = rt.device_mesh((world // 2, 2), ("dp", "tp"))
@@ -77,18 +91,42 @@ def main() -> None:
     fully_shard(model, mesh=fsdp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rt.track(model=model, optimizer=opt)
+    metrics = rt.new_group("metrics", range(world)) if args.metrics_group else None
+    data = None
+    if args.loader:
+        g = torch.Generator().manual_seed(1)
+        n = 4 * 8 * 20
+        xs = torch.randint(0, VOCAB, (n, 4), generator=g) if uneven else torch.randn(n, 16, generator=g)
+        # over the data-parallel dimension (its coordinate), or over every rank (the global rank)
+        dp = mesh[data_dim] if data_dim else None
+        parts, part = (dp.size(), max(dp.get_local_rank(), 0)) if dp else (world, max(rt.rank, 0))
+        sampler = DistributedSampler(TensorDataset(xs), num_replicas=parts, rank=part, seed=3)
+        data = rt.epochs(StatefulDataLoader(TensorDataset(xs), sampler=sampler, batch_size=8), sampler=sampler)
+    flip_rank, flip_step = (int(v) for v in args.flip.split(":")) if args.flip else (-2, -2)
 
     for step in rt.steps(args.steps):
         coord = mesh.get_coordinate()
         assert coord is not None
-        # Ranks of one tensor-parallel group must see the same batch; data-parallel ranks differ.
-        who = coord[mesh.mesh_dim_names.index(data_dim)] if data_dim else coord[0] * mesh.shape[1] + coord[1]
-        g = torch.Generator().manual_seed(step * 1009 + who)
-        x = torch.randint(0, VOCAB, (8, 4), generator=g) if uneven else torch.randn(8, 16, generator=g)
+        if (rt.rank, step) == (flip_rank, flip_step) and os.environ.get("RLAUNCH_ROLE") == "active":
+            with torch.no_grad():  # one bit of this rank's first weight shard
+                first = next(p for p in model.parameters() if p.to_local().numel())
+                first.to_local().view(-1).view(torch.int32)[0] ^= 1 << 21
+            print(f"rank {rt.rank}: flipped a bit of its first weight shard at step {step}", flush=True)
+            flip_rank = -2
+        if data is not None:
+            (x,) = data.batch()
+        else:
+            # Ranks of one tensor-parallel group must see the same batch; data-parallel ranks differ.
+            who = coord[mesh.mesh_dim_names.index(data_dim)] if data_dim else coord[0] * mesh.shape[1] + coord[1]
+            g = torch.Generator().manual_seed(step * 1009 + who)
+            x = torch.randint(0, VOCAB, (8, 4), generator=g) if uneven else torch.randn(8, 16, generator=g)
         loss = model(x).sin().pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         rt.optimizer_step(opt)
+        if metrics is not None and (step + 1) % 10 == 0:
+            mean = loss.detach().reshape(1) / world
+            dist.all_reduce(mean, group=metrics)  # a group made after the mesh
         if args.step_time:
             time.sleep(args.step_time)
         if rt.rank == 0 and not rt.standby and (step + 1) % args.log_every == 0:
