@@ -76,6 +76,7 @@ class Print:
     obj: str
     pattern: Pattern
     slots: Slots
+    optimizer: bool  # an optimizer's state (else a module's parameters)
 
     @property
     def key(self) -> tuple[str, Pattern]:
@@ -139,21 +140,32 @@ class Verifier:
                     continue
                 slots = replicas.slots(pattern, self.world, mesh, names, declared)
                 if slots.comparable:
-                    out.append(Print(obj_name, pattern, slots))
+                    out.append(Print(obj_name, pattern, slots, isinstance(obj, torch.optim.Optimizer)))
         return out
 
     def digests(self, tracked: dict[str, Any], prints: Sequence[Print], names: Sequence[str],
                 declared: Declared | None) -> list[int]:  # fmt: skip
-        began = self._clock()
-        out = []
         by_object: dict[str, dict[Pattern, list[tuple[str, Any]]]] = {}
+        out = []
         for p in prints:
             grouped = by_object.setdefault(p.obj, _items(tracked[p.obj], names, declared))
             out.append(digest.of_items(grouped[p.pattern]))
+        return out
+
+    def prepare(self, rank: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
+                declared: Declared | None, step_s: float) -> tuple[list[Print], list[int], torch.Tensor]:  # fmt: skip
+        """This rank's comparison: what is compared, its digests, and its vote section (see :meth:`section`).
+
+        The time it takes (listing the tensors included, not only the digests) is what the
+        interval is chosen from, and what :attr:`spent_s` adds up.
+        """
+        began = self._clock()
+        prints = self.prints(tracked, mesh, names, declared)
+        digests = self.digests(tracked, prints, names, declared)
         self.last_cost_s = self._clock() - began
         self.spent_s += self.last_cost_s
         self.count += 1
-        return out
+        return prints, digests, self.section(rank, prints, digests, step_s)
 
     def section(self, rank: int, prints: Sequence[Print], digests: Sequence[int], step_s: float) -> torch.Tensor:
         """This rank's part: its digests in its slots, and what they cost against its step (microseconds)."""
@@ -184,17 +196,21 @@ class Verifier:
                periodic: bool) -> list[tuple[int, int]]:  # fmt: skip
         """Record a comparison that every rank read alike; return the differences that are faults.
 
-        A print that differs at its first comparison is a layout (remembered in :attr:`differs`);
-        one that was equal before and differs now is a fault. The next periodic comparison is
-        scheduled from the cost every rank measured (``auto``) or the fixed interval.
+        What differs at the job's first comparison is a layout (remembered in :attr:`differs`), and
+        so is, when it first appears, the state of an optimizer whose parameters' pattern is one
+        (its moments follow parameters that differ); any other difference is a fault. The next
+        periodic comparison is scheduled from the cost every rank measured (``auto``) or the fixed
+        interval.
         """
         bad = {i for i, _ in differing}
+        first = not self.good and not self.differs
+        layouts = {k[1] for k in self.differs}
         for i, p in enumerate(prints):
             if i not in bad:
                 self.good.add(p.key)
-            elif p.key not in self.good:
+            elif first or (p.optimizer and p.key not in self.good and p.pattern in layouts):
                 self.differs[p.key] = step
-        faults = [(i, slot) for i, slot in differing if prints[i].key in self.good]
+        faults = [(i, slot) for i, slot in differing if prints[i].key not in self.differs]
         if periodic or self.next_step <= step:
             self.next_step = step + self._interval(summed[-2].item(), summed[-1].item())
         return faults

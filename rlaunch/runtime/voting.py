@@ -96,9 +96,8 @@ class Voting:
         prints: list[verify.Print] = []
         digests: list[int] = []
         if verifying:
-            prints = self.verifier.prints(s.tracked, mesh, names, s.declared)
-            digests = self.verifier.digests(s.tracked, prints, names, s.declared)
-            sections.append((verify.SECTION, self.verifier.section(s.rank, prints, digests, self._step_s())))
+            prints, digests, part = self.verifier.prepare(s.rank, s.tracked, mesh, names, s.declared, self._step_s())
+            sections.append((verify.SECTION, part))
         catalog = self._catalog() if move else None
         if catalog is not None:
             sections.append((GROUPS, catalog.section(s.groups.describe(), s.rank)))

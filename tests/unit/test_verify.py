@@ -116,3 +116,32 @@ def test_the_interval_is_read_from_the_agent(value: str, expected: int | None) -
 def test_a_bad_interval_is_a_sentence() -> None:
     with pytest.raises(Exception, match=r"RLAUNCH_VERIFY_EVERY is 'often'; use a number of steps, 0 \(off\) or 'auto'"):
         verify.interval("often")
+
+
+def test_state_that_first_appears_later_is_a_fault_unless_it_follows_a_layout() -> None:
+    """The optimizer has no state at the first vote (before any step): when its moments first appear
+    they must agree across replicas, unless they belong to parameters that differ by layout."""
+
+    def fresh(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 2)
+        return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+    def step(ranks: list[dict[str, Any]], seeds: list[int]) -> None:
+        for r, seed in zip(ranks, seeds, strict=True):
+            torch.manual_seed(seed)
+            r["model"](torch.randn(3, 4)).sum().backward()
+            r["opt"].step()
+
+    ranks, verifiers = [fresh(0), fresh(0)], [Verifier(1, 2) for _ in range(2)]
+    prints, faults, _ = _compare(ranks, verifiers, 0)
+    assert [p.obj for p in prints] == ["model"] and faults == []
+    step(ranks, [5, 6])  # different gradients on the two replicas (as if one sync were corrupt)
+    prints, faults, _ = _compare(ranks, verifiers, 1)
+    assert {prints[i].obj for i, _ in faults} == {"model", "opt"}, "the new moments differ: a fault, not a layout"
+
+    ranks, verifiers = [fresh(0), fresh(1)], [Verifier(1, 2) for _ in range(2)]
+    _compare(ranks, verifiers, 0)  # experts of their own: a layout
+    step(ranks, [5, 6])
+    prints, faults, _ = _compare(ranks, verifiers, 1)
+    assert faults == [] and ("opt", ()) in verifiers[0].differs, "the experts' moments follow their layout"
