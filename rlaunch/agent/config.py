@@ -105,7 +105,7 @@ class LaunchConfig:
     #: accepted for torchrun compatibility: every worker is a fresh ``python`` process anyway
     start_method: str = "spawn"
     #: steps between the runtime's replica fingerprint checks (silent data corruption): a positive
-    #: number, 0 (off), or None for ``auto`` (the runtime keeps the check under 1 % of step time)
+    #: number, 0 (off), or None for ``auto`` (the runtime keeps the check at most 0.5 % of step time)
     verify_every: int | None = None
     # -- security toward etcd (--cacert, --cert, --key, --user; ETCDCTL_* variables) --
     #: TLS and credentials of the external etcd (the embedded one makes its own)
@@ -129,6 +129,7 @@ class LaunchConfig:
             args=list(self.args),
             fingerprint=script_fingerprint(self.entrypoint, self.module, self.no_python),
             rlaunch_version=__version__,
+            verify_every="auto" if self.verify_every is None else str(self.verify_every),
         )
 
 

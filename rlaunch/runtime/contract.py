@@ -5,7 +5,7 @@ another plan's generation, builds its groups in another order, lays its vote out
 commits another step. Each such decision is made a value here and compared across ranks:
 
 - every step, the vote carries one 64-bit digest of the generation, the step, the last applied
-  step and the vote's own layout (:func:`step_digest`); every rank must hold the same;
+  step and the vote's own layout (:class:`StepContract`); every rank must hold the same;
 - at the first vote after every move (and the job's first), the vote also carries one slot per
   group of the job (:class:`GroupCatalog`): each member of a group writes a digest of where the
   group sits in its build order, its version, members and backend, and every member must agree.
@@ -14,7 +14,9 @@ A 64-bit digest rides in the float64 vote as four 16-bit *limbs*, each with its 
 over n ranks say whether all were equal (n * sum of squares == square of the sum; exact below
 2^53). When they disagree, one more allreduce gathers every rank's values (:func:`rows`) so that
 every rank can name the ranks that differ and what differs (:func:`explain`), instead of hanging
-or diverging.
+or diverging. Only votes of one size can meet in an allreduce: everything that sets the size of a
+vote (what is tracked, when replicas are compared: ``--verify-every`` is in the job's spec) must
+be the same on every rank before the contract can compare the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def limbs(value: int) -> list[int]:
 
 
 def from_limbs(parts: Sequence[float]) -> int:
+    """The 64-bit value of four limbs (as :func:`limbs` gives them, summed over one rank's row)."""
     return sum(int(round(p)) << (16 * i) for i, p in enumerate(parts))
 
 
@@ -74,9 +77,11 @@ class StepContract:
     layout: int  # the vote layout's digest
 
     def digest(self) -> int:
+        """The 64-bit value every rank's vote carries (its limbs and their squares)."""
         return _digest(self.generation, self.step, self.applied, self.layout)
 
     def row(self) -> list[float]:
+        """This rank's values, for the gather that names the ranks that disagree (:func:`explain`)."""
         return [float(self.generation), float(self.step), float(self.applied), *map(float, limbs(self.layout))]
 
 
@@ -122,9 +127,6 @@ class GroupCatalog:
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(sorted(set(names)))
-
-    def digest(self) -> int:
-        return _digest(self.names)
 
     def section(self, described: Sequence[tuple[str, int, tuple[int, ...], str]], rank: int) -> torch.Tensor:
         """This rank's slots: for each group it is a member of, a digest of its place in the build order,

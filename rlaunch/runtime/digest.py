@@ -79,8 +79,8 @@ def of_items(items: Iterable[tuple[str, Any]]) -> int:
             local = _local(value)
             described.append(f"{prefix}:T{len(tensors)}:{local.dtype}:{tuple(local.shape)}")
             tensors.append(value)
-        elif isinstance(value, dict):
-            for k in value:
+        elif isinstance(value, dict):  # in key order: the same state built in another order digests alike
+            for k in sorted(value, key=repr):
                 walk(f"{prefix}/{k!r}", value[k])
         elif isinstance(value, (list, tuple)):
             described.append(f"{prefix}:{type(value).__name__}{len(value)}")

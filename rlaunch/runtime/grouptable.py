@@ -7,14 +7,13 @@ as the script creates them (``rt.group``, ``rt.new_group``, ``rt.device_mesh``);
 (:mod:`rlaunch.runtime.migration`) and a live replacement (:mod:`rlaunch.runtime.recovery`)
 ask it which groups a move touches and have it build their next communicators; a joiner renames
 its mesh groups to its new lines *in place* (:meth:`GroupTable.rename`), so its build order stays
-the survivors'. :meth:`GroupTable.digest` is that order as one number, which the per-step vote
-compares across ranks (see :mod:`rlaunch.runtime.contract`).
+the survivors'. :meth:`GroupTable.describe` is that order, which the first vote after every move
+compares across each group's members (see :mod:`rlaunch.runtime.contract`).
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -35,7 +34,6 @@ class GroupTable:
         self._timeout = timeout
         self._build = build
         self._groups: list[SwitchableGroup] = []
-        self._digest: tuple[tuple[Any, ...], int] | None = None  # (what was digested, its digest)
 
     def __contains__(self, name: object) -> bool:
         return any(g.label == name for g in self._groups)
@@ -105,12 +103,3 @@ class GroupTable:
     def describe(self) -> list[tuple[str, int, tuple[int, ...], str]]:
         """(name, version, members, backend) of every group, in build order."""
         return [(g.label, g.version, tuple(g.members), g.backend.value) for g in self._groups]
-
-    def digest(self) -> int:
-        """A 64-bit digest of :meth:`describe`: equal on two ranks exactly when they built the same
-        groups, at the same versions, in the same order (recomputed only when that changed)."""
-        described = tuple(self.describe())
-        if self._digest is None or self._digest[0] != described:
-            h = hashlib.blake2b(repr(described).encode(), digest_size=8)
-            self._digest = (described, int.from_bytes(h.digest(), "little"))
-        return self._digest[1]

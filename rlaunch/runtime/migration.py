@@ -65,7 +65,8 @@ class Migration:
         self._knowledge = knowledge
         self._lock = threading.Lock()
         self._prepared: Prepared | None = None  # a plan whose communicators are built
-        self._switch_to = 0  # the generation every rank voted ready for: switch at this step's end
+        self._offered: Prepared | None = None  # the one this rank's last vote said it is ready for
+        self._agreed: Prepared | None = None  # the one every rank voted ready for: switch at this step's end
 
     @property
     def _groups(self) -> GroupTable:
@@ -77,26 +78,30 @@ class Migration:
 
         NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
         the switch will not wait on them (a peer that fails while building one then delays the move,
-        not the job).
+        not the job). The plan offered is remembered: the switch is to that one, even if the listener
+        takes a newer plan meanwhile.
         """
-        prepared = self._prepared
+        with self._lock:
+            prepared = self._prepared
+        self._offered = None
         if prepared is None or prepared.plan.generation <= self._s.generation:
             return 0
         if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
             return 0
+        self._offered = prepared
         return prepared.plan.generation
 
     def agree(self, generation: int) -> None:
-        """Every rank voted ready for ``generation`` in this step: switch at its end (if it is the
-        one prepared here: the vote's sums say all ranks hold the same)."""
-        prepared = self._prepared
-        if prepared is not None and prepared.plan.generation == generation:
-            self._switch_to = generation
+        """Every rank voted ready for ``generation`` in this step: switch at its end (the vote's sums say
+        all ranks offered the same generation; this rank switches to the plan it offered)."""
+        offered = self._offered
+        if offered is not None and offered.plan.generation == generation:
+            self._agreed = offered
 
     @property
     def due(self) -> bool:
         """A switch was agreed on and not made yet."""
-        return self._switch_to != 0
+        return self._agreed is not None
 
     def listen(self) -> None:
         """Phase 1, in the background: take each plan, build what it needs, report ready."""
@@ -114,31 +119,43 @@ class Migration:
                 # now would leave C++ threads running at exit (an abort). The move is moot.
                 return
             after = plan.generation
-            if isinstance(plan, ReplacePlan):
-                self._on_replace(plan)
-                continue
-            why = self._refusal()
-            if why:
-                # Moving what cannot be moved would corrupt the joiner: never report ready.
-                log.error(
-                    "rank %d: a drain to generation %s was planned, but %s; this rank will not switch, so the drain "
-                    "stalls and the controller restarts the job without the drained node.",
-                    s.rank, plan.generation, why,
-                )  # fmt: skip
-                continue
             try:
-                comms = self.prepare(plan)
-            except Exception:  # noqa: BLE001 - a failed preparation must not kill training, nor the listener
+                self._take(plan)
+            except Exception:  # noqa: BLE001 - a failed plan must not kill training, nor the listener
                 log.exception(
                     "rank %d: preparing for generation %s failed; this move will not happen here, later plans will",
                     s.rank, plan.generation,
                 )  # fmt: skip
-                continue
-            with self._lock:
-                superseded, self._prepared = self._prepared, Prepared(plan, comms)
-            for comm in superseded.comms.values() if superseded is not None else ():
-                retire(comm)  # a later plan replaced it before the switch (an NCCL communicator is aborted)
-            s.link.call("prepared", generation=plan.generation)
+
+    def _take(self, plan: Plan) -> None:
+        """One plan, on the listener thread: a replacement goes to recovery; a migration is prepared
+        (or refused), and supersedes whatever older one was prepared and not switched to."""
+        s = self._s
+        assert s.link is not None
+        if isinstance(plan, ReplacePlan):
+            self._on_replace(plan)
+            return
+        self._supersede(None)
+        why = self._refusal()
+        if why:
+            # Moving what cannot be moved would corrupt the joiner: never report ready.
+            log.error(
+                "rank %d: a drain to generation %s was planned, but %s; this rank will not switch, so the drain "
+                "stalls and the controller restarts the job without the drained node.",
+                s.rank, plan.generation, why,
+            )  # fmt: skip
+            return
+        self._supersede(Prepared(plan, self.prepare(plan)))
+        s.link.call("prepared", generation=plan.generation)
+
+    def _supersede(self, prepared: Prepared | None) -> None:
+        """Make ``prepared`` the plan this rank is ready for; retire the older one's communicators
+        (an NCCL communicator is aborted), unless the vote already agreed on it."""
+        with self._lock:
+            old, self._prepared = self._prepared, prepared
+        if old is not None and old is not self._agreed and old is not self._offered:
+            for comm in old.comms.values():
+                retire(comm)
 
     def wait_plan(self, after: int) -> Plan:
         """The next plan after generation ``after`` this rank takes part in (blocks until there is one)."""
@@ -164,12 +181,13 @@ class Migration:
     def switch(self, next_step: int) -> None:
         """Phase 2, at the agreed boundary: move state (leaver) or swap groups (the others)."""
         s = self._s
+        agreed, self._agreed, self._offered = self._agreed, None, None
+        assert agreed is not None and s.link is not None
         with self._lock:
-            prepared, self._prepared, gen = self._prepared, None, self._switch_to
-            self._switch_to = 0
-        assert prepared is not None and s.link is not None
-        comms = prepared.comms
-        if prepared.plan.role is Role.LEAVER:
+            if self._prepared is agreed:
+                self._prepared = None
+        gen, comms = agreed.plan.generation, agreed.comms
+        if agreed.plan.role is Role.LEAVER:
             began = time.perf_counter()
             sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge())
             s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)

@@ -66,4 +66,5 @@ def choose(rules: Sequence[str], summed: Sequence[float], world: int) -> str | N
 
 
 def has_partition(sampler: Any) -> bool:
+    """Whether ``sampler`` reads one part of several (a ``DistributedSampler``)."""
     return sampler is not None and hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")

@@ -68,8 +68,10 @@ class Recovery:
     """One rank's part in live replacements: from the plan's arrival to the replicas sent.
 
     ``refusal`` says why no replica can serve a replaced rank ("" when one can); ``sources`` picks
-    the survivor that sends each replaced rank its state; ``knowledge`` is what a joiner must learn
-    besides the tracked state (see ``Runtime._knowledge``).
+    the survivor that sends each replaced rank its state; ``knowledge`` is what the ranks learnt
+    from completed votes (see :class:`~rlaunch.runtime.moves.Moves`), which a joiner receives and
+    ``learn`` takes: survivors exchange it too, since a survivor rolled forward never read the
+    vote the others completed.
     """
 
     def __init__(
@@ -78,11 +80,13 @@ class Recovery:
         refusal: Callable[[], str],
         sources: Callable[[ReplacePlan, list[int]], tuple[dict[int, int], str]],
         knowledge: Callable[[], dict[str, Any]],
+        learn: Callable[[dict[str, Any]], None],
     ) -> None:
         self._s = state
         self._refusal = refusal
         self._sources = sources
         self._knowledge = knowledge
+        self._learn = learn
         self._plans: queue.Queue[ReplacePlan] = queue.Queue()  # from the listener thread
         self._sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
         #: between a failed step's report to the agent and its recovery: waiting on peers, not hung
@@ -146,7 +150,8 @@ class Recovery:
             self._refuse_replacement(plan, sorted(moved))
             survivors = [r for r in range(s.world_size) if r not in moved]
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
-            s.store.set(f"g{gen}/recover/{s.rank}", json.dumps({"applied": s.applied, "dirty": dirty}))
+            report = {"rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge()}
+            s.store.set(f"g{gen}/recover/{s.rank}", json.dumps(report))
             try:
                 # One exchange, O(1) store requests per survivor (not a read of every other's report).
                 values = s.store.gather(
@@ -170,6 +175,9 @@ class Recovery:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.
             apply()
             s.applied = agreed
+        # What a completed vote taught its ranks (what differs, the next comparison, the samplers'
+        # parts): every survivor takes it from one that read the latest vote, so all decide alike.
+        self._learn(min((r for r in reports if int(r["applied"]) == agreed), key=lambda r: int(r["rank"]))["knowledge"])
         dirty_names = {n for r in reports for n in r["dirty"]}
         comms = s.groups.build(s.groups.touched(s.rank, moved, also=dirty_names), s.rank, gen)
         sources, why = self._sources(plan, survivors)

@@ -38,6 +38,7 @@ class Declared:
     sets: tuple[tuple[int, ...], ...]
 
     def index(self, rank: int) -> int:
+        """The set ``rank`` belongs to."""
         return next(i for i, members in enumerate(self.sets) if rank in members)
 
 
@@ -90,6 +91,7 @@ class Slots:
         return len(set(self.of_rank)) < len(self.of_rank)
 
     def members(self, slot: int) -> list[int]:
+        """The ranks of ``slot``."""
         return [r for r, s in enumerate(self.of_rank) if s == slot]
 
 

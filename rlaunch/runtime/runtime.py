@@ -126,7 +126,7 @@ class Runtime:
         self._moves = Moves(self._s, self._voting)
         self._recovery = Recovery(  # live replacement after a fault
             self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
-            self._moves.knowledge,
+            self._moves.knowledge, self._moves.learn,
         )  # fmt: skip
         # planned moves: phase 1 in the background, then the switch
         self._migration = Migration(

@@ -133,9 +133,15 @@ def _loads(raw: bytes) -> dict[str, Any]:
 def state_digests(tracked: dict[str, Any], step: int, rng_state: rng.RngState) -> dict[str, str]:
     """A digest of each tracked object's state as :func:`tensors_of` sees it (its tensors and its
     other values), of the RNG states and of the step: what a move must carry unchanged."""
-    pairs, kinds, values = tensors_of(tracked)
+    return _digests(list(tracked), *tensors_of(tracked), step, rng_state)
+
+
+def _digests(
+    names: list[str], pairs: list[tuple[str, torch.Tensor]], kinds: dict[str, str], values: dict[str, Any],
+    step: int, rng_state: rng.RngState,
+) -> dict[str, str]:  # fmt: skip
     out = {}
-    for name in tracked:
+    for name in names:
         prefix = f"{name}."
         items = [(n, t) for n, t in pairs if n.startswith(prefix)]
         out[name] = digest.hexed(digest.of_items([("kind", kinds[name]), ("values", values.get(name)), *items]))
@@ -172,7 +178,8 @@ def send_state(
         data = shards.local(t).detach().contiguous()
         _send(channel, data)
         total += data.numel() * data.element_size()
-    _send_json(channel, {"digests": state_digests(tracked, step, rng_state)})
+    # over what was sent (no second state_dict() call: some draw from the RNG, as a loader's does)
+    _send_json(channel, {"digests": _digests(list(tracked), pairs, kinds, values, step, rng_state)})
     return total
 
 
@@ -238,19 +245,23 @@ def recv_state(
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
     step = int(header["step"])
+    # What landed, digested while the sender digests what it sent; calling state_dict() may draw
+    # from the global generator (a raw StatefulDataLoader's does): put the sender's streams back.
+    began = time.perf_counter()
+    restored = rng.capture()
+    mine = state_digests(tracked, step, restored)
+    rng.restore(restored)
+    spent = time.perf_counter() - began
     trailer = _recv_json(channel, "digests")
     theirs = trailer.get("digests") if isinstance(trailer, dict) else None
     if not isinstance(theirs, dict):
         raise TransferError("The transfer ended without the digests of what was sent; is the sender another version?")
-    began = time.perf_counter()
-    mine = state_digests(tracked, step, rng.capture())
-    spent = time.perf_counter() - began
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
             raise TransferError(
                 f"rank {rank}: the state of {name!r} that landed on this joiner has digest {mine.get(name)} but its "
                 f"sender computed {theirs.get(name)} over what it sent, so the move is refused before any step is "
-                "applied; this joiner stops and the job takes the restart path."
+                "applied; this joiner stops rather than train on it."
             )
     return Landed(step, spent)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.runtime import contract, digest, replicas
@@ -77,6 +78,9 @@ class Print:
     pattern: Pattern
     slots: Slots
     optimizer: bool  # an optimizer's state (else a module's parameters)
+    #: the runtime knows these replicas are kept equal (DDP's parameters and their optimizer state,
+    #: DTensors, declared sets): only then is a later difference a fault, not the script's own doing
+    kept: bool
 
     @property
     def key(self) -> tuple[str, Pattern]:
@@ -85,6 +89,12 @@ class Print:
     def label(self) -> str:
         where = "" if self.pattern in ((), replicas.DECLARED) else f" (sharded on {', '.join(self.pattern)})"
         return f"{self.obj!r}{where}"
+
+
+def _params_of(opt: torch.optim.Optimizer, items: Sequence[tuple[str, Any]]) -> list[Any]:
+    """The parameters of an optimizer's state items (named by their index, as :func:`_items` names them)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return [params[int(i)] for i, _ in items]
 
 
 def _items(obj: Any, root: Sequence[str], declared: Declared | None) -> dict[Pattern, list[tuple[str, Any]]]:
@@ -128,19 +138,30 @@ class Verifier:
         self.count = 0  # comparisons so far
 
     def due(self, step: int, move: bool) -> bool:
+        """Whether this step's vote compares replicas: after every move, and on the scheduled steps."""
         return move or (self.every != 0 and step >= self.next_step)
 
     def prints(self, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
                declared: Declared | None) -> list[Print]:  # fmt: skip
         """What this vote compares, in an order every rank computes alike."""
+        ddp = [obj for obj in tracked.values() if isinstance(obj, DistributedDataParallel)]
+        synced = {id(p) for module in ddp for p in module.parameters()}
         out = []
         for obj_name, obj in tracked.items():
-            for pattern in sorted(_items(obj, names, declared)):
+            for pattern, items in sorted(_items(obj, names, declared).items()):
                 if (obj_name, pattern) in self.differs:
                     continue
                 slots = replicas.slots(pattern, self.world, mesh, names, declared)
-                if slots.comparable:
-                    out.append(Print(obj_name, pattern, slots, isinstance(obj, torch.optim.Optimizer)))
+                if not slots.comparable:
+                    continue
+                optimizer = isinstance(obj, torch.optim.Optimizer)
+                if pattern != ():  # DTensors (FSDP, tensor parallel) or a declared set: kept equal by layout
+                    kept = pattern != replicas.UNKNOWN
+                elif optimizer:  # the moments of parameters DDP keeps equal are equal too
+                    kept = all(id(p) in synced for p in _params_of(obj, items))
+                else:
+                    kept = isinstance(obj, DistributedDataParallel)
+                out.append(Print(obj_name, pattern, slots, optimizer, kept))
         return out
 
     def digests(self, tracked: dict[str, Any], prints: Sequence[Print], names: Sequence[str],
@@ -192,15 +213,17 @@ class Verifier:
             at += len(p.slots.counts) * contract.TERMS
         return found
 
-    def settle(self, step: int, summed: torch.Tensor, prints: Sequence[Print], differing: Sequence[tuple[int, int]],
-               periodic: bool) -> list[tuple[int, int]]:  # fmt: skip
+    def settle(self, step: int, summed: torch.Tensor, prints: Sequence[Print],
+               differing: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:  # fmt: skip
         """Record a comparison that every rank read alike; return the differences that are faults.
 
         What differs at the job's first comparison is a layout (remembered in :attr:`differs`), and
         so is, when it first appears, the state of an optimizer whose parameters' pattern is one
-        (its moments follow parameters that differ); any other difference is a fault. The next
-        periodic comparison is scheduled from the cost every rank measured (``auto``) or the fixed
-        interval.
+        (its moments follow parameters that differ), and so is any difference in state the runtime
+        does not know to be kept equal (a plain module: an EMA updated on one rank, experts of a
+        hand-built layout that started alike). A difference in state kept equal is a fault. The
+        next comparison is scheduled from the cost every rank measured (``auto``) or the fixed
+        interval, counted from this one.
         """
         bad = {i for i, _ in differing}
         first = not self.good and not self.differs
@@ -208,11 +231,10 @@ class Verifier:
         for i, p in enumerate(prints):
             if i not in bad:
                 self.good.add(p.key)
-            elif first or (p.optimizer and p.key not in self.good and p.pattern in layouts):
+            elif first or not p.kept or (p.optimizer and p.key not in self.good and p.pattern in layouts):
                 self.differs[p.key] = step
         faults = [(i, slot) for i, slot in differing if prints[i].key not in self.differs]
-        if periodic or self.next_step <= step:
-            self.next_step = step + self._interval(summed[-2].item(), summed[-1].item())
+        self.next_step = step + self._interval(summed[-2].item(), summed[-1].item())
         return faults
 
     def _interval(self, cost_us: float, step_us: float) -> int:
@@ -245,6 +267,7 @@ class Verifier:
         }
 
     def learn(self, known: dict[str, Any]) -> None:
+        """Take another rank's :meth:`knowledge` (a joiner's sender, or the survivor a recovery follows)."""
         self.next_step = int(known["next_step"])
         self.good = {(str(o), tuple(str(d) for d in p)) for o, p in known["good"]}
         self.differs = {(str(o), tuple(str(d) for d in p)): int(s) for o, p, s in known["differs"]}
@@ -291,21 +314,24 @@ def verdict(prints: Sequence[Print], faults: Sequence[tuple[int, int]], first: t
 
 
 def _evidence(p: Print, step: int, method: str, mine: str, theirs: str, members: list[int]) -> dict[str, Any]:
+    """What the suspect reports to its agent (JSON values): the object, the digests, the replicas, how."""
     return {
         "object": p.obj, "pattern": list(p.pattern), "step": step, "method": method, "digest": mine,
         "replica_digest": theirs, "replicas": members,
     }  # fmt: skip
 
 
-def rows_of(prints: Sequence[Print], digests: Sequence[int]) -> list[float]:
+def rows_of(digests: Sequence[int]) -> list[float]:
     """This rank's digests as limbs, for the gather that names suspects."""
     return [float(x) for d in digests for x in contract.limbs(d)]
 
 
 def describe_suspect(rank: int, evidence: dict[str, Any]) -> str:
+    """The sentence that names a suspect, from its evidence (see :func:`verdict`)."""
     how = "by majority" if evidence["method"] == "majority" else "as the one whose second reading changed"
+    peers = [r for r in evidence["replicas"] if r != rank]
     return (
         f"rank {rank}'s copy of {evidence['object']!r} (digest {evidence['digest']}) differs from its replicas' "
-        f"{evidence['replicas']} ({evidence['replica_digest']}) at step {evidence['step']}, named {how}: silent data "
+        f"(ranks {peers}: {evidence['replica_digest']}) at step {evidence['step']}, named {how}: silent data "
         "corruption is suspected"
     )

@@ -73,18 +73,17 @@ class Layout:
 
     @property
     def size(self) -> int:
+        """Elements of the vote tensor, the trailer included."""
         return self.buffers + self.world * self.row + 1  # the trailer
 
     def section(self, vote: torch.Tensor, name: str) -> torch.Tensor:
+        """The part of ``vote`` (a view) that the section ``name`` fills."""
         at = self.head
         for label, n in self.sections:
             if label == name:
                 return vote[at : at + n]
             at += n
         raise KeyError(name)
-
-    def has(self, name: str) -> bool:
-        return any(label == name for label, _ in self.sections)
 
     def digest(self) -> int:
         """A 64-bit digest of the layout: every rank's vote must be laid out alike."""
@@ -160,6 +159,7 @@ class StepVote:
         return {"differs": dict(self.differs), "used": sorted(self._used), "differing": dict(self._differing)}
 
     def learn(self, known: dict[str, Any]) -> None:
+        """Take what another rank's votes proved (:meth:`knowledge`): a joiner, or a survivor rolled forward."""
         self.differs = {str(k): int(v) for k, v in known["differs"].items()}
         self._used = {str(n) for n in known["used"]}
         self._differing = {str(k): int(v) for k, v in known["differing"].items()}
@@ -181,6 +181,7 @@ class StepVote:
         return total // n
 
     def contract_agrees(self, vote: torch.Tensor) -> bool:
+        """Whether every rank's vote carried the same contract digest (see :mod:`rlaunch.runtime.contract`)."""
         return contract.agree(self.world_size, vote[CONTRACT:FINGERPRINTS].tolist())
 
     def accept(self, vote: torch.Tensor, layout: Layout, step: int, tracked: dict[str, Any], rank: int) -> None:

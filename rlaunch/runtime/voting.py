@@ -122,11 +122,11 @@ class Voting:
         if not s.vote.complete(vote, layout, succeeded=not self._group.failed):
             return False
         if not s.vote.contract_agrees(vote):
-            table = contract.rows(self._group, self._contract(layout).row(), self._group.group_rank, s.world_size)
+            table = self._gather(self._contract(layout).row())
+            what = contract.explain(table) if table is not None else "naming them failed (a peer is gone)"
             raise self._stop(ContractError(
                 f"rank {s.rank}: the ranks disagree on what every rank must decide alike at step {s.step}: "
-                f"{contract.explain(table)}. This worker stops rather than hang or diverge; the job takes the "
-                "restart path."
+                f"{what}. This worker stops rather than hang or diverge; the job takes the restart path."
             ))
         if catalog is not None:
             self._check_groups(catalog, layout.section(vote, GROUPS))
@@ -184,30 +184,42 @@ class Voting:
             s.link.call("unrecoverable", generation=s.generation, reason=str(error))
         return error
 
-    def _gather(self, values: list[float]) -> torch.Tensor:
-        return contract.rows(self._group, values, self._group.group_rank, self._s.world_size)
+    def _gather(self, values: list[float]) -> torch.Tensor | None:
+        """Every rank's ``values`` (one allreduce), or None when it failed: the group hands a failed
+        collective its own inputs back, and a table of one row and zeros must never name anyone."""
+        table = contract.rows(self._group, values, self._group.group_rank, self._s.world_size)
+        return None if self._group.failed else table
 
     def _compare(self, summed: torch.Tensor, prints: list[verify.Print], digests: list[int], move: bool) -> bool:
         """Read the replicas' comparison; False if a suspect of silent data corruption is replaced."""
         s = self._s
         differing = self.verifier.differing(summed, prints)
-        faults = self.verifier.settle(s.step, summed, prints, differing, periodic=not move)
+        faults = self.verifier.settle(s.step, summed, prints, differing)
         if differing and not faults:
             log.warning("rank %d: %s; a live replacement will be refused", s.rank, self.verifier.refusal())
         if not faults:
             return True
-        first = self._gather(verify.rows_of(prints, digests))
-        found = verify.verdict(prints, faults, first, None, s.step)
+        first = self._gather(verify.rows_of(digests))
         if move:
-            what = found.unnamed + [verify.describe_suspect(r, e) for r, e in sorted(found.suspects.items())]
+            found = verify.verdict(prints, faults, first, None, s.step) if first is not None else None
+            what = (
+                found.unnamed + [verify.describe_suspect(r, e) for r, e in sorted(found.suspects.items())]
+                if found is not None
+                else [f"{', '.join(prints[i].label() for i, _ in faults)} (naming the ranks failed: a peer is gone)"]
+            )
             raise self._stop(MoveVerificationError(
                 f"rank {s.rank}: after the move to generation {s.generation}, ranks that must hold equal state do "
                 f"not: {'; '.join(what)}. The step is not applied: this worker stops and the job takes the restart "
                 "path."
             ))
+        if first is None:  # a peer went away while the suspects were named: recover the step first
+            return False
+        found = verify.verdict(prints, faults, first, None, s.step)
         if found.unnamed:  # every rank reads the same table, so all read their state again alike
-            again = self.verifier.digests(s.tracked, prints, self._mesh()[1], s.declared)
-            found = verify.verdict(prints, faults, first, self._gather(verify.rows_of(prints, again)), s.step)
+            again = self._gather(verify.rows_of(self.verifier.digests(s.tracked, prints, self._mesh()[1], s.declared)))
+            if again is None:
+                return False
+            found = verify.verdict(prints, faults, first, again, s.step)
         if found.unnamed:
             raise self._stop(SilentCorruptionError(
                 f"rank {s.rank}: {'; '.join(found.unnamed)}. The job stops rather than train on possibly corrupt "

@@ -107,6 +107,9 @@ class JobSpec:
     args: list[str]
     fingerprint: str
     rlaunch_version: str
+    #: --verify-every ("auto", "0" or a number of steps): it sets the size of the per-step vote on
+    #: the steps it compares, so every agent's workers must use the same
+    verify_every: str = "auto"
 
     def differences(self, other: JobSpec) -> list[str]:
         """Human-readable ``field: ours vs theirs`` lines for fields that differ."""

@@ -261,6 +261,7 @@ def test_differences_cover_every_field() -> None:
         args=["x"],
         fingerprint="ffffffffffffffff",
         rlaunch_version="9.9.9",
+        verify_every="7",
     )
     names = [line.partition(":")[0] for line in job_spec().differences(theirs)]
     assert names == [f.name for f in dataclasses.fields(JobSpec)]

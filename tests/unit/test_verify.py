@@ -1,25 +1,38 @@
 """Replicas compared in the vote: first-vote layouts, faults, and the verdict that names a suspect.
 
-Each "rank" is a model and optimizer in this process; the vote's allreduce is the sum of their
-sections, and the gather that names suspects is the stack of their rows.
+Each "rank" is a model (DDP over a one-rank gloo group of its own: DDP is what keeps replicas equal)
+and optimizer in this process; the vote's allreduce is the sum of their sections, and the gather
+that names suspects is the stack of their rows.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed import HashStore, ProcessGroup
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import verify
 from rlaunch.runtime.replicas import declare
 from rlaunch.runtime.verify import Verifier
 
 
+def _ddp(module: nn.Module) -> DistributedDataParallel:
+    store = HashStore()
+    pg = ProcessGroup(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1))
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    return DistributedDataParallel(module, process_group=pg)
+
+
 def _rank(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model = _ddp(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(99)  # the same batch on every replica: gradients as after DDP's allreduce
     model(torch.randn(16, 4)).sum().backward()
@@ -32,11 +45,11 @@ def _compare(ranks: list[dict[str, Any]], verifiers: list[Verifier], step: int, 
     prints = verifiers[0].prints(ranks[0], None, (), declared)
     digests = [v.digests(r, prints, (), declared) for v, r in zip(verifiers, ranks, strict=True)]
     summed = sum(v.section(i, prints, d, 0.1) for i, (v, d) in enumerate(zip(verifiers, digests, strict=True)))
-    rows = torch.tensor([verify.rows_of(prints, d) for d in digests], dtype=torch.float64)
+    rows = torch.tensor([verify.rows_of(d) for d in digests], dtype=torch.float64)
     found = []
     for v in verifiers:
         differing = v.differing(summed, prints)
-        found.append(v.settle(step, summed, prints, differing, periodic=True))
+        found.append(v.settle(step, summed, prints, differing))
     assert all(f == found[0] for f in found), "every rank reads the same faults"
     assert world == len(verifiers)
     return prints, found[0], rows
@@ -48,7 +61,7 @@ def test_replicas_that_agree_are_remembered_good_and_a_flip_is_named_by_majority
     assert faults == [] and {p.obj for p in prints} == {"model", "opt"}
     assert verifiers[0].good == {("model", ()), ("opt", ())} and not verifiers[0].differs
     with torch.no_grad():
-        ranks[1]["model"][0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20  # one bit, on rank 1
+        ranks[1]["model"].module[0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20  # one bit, on rank 1
     prints, faults, rows = _compare(ranks, verifiers, 1)
     assert [prints[i].obj for i, _ in faults] == ["model"]
     found = verify.verdict(prints, faults, rows, None, 1)
@@ -63,7 +76,7 @@ def test_two_replicas_cannot_be_told_apart_unless_a_second_reading_changes() -> 
     ranks, verifiers = [_rank() for _ in range(2)], [Verifier(1, 2) for _ in range(2)]
     _compare(ranks, verifiers, 0)
     with torch.no_grad():
-        ranks[0]["opt"].state[ranks[0]["model"][2].bias]["exp_avg"].view(torch.int32)[0] ^= 1
+        ranks[0]["opt"].state[ranks[0]["model"].module[2].bias]["exp_avg"].view(torch.int32)[0] ^= 1
     prints, faults, rows = _compare(ranks, verifiers, 1)
     found = verify.verdict(prints, faults, rows, None, 1)
     assert not found.suspects and "no one can be named" in found.unnamed[0] and "'opt'" in found.unnamed[0]
@@ -101,10 +114,10 @@ def test_auto_interval_keeps_the_cost_under_the_budget() -> None:
     v = Verifier(None, 2)
     summed = torch.zeros(2, dtype=torch.float64)
     summed[-2], summed[-1] = 2 * 20_000.0, 2 * 400_000.0  # 20 ms of digests, 400 ms steps, on 2 ranks
-    v.settle(10, summed, [], [], periodic=True)
+    v.settle(10, summed, [], [])
     assert v.next_step == 10 + 10, "20 ms every 10 steps of 400 ms is 0.5 %"
     fixed = Verifier(7, 2)
-    fixed.settle(10, summed, [], [], periodic=True)
+    fixed.settle(10, summed, [], [])
     assert fixed.next_step == 17 and not Verifier(0, 2).due(10**6, move=False) and Verifier(0, 2).due(5, move=True)
 
 
@@ -124,7 +137,7 @@ def test_state_that_first_appears_later_is_a_fault_unless_it_follows_a_layout() 
 
     def fresh(seed: int) -> dict[str, Any]:
         torch.manual_seed(seed)
-        model = nn.Linear(4, 2)
+        model = _ddp(nn.Linear(4, 2))
         return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-2)}
 
     def step(ranks: list[dict[str, Any]], seeds: list[int]) -> None:
@@ -141,7 +154,62 @@ def test_state_that_first_appears_later_is_a_fault_unless_it_follows_a_layout() 
     assert {prints[i].obj for i, _ in faults} == {"model", "opt"}, "the new moments differ: a fault, not a layout"
 
     ranks, verifiers = [fresh(0), fresh(1)], [Verifier(1, 2) for _ in range(2)]
-    _compare(ranks, verifiers, 0)  # experts of their own: a layout
+    _compare(ranks, verifiers, 0)  # different from the start: a layout
     step(ranks, [5, 6])
     prints, faults, _ = _compare(ranks, verifiers, 1)
     assert faults == [] and ("opt", ()) in verifiers[0].differs, "the experts' moments follow their layout"
+
+
+def test_a_plain_module_that_drifts_apart_is_a_layout_not_silent_data_corruption() -> None:
+    """An EMA updated on rank 0 only, or experts of a hand-built layout that started alike: the
+    runtime does not keep plain modules equal, so a later difference is the script's own doing."""
+    torch.manual_seed(0)
+    ranks = [{"ema": nn.Linear(4, 2)} for _ in range(3)]
+    for r in ranks[1:]:
+        r["ema"].load_state_dict(ranks[0]["ema"].state_dict())
+    verifiers = [Verifier(1, 3) for _ in range(3)]
+    _, faults, _ = _compare(ranks, verifiers, 0)
+    assert faults == [] and ("ema", ()) in verifiers[0].good
+    with torch.no_grad():
+        ranks[0]["ema"].weight.mul_(0.9)  # rank 0 alone updates it
+    _, faults, _ = _compare(ranks, verifiers, 5)
+    assert faults == [], "not a suspect"
+    assert "the tracked 'ema' differ from rank to rank since step 5" in verifiers[0].refusal()
+
+
+def test_a_gather_that_failed_names_nobody_and_sends_the_step_to_recovery() -> None:
+    """A peer gone between the completed vote and the gather that names suspects: the group hands
+    the gather its own input back (one row and zeros). Read as a table, the zeros would outvote
+    this rank and it would report itself as the suspect."""
+    from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
+    from rlaunch.runtime.grouptable import GroupTable
+    from rlaunch.runtime.rankstate import RankState
+    from rlaunch.runtime.vote import StepVote
+    from rlaunch.runtime.voting import Voting
+
+    class Link:
+        calls: list[str] = []
+
+        def call(self, op: str, **fields: Any) -> dict[str, Any]:
+            self.calls.append(op)
+            return {}
+
+    ranks = [_rank() for _ in range(3)]
+    verifiers = [Verifier(1, 3) for _ in range(3)]
+    _compare(ranks, verifiers, 0)  # equal: known good
+    with torch.no_grad():
+        ranks[1]["model"].module[0].weight.view(-1).view(torch.int32)[5] ^= 1 << 20
+    prints = verifiers[0].prints(ranks[0], None, (), None)
+    digests = [v.digests(r, prints, (), None) for v, r in zip(verifiers, ranks, strict=True)]
+    summed = sum(v.section(i, prints, d, 0.1) for i, (v, d) in enumerate(zip(verifiers, digests, strict=True)))
+    group = SwitchableGroup("world", [0, 1, 2], 0, SandboxComm(0, 3), 1)
+    group.failed = "rank 2 is gone"
+    link = Link()
+    state = RankState(
+        rank=0, world_size=3, generation=1, standby=False, link=link, store=HashStore(),
+        timeout=datetime.timedelta(seconds=5), groups=GroupTable(None, datetime.timedelta(seconds=5)),
+        vote=StepVote(3),
+    )  # type: ignore[arg-type]  # fmt: skip
+    voting = Voting(state, group, verifiers[0], lambda: 0, lambda gen: None, lambda: 0.1)
+    assert voting._compare(summed, prints, digests[0], move=False) is False
+    assert "sdc_suspected" not in link.calls, "rank 0 (healthy) must not report itself"
