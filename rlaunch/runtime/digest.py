@@ -65,11 +65,43 @@ def terms(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([blocks.sum() + tail, weighted])
 
 
-def of_items(items: Iterable[tuple[str, Any]]) -> int:
+class Terms:
+    """Each tensor's two terms, read once and shared by every digest that mixes them.
+
+    A move digests the same tensors twice over: per tracked object for the transfer, per replica
+    pattern for the first vote after it. One :class:`Terms` serves both with one pass over the
+    bytes. A tensor is known by the memory it views (device, address, dtype, shape, strides: a
+    parameter and the detached view ``state_dict()`` gives of it are one), so it holds while the
+    tensors are not written to: make a new one for each moment digested.
+    """
+
+    def __init__(self) -> None:
+        #: memory -> (a tensor viewing it, kept so the address is not reused, its terms)
+        self._known: dict[tuple[Any, ...], tuple[torch.Tensor, list[int]]] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+    def read(self, tensors: list[torch.Tensor]) -> list[list[int]]:
+        """The terms of ``tensors`` (in their order); the ones not read yet with one transfer per device."""
+        local = [_local(t) for t in tensors]
+        missing = {self._key(t): t for t in local if self._key(t) not in self._known}
+        by_device: dict[torch.device, list[tuple[tuple[Any, ...], torch.Tensor]]] = {}
+        for key, t in missing.items():
+            by_device.setdefault(t.device, []).append((key, t))
+        for group in by_device.values():
+            read = torch.stack([terms(t) for _, t in group]).cpu().tolist()
+            for (key, t), values in zip(group, read, strict=True):
+                self._known[key] = (t, values)
+        return [self._known[self._key(t)][1] for t in local]
+
+
+def of_items(items: Iterable[tuple[str, Any]], known: Terms | None = None) -> int:
     """One 64-bit digest of named values: tensors by their bytes (and dtype, shape), the rest by ``repr``.
 
-    Nested dicts, lists and tuples are walked. Each device's tensor terms are read back with one
-    host transfer.
+    Nested dicts (in key order), lists and tuples are walked. Tensors' terms come from ``known``
+    when given (read there if missing), each device's read back with one host transfer.
     """
     described: list[str] = []
     tensors: list[torch.Tensor] = []
@@ -93,24 +125,9 @@ def of_items(items: Iterable[tuple[str, Any]]) -> int:
         walk(name, value)
     h = hashlib.blake2b(digest_size=8)
     h.update("\n".join(described).encode())
-    for values in _read_terms(tensors):
+    for values in (known or Terms()).read(tensors):
         h.update(repr(values).encode())
     return int.from_bytes(h.digest(), "little")
-
-
-def _read_terms(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """Each tensor's terms, read back with one transfer per device (in the tensors' order)."""
-    if not tensors:
-        return []
-    out: list[list[int]] = [[] for _ in tensors]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(_local(t).device, []).append(i)
-    for indices in by_device.values():
-        stacked = torch.stack([terms(tensors[i]) for i in indices]).cpu().tolist()
-        for i, values in zip(indices, stacked, strict=True):
-            out[i] = values
-    return out
 
 
 def hexed(value: int) -> str:

@@ -371,10 +371,12 @@ class Runtime:
                     # replacement starts from the same step start as the survivors.
                     self._snapshots.restore(s.start, s.tracked)
                 self._recovery.send_replicas(step)
+                self._voting.prime()  # while the replacement receives its state
                 last = time.perf_counter()
                 continue
             if self._migration.due:
-                self._migration.switch(step + 1)
+                self._migration.switch(step + 1)  # a leaver exits here
+                self._voting.prime()  # while the joiner receives its state
             last = time.perf_counter()
             step += 1
         if s.link is not None:
@@ -553,6 +555,7 @@ class Runtime:
                 "again."
             ) from exc
         retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
+        self._voting.prime(landed.terms)  # the first vote compares what just landed: no second pass
         s.applied = landed.step - 1
         s.generation = plan.generation
         s.verify_due = True  # the first vote after joining compares the replicas

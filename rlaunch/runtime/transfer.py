@@ -130,21 +130,25 @@ def _loads(raw: bytes) -> dict[str, Any]:
     return loaded
 
 
-def state_digests(tracked: dict[str, Any], step: int, rng_state: rng.RngState) -> dict[str, str]:
+def state_digests(
+    tracked: dict[str, Any], step: int, rng_state: rng.RngState, known: digest.Terms | None = None
+) -> dict[str, str]:
     """A digest of each tracked object's state as :func:`tensors_of` sees it (its tensors and its
     other values), of the RNG states and of the step: what a move must carry unchanged."""
-    return _digests(list(tracked), *tensors_of(tracked), step, rng_state)
+    return _digests(list(tracked), *tensors_of(tracked), step, rng_state, known)
 
 
 def _digests(
     names: list[str], pairs: list[tuple[str, torch.Tensor]], kinds: dict[str, str], values: dict[str, Any],
-    step: int, rng_state: rng.RngState,
+    step: int, rng_state: rng.RngState, known: digest.Terms | None = None,
 ) -> dict[str, str]:  # fmt: skip
+    known = known or digest.Terms()
     out = {}
     for name in names:
         prefix = f"{name}."
         items = [(n, t) for n, t in pairs if n.startswith(prefix)]
-        out[name] = digest.hexed(digest.of_items([("kind", kinds[name]), ("values", values.get(name)), *items]))
+        entries = [("kind", kinds[name]), ("values", values.get(name)), *items]
+        out[name] = digest.hexed(digest.of_items(entries, known))
     out["rng"] = digest.hexed(digest.of_items(sorted(rng.fingerprints(rng_state).items())))
     out["step"] = str(step)
     return out
@@ -208,10 +212,12 @@ MAX_JSON_BYTES = 256 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Landed:
-    """What a joiner received: the step it goes on with, and the seconds its digests took."""
+    """What a joiner received: the step it goes on with, the seconds its digests took, and the
+    digest terms of its tensors as they landed (the first vote's replica check reuses them)."""
 
     step: int
     verify_s: float
+    terms: digest.Terms
 
 
 def recv_state(
@@ -249,7 +255,8 @@ def recv_state(
     # from the global generator (a raw StatefulDataLoader's does): put the sender's streams back.
     began = time.perf_counter()
     restored = rng.capture()
-    mine = state_digests(tracked, step, restored)
+    landed = digest.Terms()
+    mine = state_digests(tracked, step, restored, landed)
     rng.restore(restored)
     spent = time.perf_counter() - began
     trailer = _recv_json(channel, "digests")
@@ -263,7 +270,7 @@ def recv_state(
                 f"sender computed {theirs.get(name)} over what it sent, so the move is refused before any step is "
                 "applied; this joiner stops rather than train on it."
             )
-    return Landed(step, spent)
+    return Landed(step, spent, landed)
 
 
 def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:

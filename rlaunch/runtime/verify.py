@@ -136,6 +136,7 @@ class Verifier:
         self.last_cost_s = 0.0  # what the last comparison cost this rank (digests only)
         self.spent_s = 0.0  # what every comparison so far cost this rank
         self.count = 0  # comparisons so far
+        self._primed: digest.Terms | None = None  # terms taken at a move's boundary (see prime)
 
     def due(self, step: int, move: bool) -> bool:
         """Whether this step's vote compares replicas: after every move, and on the scheduled steps."""
@@ -165,13 +166,31 @@ class Verifier:
         return out
 
     def digests(self, tracked: dict[str, Any], prints: Sequence[Print], names: Sequence[str],
-                declared: Declared | None) -> list[int]:  # fmt: skip
+                declared: Declared | None, known: digest.Terms | None = None) -> list[int]:  # fmt: skip
+        """Each print's digest (tensors' terms from ``known`` where it has them)."""
+        known = known or digest.Terms()
         by_object: dict[str, dict[Pattern, list[tuple[str, Any]]]] = {}
         out = []
         for p in prints:
             grouped = by_object.setdefault(p.obj, _items(tracked[p.obj], names, declared))
-            out.append(digest.of_items(grouped[p.pattern]))
+            out.append(digest.of_items(grouped[p.pattern], known))
         return out
+
+    def read_now(self, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
+                 declared: Declared | None) -> digest.Terms:  # fmt: skip
+        """The terms of every tensor a comparison would read now (counted in :attr:`spent_s`)."""
+        began = self._clock()
+        known = digest.Terms()
+        self.digests(tracked, self.prints(tracked, mesh, names, declared), names, declared, known)
+        self.spent_s += self._clock() - began
+        return known
+
+    def prime(self, known: digest.Terms) -> None:
+        """The next comparison reads its tensors' terms from ``known``: taken at a move's boundary
+        (while a survivor waits for the transfer, or from what a joiner digested as its state landed),
+        which the first vote after the move compares. Parameters and optimizer state do not change
+        between the boundary and that vote's optimizer step."""
+        self._primed = known
 
     def prepare(self, rank: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
                 declared: Declared | None, step_s: float) -> tuple[list[Print], list[int], torch.Tensor]:  # fmt: skip
@@ -181,8 +200,9 @@ class Verifier:
         interval is chosen from, and what :attr:`spent_s` adds up.
         """
         began = self._clock()
+        known, self._primed = self._primed, None
         prints = self.prints(tracked, mesh, names, declared)
-        digests = self.digests(tracked, prints, names, declared)
+        digests = self.digests(tracked, prints, names, declared, known)
         self.last_cost_s = self._clock() - began
         self.spent_s += self.last_cost_s
         self.count += 1

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlaunch.errors import RlaunchError
-from rlaunch.runtime import contract, partition, verify
+from rlaunch.runtime import contract, digest, partition, verify
 from rlaunch.runtime.contract import ContractError, GroupCatalog, StepContract
 from rlaunch.runtime.groups import SwitchableGroup
 from rlaunch.runtime.rankstate import RankState
@@ -144,6 +144,17 @@ class Voting:
         if ready:
             self._agree(ready)
         return True
+
+    def prime(self, known: digest.Terms | None = None) -> None:
+        """At a move's boundary: take the digest terms the first vote after it compares now (a
+        survivor, while the joiner receives its state: off the move's critical path), or from what
+        a joiner digested as its state landed (``known``)."""
+        s = self._s
+        if s.link is None:
+            return
+        if known is None:
+            known = self.verifier.read_now(s.tracked, *self._mesh(), s.declared)
+        self.verifier.prime(known)
 
     def _contract(self, layout: Layout) -> StepContract:
         s = self._s

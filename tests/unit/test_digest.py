@@ -43,3 +43,17 @@ def test_names_shapes_and_other_values_are_part_of_a_state_digest() -> None:
     assert base != digest.of_items([("a", t.view(2, 3)), ("lr", 0.1)])
     assert base != digest.of_items([("a", t), ("lr", 0.2)])
     assert digest.hexed(base).startswith("0x") and len(digest.hexed(base)) == 18
+
+
+def test_shared_terms_read_each_tensor_once_and_know_a_detached_view_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move's transfer check and its first replica check read the same tensors: once."""
+    params = [torch.randn(300), torch.randn(7, 5)]
+    read: list[int] = []
+    real = digest.terms
+    monkeypatch.setattr(digest, "terms", lambda t: (read.append(t.numel()), real(t))[1])
+    known = digest.Terms()
+    first = digest.of_items([("model.w", params[0]), ("model.b", params[1])], known)
+    assert sorted(read) == [35, 300]
+    again = digest.of_items([("w", params[0].detach()), ("b", params[1])], known)  # as state_dict() gives them
+    assert sorted(read) == [35, 300], "no second pass"
+    assert again == digest.of_items([("w", params[0]), ("b", params[1])]) and first != again
