@@ -371,12 +371,10 @@ class Runtime:
                     # replacement starts from the same step start as the survivors.
                     self._snapshots.restore(s.start, s.tracked)
                 self._recovery.send_replicas(step)
-                self._voting.prime()  # while the replacement receives its state
                 last = time.perf_counter()
                 continue
             if self._migration.due:
-                self._migration.switch(step + 1)  # a leaver exits here
-                self._voting.prime()  # while the joiner receives its state
+                self._migration.switch(step + 1)
             last = time.perf_counter()
             step += 1
         if s.link is not None:
@@ -555,7 +553,9 @@ class Runtime:
                 "again."
             ) from exc
         retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
-        self._voting.prime(landed.terms)  # the first vote compares what just landed: no second pass
+        # The first vote compares what just landed, as digested: no second pass over it. (The other
+        # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
+        self._voting.prime(landed.terms)
         s.applied = landed.step - 1
         s.generation = plan.generation
         s.verify_due = True  # the first vote after joining compares the replicas

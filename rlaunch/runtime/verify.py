@@ -176,20 +176,9 @@ class Verifier:
             out.append(digest.of_items(grouped[p.pattern], known))
         return out
 
-    def read_now(self, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
-                 declared: Declared | None) -> digest.Terms:  # fmt: skip
-        """The terms of every tensor a comparison would read now (counted in :attr:`spent_s`)."""
-        began = self._clock()
-        known = digest.Terms()
-        self.digests(tracked, self.prints(tracked, mesh, names, declared), names, declared, known)
-        self.spent_s += self._clock() - began
-        return known
-
     def prime(self, known: digest.Terms) -> None:
-        """The next comparison reads its tensors' terms from ``known``: taken at a move's boundary
-        (while a survivor waits for the transfer, or from what a joiner digested as its state landed),
-        which the first vote after the move compares. Parameters and optimizer state do not change
-        between the boundary and that vote's optimizer step."""
+        """The next comparison reads its tensors' terms from ``known`` (what a joiner digested as its
+        state landed: parameters and optimizer state do not change before that vote's optimizer step)."""
         self._primed = known
 
     def prepare(self, rank: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],

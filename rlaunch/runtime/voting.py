@@ -145,16 +145,11 @@ class Voting:
             self._agree(ready)
         return True
 
-    def prime(self, known: digest.Terms | None = None) -> None:
-        """At a move's boundary: take the digest terms the first vote after it compares now (a
-        survivor, while the joiner receives its state: off the move's critical path), or from what
-        a joiner digested as its state landed (``known``)."""
-        s = self._s
-        if s.link is None:
-            return
-        if known is None:
-            known = self.verifier.read_now(s.tracked, *self._mesh(), s.declared)
-        self.verifier.prime(known)
+    def prime(self, known: digest.Terms) -> None:
+        """(joiner) The first vote after joining compares the state as it landed, from the digest
+        terms the transfer check read (``known``), instead of reading it a second time."""
+        if self._s.link is not None:
+            self.verifier.prime(known)
 
     def _contract(self, layout: Layout) -> StepContract:
         s = self._s
