@@ -220,8 +220,8 @@ def parse_verify_every(text: str) -> int | None:
         return int(value)
     raise UsageError(
         f"--verify-every {text!r} is not valid: give a number of steps between checks of the replicas' "
-        "fingerprints (such as 100), auto (the default: the runtime keeps the check under 1 % of the step "
-        "time) or 0 (off)."
+        "fingerprints (such as 100), auto (the default: the runtime keeps the check at most 0.5 % of the "
+        "step time) or 0 (off)."
     )
 
 

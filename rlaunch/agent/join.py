@@ -84,8 +84,8 @@ async def join_job(
         if diffs:
             raise JoinError(
                 f"This agent's job differs from job {job_id!r} in etcd: {'; '.join(diffs)}. "
-                "Launch every node with the same script, arguments, --nnodes, --nproc-per-node and "
-                "--max-restarts, or pick another --rdzv-id."
+                "Launch every node with the same script, arguments, --nnodes, --nproc-per-node, --max-restarts "
+                "and --verify-every, or pick another --rdzv-id."
             )
         if await store.create_all([(node_key, encode(record), lease)], guard=(keys.spec, spec_kv.mod_revision)):
             return

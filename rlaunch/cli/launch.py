@@ -142,7 +142,7 @@ def run(
         "auto",
         "--verify-every",
         help="Steps between checks that data-parallel replicas hold the same parameters and optimizer state "
-        "(silent data corruption): a number, auto (the runtime keeps the check under 1 % of step time) or 0 (off).",
+        "(silent data corruption): a number, auto (the runtime keeps the check at most 0.5 % of step time) or 0 (off).",
         env=False,
     ),
     cacert: str | None = CACERT,

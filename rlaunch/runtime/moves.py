@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlaunch.runtime import shards
+from rlaunch.runtime import registry, shards
+from rlaunch.runtime.contract import ContractError
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.voting import Voting
 
@@ -35,6 +36,12 @@ class Moves:
         s = self._s
         if not s.tracked:
             return "rt.track() was never called, so this rank has no state to hand over"
+        foreign = registry.foreign_groups()
+        if foreign:
+            return (
+                f"the group(s) {', '.join(foreign)} were made by torch.distributed (new_group or init_device_mesh), "
+                "not by the runtime, so a move could not rebuild them; make them with rt.new_group or rt.device_mesh"
+            )
         why = shards.move_refusal(s.tracked)
         if why:
             return why
@@ -61,7 +68,10 @@ class Moves:
         """Why this rank's shards have no replica anywhere ("" when some rank holds them). A replacement
         finds its sources when it happens (``recovery.mesh_sources``): this is for the report."""
         s = self._s
-        if s.mesh is None or s.declared is not None:
+        if s.declared is not None:
+            alone = len(s.declared.sets[s.declared.index(s.rank)]) == 1
+            return f"rank {s.rank} is alone in its declared replica set (rt.declare_replicas)" if alone else ""
+        if s.mesh is None:
             return ""
         others = [r for r in range(s.world_size) if r != s.rank]
         sharded = shards.sharded_dims(s.tracked, s.mesh.names)
@@ -77,7 +87,7 @@ class Moves:
         v = self._voting
         seen = (
             s.generation, s.rank, len(s.tracked), len(s.per_rank), s.declared, tuple(sorted(s.vote.differs)),
-            tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())),
+            tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())), registry.known_groups(),
         )  # fmt: skip
         if s.link is None or seen == self._seen:
             return
@@ -91,16 +101,26 @@ class Moves:
 
     def knowledge(self) -> dict[str, Any]:
         """What the other ranks learnt while the job ran (JSON values, for the transfer header)."""
+        declared = self._s.declared
         return {
             "vote": self._s.vote.knowledge(),
             "verify": self._voting.verifier.knowledge(),
             "partitions": dict(self._voting.partitions),
+            "declared": [list(m) for m in declared.sets] if declared is not None else None,
         }
 
     def learn(self, known: dict[str, Any]) -> None:
         """(joiner) Take what the sender knows, before its tracked state is loaded."""
         if not known:
             return
+        s = self._s
+        theirs = known.get("declared")
+        mine = [list(m) for m in s.declared.sets] if s.declared is not None else None
+        if theirs != mine:
+            raise ContractError(
+                f"rank {s.rank}: this rank's script declared the replica sets {mine} but the rank it joins declared "
+                f"{theirs} (rt.declare_replicas); every rank must declare the same, so it does not take the rank."
+            )
         self._s.vote.learn(known["vote"])
         self._voting.verifier.learn(known["verify"])
         self._voting.partitions = {str(k): str(v) for k, v in known["partitions"].items()}

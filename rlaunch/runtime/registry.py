@@ -34,6 +34,22 @@ def unregister(group: SwitchableGroup) -> None:
     group.registered_name = None
 
 
+def foreign_groups() -> list[str]:
+    """The groups torch.distributed knows that the runtime did not make (``dist.new_group``,
+    ``init_device_mesh``), each named with its ranks: a move cannot rebuild them."""
+    world = c10d._world
+    return [
+        f"{world.pg_names.get(pg, '?')} (ranks {sorted(world.pg_group_ranks.get(pg, {}))})"
+        for pg in list(world.pg_map)
+        if not isinstance(pg, SwitchableGroup)
+    ]
+
+
+def known_groups() -> int:
+    """How many groups torch.distributed knows (a cheap sign that one was made since last asked)."""
+    return len(c10d._world.pg_map)
+
+
 def register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
     """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
     name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"

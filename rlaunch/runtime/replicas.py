@@ -43,13 +43,18 @@ class Declared:
 
 
 def declare(sets: Sequence[Sequence[int]], world_size: int) -> Declared:
-    """Validate the script's replica sets: every rank in exactly one, each set sorted."""
-    cleaned = tuple(tuple(sorted({int(r) for r in members})) for members in sets)
+    """Validate the script's replica sets: lists of ranks, every rank in exactly one."""
+    shown = repr(sets)
+    ok = isinstance(sets, (list, tuple)) and all(
+        isinstance(m, (list, tuple, range)) and m and all(type(r) is int for r in m) for m in sets
+    )
+    cleaned = tuple(tuple(sorted(m)) for m in sets) if ok else ()
     flat = sorted(r for members in cleaned for r in members)
-    if flat != list(range(world_size)) or any(not members for members in cleaned):
+    if not ok or flat != list(range(world_size)):
         raise ValueError(
-            f"rt.declare_replicas({[list(s) for s in sets]}) must name every rank 0..{world_size - 1} exactly once, "
-            "each in the set of ranks that hold the same parameters (the data-parallel group of each rank)."
+            f"rt.declare_replicas({shown}) must be a list of lists of ranks naming every rank 0..{world_size - 1} "
+            "exactly once, each in the set of ranks that hold the same parameters (the data-parallel group of each "
+            "rank), e.g. [[0, 2], [1, 3]]."
         )
     return Declared(tuple(sorted(cleaned)))
 

@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import partition, replicas, reshard, rng, verify
+from rlaunch.runtime import contract, partition, replicas, reshard, rng, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
@@ -218,7 +218,17 @@ class Runtime:
         replaced rank gets its state from its own set. Without it, parameters that differ by rank make
         a live replacement refused (a drain still moves them).
         """
-        self._s.declared = replicas.declare(sets, self.world_size)
+        declared = replicas.declare(sets, self.world_size)
+        if self._s.link is not None and not self.group.sandboxed:
+            # every rank must declare the same: compared once, here (the votes' sizes depend on it)
+            agreed = torch.tensor(contract.terms(hash(declared.sets) & (2**64 - 1)), dtype=torch.float64)
+            self.group.allreduce([agreed]).wait()
+            if not contract.agree(self.world_size, agreed.tolist()):
+                raise ValueError(
+                    f"rt.declare_replicas was given other sets on other ranks (rank {self.rank}: "
+                    f"{[list(m) for m in declared.sets]}); give every rank the same list."
+                )
+        self._s.declared = declared
 
     def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False) -> EpochLoader:
         """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.

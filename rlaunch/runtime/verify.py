@@ -263,8 +263,9 @@ class Verifier:
         )
         return (
             f"the tracked {what} differ from rank to rank since step {min(self.differs.values())}, so no replica "
-            "holds them (tensor or expert parallelism built on rt.new_group? declare which ranks hold equal copies "
-            "with rt.declare_replicas(...), or build the layout on rt.device_mesh)"
+            "holds them (parameters kept apart by the script, such as an EMA updated on one rank, or tensor or "
+            "expert parallelism built on rt.new_group: declare which ranks hold equal copies with "
+            "rt.declare_replicas(...), or shard them as DTensors on rt.device_mesh)"
         )
 
     def knowledge(self) -> dict[str, Any]:

@@ -113,6 +113,8 @@ def test_parameters_that_differ_by_rank_refuse_a_live_replacement_unless_declare
     assert "rt.declare_replicas" in out
     code, out = _expert_run("--steps", "6", "--declare")
     assert code == 0 and "live moves: drain and replacement" in out, out[-3000:]
+    code, out = _expert_run("--steps", "6", "--declare", "--torch-groups")
+    assert code == 0 and "live moves: none: the group(s)" in out and "made by torch.distributed" in out, out[-3000:]
 
 
 def test_declared_replicas_serve_a_replacement_and_a_drain_bit_identically(cluster: Cluster) -> None:

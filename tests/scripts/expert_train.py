@@ -5,7 +5,8 @@ same expert (``[[0, 2], [1, 3]]`` over 4 ranks); each step averages the gradient
 group chosen by the rank at that step (so a joiner uses its new rank's group), and every 5 steps
 averages the loss over an expert-parallel pair (``[0, 1]``, ``[2, 3]``). Parameters differ by rank:
 ``--declare`` tells the runtime which ranks hold equal copies (``rt.declare_replicas``); without it
-a live replacement is refused (a drain still moves them).
+a live replacement is refused (a drain still moves them). ``--torch-groups`` makes the pairs with
+``dist.new_group``, which the runtime cannot rebuild: no live move at all.
 
 Every rank prints ``rank R final: params=<digest> optim=<digest>`` at the end.
 """
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--declare", action="store_true")
+    ap.add_argument("--torch-groups", action="store_true", help="the expert-parallel pairs from dist.new_group")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -44,7 +46,11 @@ def main() -> None:
     world = rt.world_size
     sets = [[r for r in range(world) if r % EXPERTS == e] for e in range(EXPERTS)]
     dp = [rt.new_group(f"dp{e}", members) for e, members in enumerate(sets)]
-    ep = [rt.new_group(f"ep{i}", range(i * EXPERTS, (i + 1) * EXPERTS)) for i in range(world // EXPERTS)]
+    pairs = [range(i * EXPERTS, (i + 1) * EXPERTS) for i in range(world // EXPERTS)]
+    if args.torch_groups:  # torch's own groups: the runtime cannot rebuild them, so nothing can move live
+        ep = [dist.new_group(list(ranks)) for ranks in pairs]
+    else:
+        ep = [rt.new_group(f"ep{i}", ranks) for i, ranks in enumerate(pairs)]
     if args.declare:
         rt.declare_replicas(sets)
     torch.manual_seed(100 + max(rt.rank, 0) % EXPERTS)  # each expert starts from its own weights

@@ -106,8 +106,9 @@ def test_declared_replica_sets_are_compared_set_by_set() -> None:
     prints, faults, _ = _compare(ranks, verifiers, 0, declared)
     assert faults == [] and not verifiers[0].differs, "each set agrees within itself"
     assert prints[0].slots.of_rank == (0, 1, 0, 1)
-    with pytest.raises(ValueError, match="must name every rank 0..3 exactly once"):
-        declare([[0, 1], [1, 2, 3]], 4)
+    for bad in ([[0, 1], [1, 2, 3]], [0, 1, 2, 3], "0,1", [[0, 0, 1], [2, 3]], [[0.5, 1], [2, 3]], [[0, 1, 2, 3], []]):
+        with pytest.raises(ValueError, match=r"must be a list of lists of ranks naming every rank 0..3 exactly once"):
+            declare(bad, 4)  # type: ignore[arg-type]
 
 
 def test_auto_interval_keeps_the_cost_under_the_budget() -> None:
