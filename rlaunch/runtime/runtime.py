@@ -461,6 +461,7 @@ class Runtime:
             if self._voting.cast():
                 self._moves.report()
                 apply()
+                self._voting.after_update()
                 return True
         return self._recovery.recover(apply)
 

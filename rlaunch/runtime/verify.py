@@ -12,8 +12,10 @@ makes the vote compare them:
 - every ``--verify-every`` steps (``auto``: an interval whose cost stays under
   :data:`BUDGET` of the step time, from the cost every rank measured): a replica that differs
   is silent data corruption. :func:`verdict` names the suspect by majority where a slot has
-  three or more replicas, else by reading the state again (a device whose reading changed is the
-  suspect), else it cannot name one and the job stops rather than train on.
+  three or more replicas, else as the one whose state changed since its own last optimizer step
+  (each rank digests what its update produced in the step before a scheduled comparison: a bit
+  flipped at rest since then names its rank), else by reading the state again (a device whose
+  reading changed), else it cannot name one and the job stops rather than train on.
 
 Each compared print is one tracked module's parameters (or one optimizer's state) of one
 pattern, digested on its device (:mod:`rlaunch.runtime.digest`); each rank adds the limb terms
@@ -137,10 +139,14 @@ class Verifier:
         self.spent_s = 0.0  # what every comparison so far cost this rank
         self.count = 0  # comparisons so far
         self._primed: digest.Terms | None = None  # terms taken at a move's boundary (see prime)
+        #: (step, print key -> digest) of this rank's state right after that step's optimizer step,
+        #: taken before a scheduled comparison: its own witness of what its update produced
+        self._after: tuple[int, dict[tuple[str, Pattern], int]] | None = None
+        self._after_cost_s = 0.0
 
     def due(self, step: int, move: bool) -> bool:
         """Whether this step's vote compares replicas: after every move, and on the scheduled steps."""
-        return move or (self.every != 0 and step >= self.next_step)
+        return move or self.every_compared(step)
 
     def prints(self, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
                declared: Declared | None) -> list[Print]:  # fmt: skip
@@ -197,6 +203,30 @@ class Verifier:
         self.count += 1
         return prints, digests, self.section(rank, prints, digests, step_s)
 
+    def after_update(self, step: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
+                     declared: Declared | None) -> None:  # fmt: skip
+        """Right after step ``step``'s optimizer step, when the next vote compares replicas: keep this
+        rank's digests of what its update produced. With two replicas a difference cannot be outvoted;
+        the one whose state changed since its own update (a flipped bit at rest) then names itself."""
+        if not self.every_compared(step + 1):
+            return
+        began = self._clock()
+        prints = self.prints(tracked, mesh, names, declared)
+        self._after = (step, dict(zip((p.key for p in prints), self.digests(tracked, prints, names, declared),
+                                      strict=True)))  # fmt: skip
+        self._after_cost_s = self._clock() - began
+        self.spent_s += self._after_cost_s
+
+    def every_compared(self, step: int) -> bool:
+        """Whether step ``step``'s vote is a scheduled comparison (moves aside)."""
+        return self.every != 0 and step >= self.next_step
+
+    def changed(self, step: int, prints: Sequence[Print], digests: Sequence[int]) -> list[float]:
+        """For each print: 1 where this rank's state differs from what its own last update produced
+        (taken by :meth:`after_update` in the step before), else 0 (also when not taken)."""
+        after = self._after[1] if self._after is not None and self._after[0] == step - 1 else {}
+        return [1.0 if p.key in after and after[p.key] != d else 0.0 for p, d in zip(prints, digests, strict=True)]
+
     def section(self, rank: int, prints: Sequence[Print], digests: Sequence[int], step_s: float) -> torch.Tensor:
         """This rank's part: its digests in its slots, and what they cost against its step (microseconds)."""
         sizes = [len(p.slots.counts) * contract.TERMS for p in prints]
@@ -206,7 +236,7 @@ class Verifier:
             slot = p.slots.of_rank[rank] * contract.TERMS
             out[at + slot : at + slot + contract.TERMS] = torch.tensor(contract.terms(d), dtype=torch.float64)
             at += size
-        out[-2] = float(round(self.last_cost_s * 1e6))
+        out[-2] = float(round((self.last_cost_s + self._after_cost_s) * 1e6))
         out[-1] = float(round(step_s * 1e6))
         return out
 
@@ -285,10 +315,13 @@ class Verifier:
 
 def verdict(prints: Sequence[Print], faults: Sequence[tuple[int, int]], first: torch.Tensor,
             again: torch.Tensor | None, step: int) -> Verdict:  # fmt: skip
-    """Name the suspects of the faulty slots from every rank's digests (``first``, world x prints,
-    as 4 limbs each), by majority, else by a second reading (``again``: the same after every rank
-    digested its state once more; None when not taken). Every rank computes the same verdict."""
+    """Name the suspects of the faulty slots from every rank's row (``first``, world x (4 limbs per
+    print, then one "changed since my own update" flag per print: :func:`rows_of`), by majority,
+    else as the one member whose state changed since its own update, else by a second reading
+    (``again``: the rows after every rank digested its state once more; None when not taken).
+    Every rank computes the same verdict."""
     out = Verdict()
+    flags = len(prints) * contract.LIMBS
 
     def value(table: torch.Tensor, rank: int, i: int) -> int:
         return contract.from_limbs(table[rank, i * contract.LIMBS : (i + 1) * contract.LIMBS].tolist())
@@ -307,6 +340,12 @@ def verdict(prints: Sequence[Print], faults: Sequence[tuple[int, int]], first: t
                 if v != majority:
                     found = _evidence(p, step, "majority", shown[r], digest.hexed(majority), members)
                     out.suspects.setdefault(r, found)
+            continue
+        moved = [r for r in members if first[r, flags + i].item() > 0]
+        if len(moved) == 1:  # its state changed after its own update, the others' did not: at rest
+            r = moved[0]
+            others = [digest.hexed(held[o]) for o in members if o != r]
+            out.suspects.setdefault(r, _evidence(p, step, "self-check", shown[r], others[0], members))
             continue
         changed = [r for r in members if again is not None and value(again, r, i) != held[r]]
         if len(changed) == 1:
@@ -331,14 +370,19 @@ def _evidence(p: Print, step: int, method: str, mine: str, theirs: str, members:
     }  # fmt: skip
 
 
-def rows_of(digests: Sequence[int]) -> list[float]:
-    """This rank's digests as limbs, for the gather that names suspects."""
-    return [float(x) for d in digests for x in contract.limbs(d)]
+def rows_of(digests: Sequence[int], changed: Sequence[float]) -> list[float]:
+    """This rank's row for the gather that names suspects: its digests as limbs, then its
+    :meth:`Verifier.changed` flags."""
+    return [*(float(x) for d in digests for x in contract.limbs(d)), *changed]
 
 
 def describe_suspect(rank: int, evidence: dict[str, Any]) -> str:
     """The sentence that names a suspect, from its evidence (see :func:`verdict`)."""
-    how = "by majority" if evidence["method"] == "majority" else "as the one whose second reading changed"
+    how = {
+        "majority": "by majority",
+        "self-check": "as the one whose state changed since its own last optimizer step",
+        "reread": "as the one whose second reading changed",
+    }[evidence["method"]]
     peers = [r for r in evidence["replicas"] if r != rank]
     return (
         f"rank {rank}'s copy of {evidence['object']!r} (digest {evidence['digest']}) differs from its replicas' "

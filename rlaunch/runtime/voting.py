@@ -145,6 +145,12 @@ class Voting:
             self._agree(ready)
         return True
 
+    def after_update(self) -> None:
+        """Right after this step's optimizer step (see :meth:`Verifier.after_update`)."""
+        s = self._s
+        if s.link is not None:
+            self.verifier.after_update(s.step, s.tracked, *self._mesh(), s.declared)
+
     def prime(self, known: digest.Terms) -> None:
         """(joiner) The first vote after joining compares the state as it landed, from the digest
         terms the transfer check read (``known``), instead of reading it a second time."""
@@ -205,7 +211,7 @@ class Voting:
             log.warning("rank %d: %s; a live replacement will be refused", s.rank, self.verifier.refusal())
         if not faults:
             return True
-        first = self._gather(verify.rows_of(digests))
+        first = self._gather(verify.rows_of(digests, self.verifier.changed(s.step, prints, digests)))
         if move:
             found = verify.verdict(prints, faults, first, None, s.step) if first is not None else None
             what = (
@@ -222,7 +228,8 @@ class Voting:
             return False
         found = verify.verdict(prints, faults, first, None, s.step)
         if found.unnamed:  # every rank reads the same table, so all read their state again alike
-            again = self._gather(verify.rows_of(self.verifier.digests(s.tracked, prints, self._mesh()[1], s.declared)))
+            reread = self.verifier.digests(s.tracked, prints, self._mesh()[1], s.declared)
+            again = self._gather(verify.rows_of(reread, [0.0] * len(prints)))
             if again is None:
                 return False
             found = verify.verdict(prints, faults, first, again, s.step)

@@ -45,7 +45,7 @@ def _compare(ranks: list[dict[str, Any]], verifiers: list[Verifier], step: int, 
     prints = verifiers[0].prints(ranks[0], None, (), declared)
     digests = [v.digests(r, prints, (), declared) for v, r in zip(verifiers, ranks, strict=True)]
     summed = sum(v.section(i, prints, d, 0.1) for i, (v, d) in enumerate(zip(verifiers, digests, strict=True)))
-    rows = torch.tensor([verify.rows_of(d) for d in digests], dtype=torch.float64)
+    rows = torch.tensor([verify.rows_of(d, [0.0] * len(prints)) for d in digests], dtype=torch.float64)
     found = []
     for v in verifiers:
         differing = v.differing(summed, prints)
@@ -85,6 +85,12 @@ def test_two_replicas_cannot_be_told_apart_unless_a_second_reading_changes() -> 
     again[0] += 1
     found = verify.verdict(prints, faults, rows, again, 1)
     assert list(found.suspects) == [0] and found.suspects[0]["method"] == "reread"
+    # rank 0's own witness: its state changed since its own last update, rank 1's did not
+    flagged = rows.clone()
+    flagged[0, len(prints) * 4 + [p.obj for p in prints].index("opt")] = 1.0
+    found = verify.verdict(prints, faults, flagged, None, 1)
+    assert list(found.suspects) == [0] and found.suspects[0]["method"] == "self-check"
+    assert "changed since its own last optimizer step" in verify.describe_suspect(0, found.suspects[0])
 
 
 def test_parameters_that_differ_at_the_first_comparison_are_a_layout_not_a_fault() -> None:
@@ -214,3 +220,24 @@ def test_a_gather_that_failed_names_nobody_and_sends_the_step_to_recovery() -> N
     voting = Voting(state, group, verifiers[0], lambda: 0, lambda gen: None, lambda: 0.1)
     assert voting._compare(summed, prints, digests[0], move=False) is False
     assert "sdc_suspected" not in link.calls, "rank 0 (healthy) must not report itself"
+
+
+def test_with_two_replicas_a_bit_flipped_at_rest_names_its_rank_by_its_own_witness() -> None:
+    """Each rank digests what its update produced right after the step before a scheduled check; at
+    the check, the rank whose state changed since then (and only it) is the suspect."""
+    ranks, verifiers = [_rank() for _ in range(2)], [Verifier(1, 2) for _ in range(2)]
+    _compare(ranks, verifiers, 0)  # known good; the next check is at step 1
+    for v, r in zip(verifiers, ranks, strict=True):
+        v.after_update(0, r, None, (), None)  # right after step 0's optimizer step
+    with torch.no_grad():
+        ranks[1]["model"].module[0].weight.view(-1).view(torch.int32)[2] ^= 1 << 9  # at rest, on rank 1
+    prints = verifiers[0].prints(ranks[0], None, (), None)
+    digests = [v.digests(r, prints, (), None) for v, r in zip(verifiers, ranks, strict=True)]
+    summed = sum(v.section(i, prints, d, 0.1) for i, (v, d) in enumerate(zip(verifiers, digests, strict=True)))
+    faults = [v.settle(1, summed, prints, v.differing(summed, prints)) for v in verifiers][0]
+    rows = torch.tensor(
+        [verify.rows_of(d, v.changed(1, prints, d)) for v, d in zip(verifiers, digests, strict=True)],
+        dtype=torch.float64,
+    )
+    found = verify.verdict(prints, faults, rows, None, 1)
+    assert list(found.suspects) == [1] and found.suspects[1]["method"] == "self-check" and not found.unnamed
