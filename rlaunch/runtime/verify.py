@@ -135,7 +135,7 @@ class Verifier:
         self.good: set[tuple[str, Pattern]] = set()
         #: prints that differed at their first comparison: a layout (no replica holds them) -> step
         self.differs: dict[tuple[str, Pattern], int] = {}
-        self.last_cost_s = 0.0  # what the last comparison cost this rank (digests only)
+        self.last_cost_s = 0.0  # what the last comparison cost this rank (listing and digesting its tensors)
         self.spent_s = 0.0  # what every comparison so far cost this rank
         self.count = 0  # comparisons so far
         self._primed: digest.Terms | None = None  # terms taken at a move's boundary (see prime)
@@ -201,7 +201,9 @@ class Verifier:
         self.last_cost_s = self._clock() - began
         self.spent_s += self.last_cost_s
         self.count += 1
-        return prints, digests, self.section(rank, prints, digests, step_s)
+        part = self.section(rank, prints, digests, step_s)
+        self._after_cost_s = 0.0  # counted once, with the comparison it prepared
+        return prints, digests, part
 
     def after_update(self, step: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
                      declared: Declared | None) -> None:  # fmt: skip
