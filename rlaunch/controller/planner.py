@@ -18,7 +18,9 @@ Rules (torchrun's semantics, plus standbys):
 - Live replacement (``replace``) comes first when every node's workers use the runtime and the
   job is settled (every other assigned node runs the current generation): each lost or failed
   node's ranks go to a ready standby, else (workers failed, node healthy) back to the node
-  itself, restarted in place; the survivors keep their processes and send the state. With a
+  itself, restarted in place; the survivors keep their processes and send the state. A node
+  whose workers failed with ``refused`` (they said no live move may follow: a refused
+  replacement, a move or a replica check that failed) takes the restart rules instead. With a
   lost node and no standby, the job waits up to ``standby_wait`` (survivors keep waiting), then
   falls back to the restart rules below. A worker failure counts against ``max_restarts``.
 - When every assigned node reports success for the current generation, the job succeeded.
@@ -223,6 +225,8 @@ def _replace(
         return None  # a joiner of the current move has not joined: survivors may be mid-preparation
     if failed and gen.restart_count >= view.spec.max_restarts:
         return None  # the restart rules fail the job
+    if any(records[n].failure == "refused" for n in failed if n in records):
+        return None  # its workers said no live move may follow (a refused replacement, a failed check)
     ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, True)])
     # Standbys go to lost and faulty nodes first: a node whose workers failed can restart in place.
     leavers = sorted(out, key=lambda n: (n in failed, gen.assignment[n]))

@@ -124,10 +124,12 @@ class Voting:
         if not s.vote.contract_agrees(vote):
             table = self._gather(self._contract(layout).row())
             what = contract.explain(table) if table is not None else "naming them failed (a peer is gone)"
-            raise self._stop(ContractError(
-                f"rank {s.rank}: the ranks disagree on what every rank must decide alike at step {s.step}: "
-                f"{what}. This worker stops rather than hang or diverge; the job takes the restart path."
-            ))
+            raise self._stop(
+                ContractError(
+                    f"rank {s.rank}: the ranks disagree on what every rank must decide alike at step {s.step}: "
+                    f"{what}. This worker stops rather than hang or diverge; the job takes the restart path."
+                )
+            )
         if catalog is not None:
             self._check_groups(catalog, layout.section(vote, GROUPS))
         if pending:
@@ -180,12 +182,14 @@ class Voting:
             for i, (name, v, m, _) in enumerate(s.groups.describe())
             if s.rank in m
         ]
-        raise self._stop(ContractError(
-            f"rank {s.rank}: the members of group(s) {wrong} did not build them alike (the same place in each "
-            f"member's build order, the same version and members) at step {s.step}; this rank holds "
-            f"{'; '.join(mine)}. This worker stops rather than wait on a group its peers built differently; the job "
-            "takes the restart path."
-        ))
+        raise self._stop(
+            ContractError(
+                f"rank {s.rank}: the members of group(s) {wrong} did not build them alike (the same place in each "
+                f"member's build order, the same version and members) at step {s.step}; this rank holds "
+                f"{'; '.join(mine)}. This worker stops rather than wait on a group its peers built differently; the job "
+                "takes the restart path."
+            )
+        )
 
     def _stop(self, error: RlaunchError) -> RlaunchError:
         """``error``, once the agent was told that no live move can follow it: the node's failure is then
@@ -219,11 +223,13 @@ class Voting:
                 if found is not None
                 else [f"{', '.join(prints[i].label() for i, _ in faults)} (naming the ranks failed: a peer is gone)"]
             )
-            raise self._stop(MoveVerificationError(
-                f"rank {s.rank}: after the move to generation {s.generation}, ranks that must hold equal state do "
-                f"not: {'; '.join(what)}. The step is not applied: this worker stops and the job takes the restart "
-                "path."
-            ))
+            raise self._stop(
+                MoveVerificationError(
+                    f"rank {s.rank}: after the move to generation {s.generation}, ranks that must hold equal state do "
+                    f"not: {'; '.join(what)}. The step is not applied: this worker stops and the job takes the restart "
+                    "path."
+                )
+            )
         if first is None:  # a peer went away while the suspects were named: recover the step first
             return False
         found = verify.verdict(prints, faults, first, None, s.step)
@@ -234,11 +240,13 @@ class Voting:
                 return False
             found = verify.verdict(prints, faults, first, again, s.step)
         if found.unnamed:
-            raise self._stop(SilentCorruptionError(
-                f"rank {s.rank}: {'; '.join(found.unnamed)}. The job stops rather than train on possibly corrupt "
-                "state; run with three or more replicas for the suspect to be named and replaced live, test the "
-                "machines, and restart from your checkpoint."
-            ))
+            raise self._stop(
+                SilentCorruptionError(
+                    f"rank {s.rank}: {'; '.join(found.unnamed)}. The job stops rather than train on possibly corrupt "
+                    "state; run with three or more replicas for the suspect to be named and replaced live, test the "
+                    "machines, and restart from your checkpoint."
+                )
+            )
         evidence = found.suspects.get(s.rank)
         if evidence is not None:
             sentence = verify.describe_suspect(s.rank, evidence)
@@ -253,4 +261,3 @@ class Voting:
             s.rank, "; ".join(verify.describe_suspect(r, e) for r, e in sorted(found.suspects.items())),
         )  # fmt: skip
         return False
-

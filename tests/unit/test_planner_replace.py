@@ -126,3 +126,14 @@ def test_reasons_name_the_fault_of_a_node_that_gave_up_its_ranks() -> None:
     failed, reason = plan(fallback.deadline, view(a, faulty, generation=fallback), CFG)
     assert failed is not None and failed.status is GenerationStatus.FAILED
     assert reason == f"no node came to take node rank(s) [1] within 60 s; b may not take one: {fault}; the job failed"
+
+
+def test_workers_that_refused_a_live_move_take_the_restart_path_even_with_a_standby() -> None:
+    refused = dataclasses.replace(
+        rt(rec("b", NodeState.FAILED, generation=1, exit_codes={"0": 1})),
+        failure="refused", message="rank 1: replicas differ after the move",
+    )  # fmt: skip
+    v = view(rt(rec("a", NodeState.RUNNING, generation=1)), refused, rt(rec("c", NodeState.STANDBY)), generation=G1)
+    new, reason = plan(NOW, v, CFG)
+    assert new is not None and new.kind == "restart" and new.restart_count == 1, reason
+    assert "no live move: rank 1: replicas differ after the move" in reason
