@@ -186,8 +186,8 @@ class Voting:
             ContractError(
                 f"rank {s.rank}: the members of group(s) {wrong} did not build them alike (the same place in each "
                 f"member's build order, the same version and members) at step {s.step}; this rank holds "
-                f"{'; '.join(mine)}. This worker stops rather than wait on a group its peers built differently; the job "
-                "takes the restart path."
+                f"{'; '.join(mine)}. This worker stops rather than wait on a group its peers built differently; "
+                "the job takes the restart path."
             )
         )
 
