@@ -33,6 +33,15 @@ NCCL_ENV = {
     "TORCH_NCCL_BLOCKING_WAIT": "0",
 }
 
+#: The agent's etcd credentials (``--user``, ``--key``): workers never talk to etcd, so they never
+#: see them (a training script's environment is often logged, dumped or inherited by its tools).
+AGENT_SECRETS = ("ETCDCTL_USER", "ETCDCTL_PASSWORD", "ETCDCTL_KEY")
+
+
+def _inherited(base: Mapping[str, str], drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The agent's environment as a worker inherits it: without the agent's secrets and ``drop``."""
+    return {k: v for k, v in base.items() if k not in AGENT_SECRETS and k not in drop}
+
 
 def worker_env(
     base: Mapping[str, str],
@@ -49,7 +58,7 @@ def worker_env(
     node_rank = gen.assignment[node_id]
     nproc = gen.nproc_per_node
     rank = node_rank * nproc + local_rank
-    env = dict(base)
+    env = _inherited(base)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -91,7 +100,7 @@ def standby_env(
     verify_every: int | None = None,
 ) -> dict[str, str]:
     """A standby's sandbox worker: no rank yet (the runtime learns it when given one)."""
-    env = {k: v for k, v in base.items() if k not in ("RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = _inherited(base, ("RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT"))
     env.update(
         LOCAL_RANK=str(local_rank),
         WORLD_SIZE=str(gen.world_size),

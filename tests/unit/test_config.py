@@ -456,3 +456,11 @@ def test_a_bad_verify_every_on_the_command_line_exits_non_zero_with_a_sentence(s
     assert res.exit_code == 2, res.output
     assert "rlaunch: error: --verify-every 'often' is not valid" in res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+
+
+def test_workers_never_inherit_the_agents_etcd_credentials() -> None:
+    base = {"ETCDCTL_USER": "root:hunter2", "ETCDCTL_PASSWORD": "hunter2", "ETCDCTL_KEY": "/etc/k.pem", "PATH": "/bin"}
+    common = {"node_id": "b", "local_rank": 0, "job_id": "job-7", "agent_addr": "/tmp/agent.sock"}
+    for env in (env_for(base), standby_env(base, generation(), **common)):
+        assert env["PATH"] == "/bin" and not {"ETCDCTL_USER", "ETCDCTL_PASSWORD", "ETCDCTL_KEY"} & env.keys()
+    assert base["ETCDCTL_PASSWORD"] == "hunter2", "the agent's own environment is untouched"
