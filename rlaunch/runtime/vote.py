@@ -148,9 +148,10 @@ class StepVote:
         vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
         for name, part in sections:
             layout.section(vote, name).copy_(part)
-        if buffers:  # this rank's buffers in its own row
+        if buffers:  # this rank's buffers in its own row (the vote is on the host: gloo carries it)
             at = layout.buffers + group_rank * size
-            torch.cat([t.detach().reshape(-1).to(torch.float64) for t in buffers], out=vote[at : at + size])
+            row = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for t in buffers]
+            torch.cat(row, out=vote[at : at + size])
         vote[-1] = 1.0
         return vote, layout
 

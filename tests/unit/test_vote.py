@@ -152,3 +152,15 @@ def test_ranks_switch_only_when_all_are_ready_for_the_same_generation() -> None:
     votes, tensors, _ = _three_rank_vote([4, 4, 0])
     assert votes[0].ready_for(sum(tensors)) == 0
     assert votes[0].contract_agrees(sum(tensors)), "every rank gave the same contract digest"
+
+
+def test_module_buffers_on_a_gpu_ride_in_the_host_vote() -> None:
+    """The vote is a host tensor (its group carries CPU tensors over gloo); BatchNorm statistics on
+    a GPU are copied into it. CUDA is faked by torch's FakeTensorMode, which checks devices as a
+    real GPU run does (no GPU here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = nn.Sequential(nn.BatchNorm1d(4, device="cuda"))
+        vote, layout = _tensor(StepVote(2), 1, None, {"model": model}, set())
+        assert vote.device.type == "cpu" and layout.row == 4 + 4 + 1  # running mean, variance, batches
