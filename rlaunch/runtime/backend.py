@@ -13,13 +13,15 @@ the device type of its mesh (``rt.device_mesh(..., device_type="cuda")``), else 
 default (``RLAUNCH_BACKEND``: ``gloo``, ``nccl`` or ``auto``, which is NCCL where the machine has a
 GPU for each of its workers): :func:`choose` and :func:`default_backend` are that decision, pure.
 
-NCCL communicators are created non-blocking (see :mod:`rlaunch.runtime.nccl`): :meth:`Communicators.build`
-returns as soon as NCCL has the setup in hand, so the next generation's communicators are built
-on the runtime's background thread while training runs on the current ones, and
-:meth:`Communicators.wait_ready` waits for them only at the switch. A communicator is *cut* when its
-group is abandoned or fails: its NCCL communicator is aborted (``ncclCommAbort``: pending
-operations return) and its gloo connections are shut down (gloo cannot cancel an operation in
-flight; shutting its sockets down makes the operation fail at once, here and at every peer).
+NCCL communicators are created non-blocking where NCCL allows it (see :mod:`rlaunch.runtime.nccl`):
+:meth:`Communicators.build` returns as soon as NCCL has the setup in hand, so the next generation's
+communicators are built on the runtime's background thread while training runs on the current
+ones, and :meth:`Communicators.wait_ready` waits for them only at the switch. A communicator is
+*cut* when its group is abandoned or fails: its NCCL communicator is aborted (``ncclCommAbort``:
+its kernels stop, later operations raise) and its gloo connections are shut down (gloo cannot
+cancel an operation in flight; shutting its sockets down makes the operation fail at once, here
+and at every peer). :meth:`Communicators.settle` waits for the GPU where a caller must know that
+NCCL work ended, and :meth:`Communicators.error` reads what torch's watchdog found.
 Every NCCL call goes through an :class:`rlaunch.runtime.nccl.NcclApi`, which tests replace with a
 fake (:func:`use`).
 """
@@ -33,7 +35,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ from torch.distributed import PrefixStore, ProcessGroup, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from rlaunch.errors import UsageError
-from rlaunch.runtime.nccl import NcclApi, TorchNccl
+from rlaunch.runtime.nccl import NcclApi, NcclSetupError, TorchNccl
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +181,12 @@ class Communicators:
         size: int,
         timeout: datetime.timedelta,
         backend: Backend = Backend.GLOO,
+        ranks: Sequence[int] | None = None,
     ) -> ProcessGroup:
-        """A standalone communicator of ``size`` ranks on ``prefix`` of ``store`` (no default group needed).
+        """A standalone communicator of ``size`` ranks on ``prefix`` of ``store`` (no default group needed);
+        ``ranks``: its members' global ranks (default: 0 to ``size - 1``).
 
-        With NCCL it returns before the NCCL communicator is ready (see :meth:`wait_ready`).
+        With NCCL it may return before the NCCL communicator is ready (see :meth:`wait_ready`).
         """
         pstore = PrefixStore(prefix, store)
         name = prefix.strip("/").replace("/", ".")
@@ -192,8 +196,9 @@ class Communicators:
         if backend is Backend.NCCL:
             device = self._device()
             comm = self.nccl.create(
-                PrefixStore("nccl/", pstore), rank, size, name=name, device=device, timeout=timeout, blocking=False
-            )
+                PrefixStore("nccl/", pstore), rank, size, name=name, device=device, timeout=timeout, blocking=False,
+                ranks=list(range(size)) if ranks is None else list(ranks),
+            )  # fmt: skip
             pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, comm)
             pg._set_default_backend(ProcessGroup.BackendType.NCCL)
             pg.bound_device_id = device
@@ -213,14 +218,34 @@ class Communicators:
 
     def is_ready(self, comm: Any) -> bool:
         """Whether ``comm`` can carry traffic now: its NCCL communicator finished its non-blocking
-        setup (a poll, it never waits; gloo's is ready once built)."""
+        setup (a poll, it never waits; gloo's is ready once built). A setup that failed is never
+        ready (the switch that waits for it says why)."""
         nccl = self._nccl_comms.get(id(comm))
-        return nccl is None or bool(self.nccl.ready(nccl))
+        if nccl is None:
+            return True
+        try:
+            return bool(self.nccl.ready(nccl))
+        except NcclSetupError:
+            return False
+
+    def error(self, comm: Any) -> str:
+        """The error torch's NCCL watchdog recorded on ``comm`` ("" if none, or no NCCL)."""
+        nccl = self._nccl_comms.get(id(comm))
+        return self.nccl.error(nccl) if nccl is not None else ""
+
+    def settle(self, comm: Any) -> None:
+        """Block until the GPU finished what ``comm`` was given: NCCL's ``wait()`` only orders
+        streams, so a sender must not report its state sent, nor a joiner use what it received,
+        before this (at once for gloo, whose operations end on the host)."""
+        nccl = self._nccl_comms.get(id(comm))
+        if nccl is not None:
+            self.nccl.synchronize(nccl)
 
     def wait_ready(self, comm: Any, timeout: float, wait: Callable[[float], object] | None = None) -> None:
         """Wait until the NCCL communicator of ``comm`` finished its non-blocking setup (at once for gloo).
 
-        Raises ``TimeoutError`` with a sentence after ``timeout`` seconds.
+        Raises ``TimeoutError`` with a sentence after ``timeout`` seconds, and
+        :class:`rlaunch.runtime.nccl.NcclSetupError` if the setup failed.
         """
         nccl = self._nccl_comms.get(id(comm))
         if nccl is None:
@@ -296,9 +321,10 @@ def current() -> Communicators:
 
 
 def build(
-    store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta, backend: Backend = Backend.GLOO
-) -> ProcessGroup:
-    return _current.build(store, prefix, rank, size, timeout, backend)
+    store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta, backend: Backend = Backend.GLOO,
+    ranks: Sequence[int] | None = None,
+) -> ProcessGroup:  # fmt: skip
+    return _current.build(store, prefix, rank, size, timeout, backend, ranks)
 
 
 def cut(comm_id: int, *, wait: float = ABORT_WAIT_S) -> None:

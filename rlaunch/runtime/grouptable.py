@@ -23,7 +23,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime.groups import SwitchableGroup
 
 #: builds a communicator: (store, prefix, rank, size, timeout, backend) -> ProcessGroup
-Builder = Callable[[Store, str, int, int, datetime.timedelta, backends.Backend], Any]
+Builder = Callable[[Store, str, int, int, datetime.timedelta, backends.Backend, Sequence[int]], Any]
 
 
 class GroupTable:
@@ -80,19 +80,23 @@ class GroupTable:
             group = self[name]
             prefix = f"g{gen}/{name}/"
             comms[name] = self._build(
-                self._store, prefix, group.members.index(rank), len(group.members), self._timeout, group.backend
-            )
+                self._store, prefix, group.members.index(rank), len(group.members), self._timeout, group.backend,
+                group.members,
+            )  # fmt: skip
         return comms
 
     def communicator(self, name: str, members: Sequence[int], rank: int, gen: int, kind: backends.Backend) -> Any:
         """The communicator of a group being created (``rt.new_group``, ``rt.device_mesh``)."""
         assert self._store is not None
-        return self._build(self._store, f"g{gen}/{name}/", list(members).index(rank), len(members), self._timeout, kind)
+        members = list(members)
+        prefix = f"g{gen}/{name}/"
+        return self._build(self._store, prefix, members.index(rank), len(members), self._timeout, kind, members)
 
     def channel(self, gen: int, side: int, moved_rank: int, kind: backends.Backend) -> Any:
         """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
-        return self._build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, kind)
+        # members named by side (0: sender, 1: joiner): a joiner does not know its sender's global rank
+        return self._build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, kind, (0, 1))
 
     def swap(self, comms: dict[str, Any], gen: int) -> None:
         """Put the communicators of generation ``gen`` in place (channels are not groups: skipped)."""

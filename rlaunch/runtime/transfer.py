@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import digest, rng, shards
+from rlaunch.runtime.groups import READY_TIMEOUT_S
 
 _TAG = 7
 #: Header format version: a joiner refuses a header it does not know.
@@ -165,6 +166,7 @@ def send_state(
     """
     pairs, kinds, values = tensors_of(tracked)
     blob = _dumps(values)
+    backends.current().wait_ready(channel, READY_TIMEOUT_S)  # its first use: its NCCL setup must be done
     header = {
         "version": HEADER_VERSION,
         "step": step,
@@ -184,6 +186,7 @@ def send_state(
         total += data.numel() * data.element_size()
     # over what was sent (no second state_dict() call: some draw from the RNG, as a loader's does)
     _send_json(channel, {"digests": _digests(list(tracked), pairs, kinds, values, step, rng_state)})
+    backends.current().settle(channel)  # sent means done on the GPU, not queued: the sender may exit next
     return total
 
 
@@ -231,6 +234,7 @@ def recv_state(
     has landed, the joiner's own digests must equal the sender's, or :class:`TransferError` says
     which object differs (``rank``: the rank this joiner takes, for the sentence).
     """
+    backends.current().wait_ready(channel, READY_TIMEOUT_S)  # its first use: its NCCL setup must be done
     header = _recv_json(channel, "header")
     if not isinstance(header, dict) or header.get("version") != HEADER_VERSION:
         raise TransferError(
@@ -248,6 +252,7 @@ def recv_state(
     with torch.no_grad():
         for t in targets:
             _recv(channel, t)
+    backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
     step = int(header["step"])

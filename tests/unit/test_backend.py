@@ -4,7 +4,9 @@ background, waited for at the switch, aborted on a fault and released after a sw
 
 Gloo is real here (communicators over a ``HashStore``); only the NCCL side is the fake, which
 hands out torch's ``FakeProcessGroup`` (a real c10d backend that does nothing) so that it can be
-registered for CUDA tensors as a real ``ProcessGroupNCCL`` would be.
+registered for CUDA tensors as a real ``ProcessGroupNCCL`` would be. It stands in for
+:class:`rlaunch.runtime.nccl.TorchNccl` as a whole (what ``TorchNccl`` itself does with torch's
+``ProcessGroupNCCL`` is tested in ``test_nccl.py``, over a fake of that class).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed import HashStore, ProcessGroup
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import backend as backends
+from rlaunch.runtime import rng
 from rlaunch.runtime.backend import Backend, Communicators, choose, default_backend
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 
@@ -37,6 +40,7 @@ class FakeNccl:
         self.names: dict[int, str] = {}
         self.ready_after = ready_after  # polls answered "not ready" before "ready"
         self._polls: dict[str, int] = {}
+        self.errors: dict[str, str] = {}  # communicator name -> the error torch's watchdog recorded
         self.lock = threading.Lock()
 
     def create(
@@ -49,13 +53,15 @@ class FakeNccl:
         device: torch.device,
         timeout: datetime.timedelta,
         blocking: bool,
+        ranks: Any,
     ) -> Any:
         comm = FakeProcessGroup._create_internal(rank, size)
         with self.lock:
             self.names[id(comm)] = name
             self.calls.append(
                 ("create", name, {"rank": rank, "size": size, "device": str(device), "timeout": timeout,
-                                  "blocking": blocking, "thread": threading.current_thread().name})
+                                  "blocking": blocking, "ranks": list(ranks),
+                                  "thread": threading.current_thread().name})
             )  # fmt: skip
         return comm
 
@@ -69,6 +75,13 @@ class FakeNccl:
     def abort(self, comm: Any) -> None:
         with self.lock:
             self.calls.append(("abort", self.names[id(comm)], {}))
+
+    def error(self, comm: Any) -> str:
+        return self.errors.get(self.names[id(comm)], "")
+
+    def synchronize(self, comm: Any) -> None:
+        with self.lock:
+            self.calls.append(("synchronize", self.names[id(comm)], {"thread": threading.current_thread().name}))
 
     def sequence(self) -> list[tuple[str, str]]:
         """The calls without their details, ready polls collapsed: what happened to which communicator."""
@@ -361,3 +374,42 @@ def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: Fak
     assert [c[0] for c in fake.calls] == ["create", "ready", "ready", "ready"], "polled, never waited"
     for comm in comms.values():
         backends.current().release(comm)
+
+
+# --- a state transfer over an NCCL channel ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["sender", "joiner"])
+def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_done(side: str) -> None:
+    """NCCL's ``wait()`` only orders streams: "sent" and "received" must mean done on the GPU (the
+    leaver exits, and the joiner's channel is aborted, right after). And a channel's first use is
+    the transfer itself: its setup is waited for there. One side's channel is built by the
+    process's communicator layer (with the fake NCCL), the other's by a layer of its own."""
+    from rlaunch.runtime.transfer import recv_state, send_state
+
+    nccl = FakeNccl(ready_after=2)
+    layers = [Communicators(nccl, device=lambda: GPU), Communicators(FakeNccl(), device=lambda: GPU)]
+    previous = backends.use(layers[0])
+    try:
+        store, built = HashStore(), {}
+        layer = {0: layers[0], 1: layers[1]} if side == "sender" else {0: layers[1], 1: layers[0]}
+
+        def make(r: int) -> None:
+            built[r] = layer[r].build(store, "g2/transfer/1/", r, 2, TIMEOUT, Backend.NCCL)
+
+        makers = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+        for m in makers:
+            m.start()
+        for m in makers:
+            m.join(30)
+        torch.manual_seed(0)
+        sender, receiver = {"model": torch.nn.Linear(3, 2)}, {"model": torch.nn.Linear(3, 2)}
+        sending = threading.Thread(target=send_state, args=(built[0], sender, 7, rng.capture()), name="sender")
+        sending.start()
+        assert recv_state(built[1], receiver).step == 7
+        sending.join(30)
+        assert torch.equal(sender["model"].weight, receiver["model"].weight)
+        calls = [c[0] for c in nccl.calls if c[0] in ("ready", "synchronize")]
+        assert calls == ["ready"] * 3 + ["synchronize"], calls  # ready first (twice not yet), then the GPU waited for
+    finally:
+        backends.use(previous)

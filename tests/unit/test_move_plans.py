@@ -53,7 +53,7 @@ def test_a_failed_preparation_leaves_the_listener_taking_later_plans() -> None:
     """An etcd outage in the middle of a drain's phase 1 failed the build: that rank never took a plan again."""
     built: list[str] = []
 
-    def build(store: Any, prefix: str, rank: int, size: int, timeout: Any, backend: Any) -> Any:
+    def build(store: Any, prefix: str, rank: int, size: int, timeout: Any, backend: Any, ranks: Any) -> Any:
         if prefix.startswith("g2/"):
             raise RuntimeError("etcd at 127.0.0.1:2379 did not answer within 5.0 s")
         built.append(prefix)
