@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import contract, partition, replicas, reshard, rng, verify
+from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
@@ -457,7 +457,9 @@ class Runtime:
             issued = max(g.last_issue for g in s.groups.mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            self._finish_device_work()
+            broken = self._finish_device_work()
+            if broken and not self.step_failed:  # no plan cut a group: every peer is alive, the sync is not
+                raise self._voting.stop(devicework.refusal(self.rank, s.step, broken))
             if self._voting.cast():
                 self._moves.report()
                 apply()
@@ -465,23 +467,20 @@ class Runtime:
                 return True
         return self._recovery.recover(apply)
 
-    def _finish_device_work(self) -> None:
-        """With NCCL groups, wait until this step's GPU work, its NCCL collectives included, is done.
+    def _finish_device_work(self) -> str:
+        """With NCCL groups, wait until this step's GPU work is done; say what failed ("" if nothing).
 
-        NCCL completes an operation's future when the kernel is queued, not when it ends, so the
-        guard cannot see it fail and the vote alone would prove only that every rank *issued* its
-        gradient sync. Synchronizing the current stream first (the collectives' waits put them on
-        it) makes a full vote mean what it means under gloo: every rank's sync ended. A dead peer
-        leaves this wait blocked until the replacement plan aborts the communicator; meanwhile the
-        heartbeat says this rank waits on its peers.
+        See :mod:`rlaunch.runtime.devicework`: afterwards a full vote means what it means under
+        gloo, every rank's sync ended. A dead peer leaves this wait blocked until the replacement
+        plan aborts the communicator (the step then goes to recovery); meanwhile the heartbeat says
+        this rank waits on its peers.
         """
-        if not any(g.backend is backends.Backend.NCCL for g in self._s.groups.mine()):
-            return
+        groups = [g for g in self._s.groups.mine() if g.backend is backends.Backend.NCCL]
+        if not groups:
+            return ""
         self._device_wait = True
         try:
-            torch.cuda.current_stream().synchronize()
-        except RuntimeError as exc:  # an aborted communicator's kernels: the step is recovered below
-            log.warning("rank %d: waiting for this step's GPU work failed (%s)", self.rank, str(exc).splitlines()[0])
+            return devicework.finish(groups)
         finally:
             self._device_wait = False
 

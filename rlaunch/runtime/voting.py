@@ -124,7 +124,7 @@ class Voting:
         if not s.vote.contract_agrees(vote):
             table = self._gather(self._contract(layout).row())
             what = contract.explain(table) if table is not None else "naming them failed (a peer is gone)"
-            raise self._stop(
+            raise self.stop(
                 ContractError(
                     f"rank {s.rank}: the ranks disagree on what every rank must decide alike at step {s.step}: "
                     f"{what}. This worker stops rather than hang or diverge; the job takes the restart path."
@@ -182,7 +182,7 @@ class Voting:
             for i, (name, v, m, _) in enumerate(s.groups.describe())
             if s.rank in m
         ]
-        raise self._stop(
+        raise self.stop(
             ContractError(
                 f"rank {s.rank}: the members of group(s) {wrong} did not build them alike (the same place in each "
                 f"member's build order, the same version and members) at step {s.step}; this rank holds "
@@ -191,7 +191,7 @@ class Voting:
             )
         )
 
-    def _stop(self, error: RlaunchError) -> RlaunchError:
+    def stop(self, error: RlaunchError) -> RlaunchError:
         """``error``, once the agent was told that no live move can follow it: the node's failure is then
         a refusal, and the controller restarts every worker (a live replacement would copy state this
         very check found untrustworthy)."""
@@ -223,7 +223,7 @@ class Voting:
                 if found is not None
                 else [f"{', '.join(prints[i].label() for i, _ in faults)} (naming the ranks failed: a peer is gone)"]
             )
-            raise self._stop(
+            raise self.stop(
                 MoveVerificationError(
                     f"rank {s.rank}: after the move to generation {s.generation}, ranks that must hold equal state do "
                     f"not: {'; '.join(what)}. The step is not applied: this worker stops and the job takes the restart "
@@ -240,7 +240,7 @@ class Voting:
                 return False
             found = verify.verdict(prints, faults, first, again, s.step)
         if found.unnamed:
-            raise self._stop(
+            raise self.stop(
                 SilentCorruptionError(
                     f"rank {s.rank}: {'; '.join(found.unnamed)}. The job stops rather than train on possibly corrupt "
                     "state; run with three or more replicas for the suspect to be named and replaced live, test the "

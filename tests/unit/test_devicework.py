@@ -1,0 +1,60 @@
+"""Before a step's vote, a rank with NCCL groups waits for its GPU and reads what torch's watchdog
+recorded: an NCCL error while no peer was lost stops the step before it is applied."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed import HashStore
+
+from rlaunch.runtime import backend as backends
+from rlaunch.runtime import devicework
+from rlaunch.runtime.backend import Backend, Communicators
+from rlaunch.runtime.groups import SwitchableGroup
+from tests.unit.test_backend import GPU, TIMEOUT, FakeNccl
+
+
+@pytest.fixture
+def nccl() -> Iterator[FakeNccl]:
+    fake = FakeNccl()
+    previous = backends.use(Communicators(fake, device=lambda: GPU))
+    yield fake
+    backends.use(previous)
+
+
+def _group(label: str) -> SwitchableGroup:
+    comm = backends.build(HashStore(), f"g1/{label}/", 0, 1, TIMEOUT, Backend.NCCL)
+    return SwitchableGroup(label, [0], 0, comm, 1, guarded=True, backend=Backend.NCCL)
+
+
+def test_a_clean_step_waits_for_the_gpu_and_finds_nothing(nccl: FakeNccl) -> None:
+    synced: list[bool] = []
+    assert devicework.finish([_group("world")], sync=lambda: synced.append(True)) == ""
+    assert synced == [True]
+
+
+def test_an_error_the_watchdog_recorded_is_found_after_the_wait(nccl: FakeNccl) -> None:
+    """A peer spent minutes saving a checkpoint: the watchdog timed the next allreduce out and
+    aborted it, every future had long completed, and every rank would vote healthy."""
+    groups = [_group("world"), _group("tp")]
+    nccl.errors["g1.tp"] = "TIMEOUT"
+    assert devicework.finish(groups, sync=lambda: None) == "group 'tp' recorded TIMEOUT"
+
+
+def test_a_failed_wait_for_the_gpu_is_found(nccl: FakeNccl) -> None:
+    def sync() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    why = devicework.finish([_group("world")], sync=sync)
+    assert why == "waiting for the GPU failed: CUDA error: an illegal memory access was encountered"
+    error = devicework.refusal(3, 41, why)
+    assert str(error).startswith("rank 3: the NCCL work of step 41 failed (waiting for the GPU failed: CUDA error")
+    assert "the step is not applied" in str(error) and "the job takes the restart path" in str(error)
+
+
+def test_without_nccl_groups_the_gloo_path_needs_no_wait() -> None:
+    def sync() -> None:
+        raise AssertionError("gloo's operations end on the host: no GPU to wait for")
+
+    assert devicework.finish([], sync=sync) == ""
