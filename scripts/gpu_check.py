@@ -169,13 +169,15 @@ def nccl_case(case: str) -> dict[str, Any]:
         for blocking in (True, False):
             t0 = time.perf_counter()
             comm = api.create(PrefixStore(f"b{blocking}/", HashStore()), 0, 1, name=f"ws1.{blocking}", device=gpu,
-                              timeout=timeout, blocking=blocking)  # fmt: skip
+                              timeout=timeout, blocking=blocking, ranks=[0])  # fmt: skip
             returned = time.perf_counter() - t0
-            while not api.ready(comm):
+            end = time.perf_counter() + 60
+            while not api.ready(comm) and time.perf_counter() < end:  # non-blocking: the setup thread's outcome
                 time.sleep(0.001)
             key = "blocking" if blocking else "non_blocking"
-            out[key] = {"create_returned_ms": round(returned * 1000, 2),
-                        "ready_ms": round((time.perf_counter() - t0) * 1000, 2)}  # fmt: skip
+            out[key] = {"create_returned_ms": round(returned * 1000, 2), "ready": api.ready(comm),
+                        "ready_ms": round((time.perf_counter() - t0) * 1000, 2),
+                        "torch_initialized": bool(comm._is_initialized())}  # fmt: skip
             api.abort(comm)
         t0 = time.perf_counter()
         pg = comms.build(HashStore(), "g1/world/", 0, 1, timeout, Backend.NCCL)
@@ -189,7 +191,9 @@ def nccl_case(case: str) -> dict[str, Any]:
         pg.allreduce([cpu]).wait()
         out["allreduce_cuda_ok"] = bool((x == 3.0).all().item())
         out["allreduce_cpu_via_gloo_ok"] = cpu.tolist() == [1.0] * 4
-        out["ok"] = out["allreduce_cuda_ok"] and out["allreduce_cpu_via_gloo_ok"]
+        out["nccl_version"] = list(api.nccl_version)
+        out["ok"] = bool(out["allreduce_cuda_ok"] and out["allreduce_cpu_via_gloo_ok"] and out["blocking"]["ready"]
+                         and out["non_blocking"]["ready"])  # fmt: skip
         comms.cut(id(pg))
     elif case == "abandon_pending":
         import rlaunch.runtime.backend as backends
@@ -201,7 +205,8 @@ def nccl_case(case: str) -> dict[str, Any]:
         torch.cuda._sleep(int(5e9))  # the GPU is busy for seconds: the allreduce queued behind it is pending
         y = torch.ones(1 << 20, device=gpu)
         work = group.allreduce([y])
-        out["pending_before_abandon"] = group.busy
+        # NCCL's future completed when the allreduce was queued (group.busy is false): the GPU says it is pending
+        out["pending_before_abandon"] = not torch.cuda.current_stream(gpu).query()
         t0 = time.perf_counter()
         group.abandon("the check abandons it")
         work.wait()
@@ -211,14 +216,23 @@ def nccl_case(case: str) -> dict[str, Any]:
     elif case == "abort_missing_peer":
         t0 = time.perf_counter()
         comm = api.create(PrefixStore("m/", HashStore()), 0, 2, name="ws2.missing", device=gpu, timeout=timeout,
-                          blocking=False)  # fmt: skip
+                          blocking=False, ranks=[0, 1])  # fmt: skip
         out["create_returned_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         time.sleep(1.0)
         out["ready_after_1s"] = api.ready(comm)
         t0 = time.perf_counter()
         api.abort(comm)
         out["abort_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-        out["ok"] = not out["ready_after_1s"]
+        from rlaunch.runtime.nccl import NcclSetupError
+
+        end, out["setup_failed"] = time.perf_counter() + 20, ""  # the abort ends the setup in progress
+        while not out["setup_failed"] and time.perf_counter() < end:
+            try:
+                api.ready(comm)
+                time.sleep(0.01)
+            except NcclSetupError as exc:
+                out["setup_failed"] = str(exc)
+        out["ok"] = not out["ready_after_1s"] and bool(out["setup_failed"])
     print("RESULT " + json.dumps(out), flush=True)
     return out
 
