@@ -1,11 +1,11 @@
-"""examples/train_resilient.py on a chosen device: the GPU check's training script.
+"""examples/train_resilient.py's loop, with BatchNorm and two optimizers, on a chosen device: the GPU check's script.
 
 ``--device cuda`` puts the model, its gradients, the optimizer state and every batch on the GPU
 (all ranks share GPU ``LOCAL_RANK % device_count``); DDP then reduces CUDA buckets over
 ``rt.group``, whose backend is ``RLAUNCH_BACKEND`` (gloo when several ranks share one GPU: NCCL
 refuses two ranks on one GPU). ``--device cpu`` runs the same code on the CPU: how the check's
 plumbing is tested on a machine without a GPU. At the end each rank prints
-``rank R final: steps=N params=<digest> optim=<digest> versions={...}`` as the example does.
+``rank R final: steps=N params=<digest of parameters and buffers> optim=<digest> versions={...}``.
 ``--gate FILE`` holds the active ranks at step 20 until FILE exists, so that a drain or a fault
 lands mid-run however long the standby takes to warm up.
 """
@@ -26,8 +26,12 @@ import rlaunch
 
 
 def make_model(seed: int, width: int) -> nn.Module:
+    """BatchNorm statistics ride in each step's vote (from the GPU into a host tensor), and the
+    head has an optimizer of its own: two optimizers in one ``rt.optimizer_step``."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+    return nn.Sequential(
+        nn.Linear(32, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+    )
 
 
 def batch(seed: int, step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +67,11 @@ def main() -> None:
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rt = rlaunch.init()
     model = DDP(make_model(args.seed, args.width).to(device), process_group=rt.group)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rt.track(model=model, optimizer=opt)
+    head = list(model.module[-1].parameters())
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = torch.optim.AdamW(body, lr=1e-3)
+    head_opt = torch.optim.SGD(head, lr=1e-2, momentum=0.9)
+    rt.track(model=model, optimizer=opt, head_optimizer=head_opt)
     started = time.perf_counter()
     for step in rt.steps(args.steps):
         if args.gate and step == 20 and not rt.standby:
@@ -74,16 +81,18 @@ def main() -> None:
         x, y = batch(args.seed, step, rt.rank, device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
+        head_opt.zero_grad(set_to_none=True)
         loss.backward()
-        rt.optimizer_step(opt)
+        rt.optimizer_step(opt, head_opt)
         if args.step_time:
             time.sleep(args.step_time)
         if rt.rank == 0 and (step + 1) % args.log_every == 0 and not rt.standby:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
-    opt_state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    where = sorted({str(t.device) for t in [*model.parameters(), *opt_state]})
+    states = [s for o in (opt, head_opt) for s in o.state.values()]
+    opt_state = [t for s in states for t in s.values() if isinstance(t, torch.Tensor)]
+    where = sorted({str(t.device) for t in [*model.parameters(), *opt_state, *model.buffers()]})
     print(
-        f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.parameters()))} "
+        f"rank {rt.rank} final: steps={args.steps} params={digest([*model.parameters(), *model.buffers()])} "
         f"optim={digest(opt_state)} versions={json.dumps({'world': rt.group_version('world')}, separators=(',', ':'))} "
         f"devices={','.join(where)} seconds={time.perf_counter() - started:.1f}",
         flush=True,
