@@ -13,7 +13,10 @@ line numbers are those of the 2.11–2.13 era tree and drift a little between re
   and ``eagerConnectSingleDevice`` (~L1098) never calls ``getNcclComm``. So here too:
   :meth:`FakeProcessGroupNCCL._is_initialized` stays false after a non-blocking
   ``eager_connect_single_device`` until :meth:`_comm_ptr` (``getCommPtr``, ~L3335: it reads the
-  communicator of the *current* CUDA device) has waited for the setup.
+  communicator of the *current* CUDA device, and gives 0 where that device has none) has waited
+  for the setup. ``getNcclComm``, ``waitReady`` and ``abort`` all take the communicator's own
+  (recursive) mutex, so the wait holds it: an abort from another thread waits until the setup
+  ends, by success, by an error, or after ``TORCH_NCCL_NONBLOCKING_TIMEOUT``.
 - **Blocking setup** returns from ``eager_connect_single_device`` once NCCL is done.
 - **Futures complete at enqueue.** ``ProcessGroupNCCL.cpp`` ``collective`` (~L3934)
   ``work->future_->markCompleted(...)`` right after queuing (point to point: ~L4404); ``WorkNCCL::wait``
@@ -24,9 +27,9 @@ line numbers are those of the 2.11–2.13 era tree and drift a little between re
   ``error_ = ErrorType::COMM_ERROR`` or ``TIMEOUT`` (~L2357-2389); ``getError`` (~L1176, Python
   ``get_error()``) reads it. :meth:`FakeProcessGroupNCCL.watchdog_found` is that record.
 - **abort() stops kernels, never completes work.** ``ProcessGroupNCCL::abort`` (~L1553-1577) aborts
-  every communicator, those still being set up included (``inInitializationCommMap_``), so a
-  ``waitReady`` in progress throws; work already handed out is neither completed nor failed, and
-  any later operation raises "NCCL communicator was aborted" from ``getNcclComm``.
+  every communicator, those still being set up included (``inInitializationCommMap_``), each under
+  its mutex (see above); work already handed out is neither completed nor failed, and any later
+  operation raises "NCCL communicator was aborted" from ``getNcclComm``.
 - **Point to point after eager init uses the group's communicator.** ``pointToPoint`` (~L4166-4245):
   "In eagerInit mode, reuse the parent comm. Do not lazily create p2p communicators"; without eager
   init a first send makes a separate 2-rank communicator keyed ``"low:high"``. :attr:`p2p_comms`
@@ -128,6 +131,8 @@ class FakeProcessGroupNCCL:
         self.p2p_comms: list[str] = []
         self._setup_done = threading.Event()  # NCCL left ncclInProgress
         self._setup_error = ""
+        self._mutex = threading.RLock()  # NCCLComm::mutex_
+        self.waiting = threading.Event()  # a thread waits inside getNcclComm (holding the mutex)
         type(self).made.append(self)
 
     # -- the test's side: what NCCL and the watchdog do on their own ---------------------------------
@@ -153,19 +158,23 @@ class FakeProcessGroupNCCL:
         # non-blocking: NCCL goes on by itself; initialized_ stays false until getNcclComm()
 
     def _get_nccl_comm(self) -> None:
-        """``NCCLComm::getNcclComm``: wait while in progress, then mark the communicator initialized."""
-        if self.aborted:
-            raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
-        while not self._setup_done.wait(0.01):
-            if self.aborted:  # ncclCommAbort ends a setup in progress: waitReady sees the error
-                raise RuntimeError("NCCL error in: waitReady: ncclCommGetAsyncError: internal error")
-        if self._setup_error:
-            raise RuntimeError(f"NCCL error in: waitReady: {self._setup_error}")
-        self.initialized = True
+        """``NCCLComm::getNcclComm``: under the mutex, wait while in progress, then mark the
+        communicator initialized."""
+        with self._mutex:
+            if self.aborted:
+                raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
+            self.waiting.set()
+            try:
+                self._setup_done.wait()
+            finally:
+                self.waiting.clear()
+            if self._setup_error:
+                raise RuntimeError(f"NCCL error in: waitReady: {self._setup_error}")
+            self.initialized = True
 
     def _comm_ptr(self) -> int:
         if self.cuda.current() != self.device:
-            raise RuntimeError(f"no NCCL communicator for the current device {self.cuda.current()}")
+            return 0  # getCommPtr: no communicator for the current device
         self._get_nccl_comm()
         return id(self)
 
@@ -187,4 +196,5 @@ class FakeProcessGroupNCCL:
         return work
 
     def abort(self) -> None:
-        self.aborted = True
+        with self._mutex:
+            self.aborted = True

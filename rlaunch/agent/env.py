@@ -31,6 +31,10 @@ NCCL_ENV = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
     # work.wait() does not block the host (the runtime waits on futures it can abandon)
     "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # a non-blocking NCCL setup whose peer never comes ends after 5 min, as the runtime's switch
+    # timeout does, not torch's 30: torch holds the communicator's lock while it waits, so until
+    # then the communicator cannot be aborted (rlaunch.runtime.nccl)
+    "TORCH_NCCL_NONBLOCKING_TIMEOUT": "300",
 }
 
 #: The agent's etcd credentials (``--user``, ``--key``): workers never talk to etcd, so they never

@@ -157,6 +157,7 @@ class Communicators:
         self._lock = threading.Lock()  # gloo builds are serialized: see _gloo
         self._sockets: dict[int, set[int]] = {}
         self._nccl_comms: dict[int, Any] = {}
+        self._failed_setups: set[int] = set()  # NCCL communicators whose failed setup was logged
 
     @property
     def nccl(self) -> NcclApi:
@@ -184,7 +185,7 @@ class Communicators:
         ranks: Sequence[int] | None = None,
     ) -> ProcessGroup:
         """A standalone communicator of ``size`` ranks on ``prefix`` of ``store`` (no default group needed);
-        ``ranks``: its members' global ranks (default: 0 to ``size - 1``).
+        ``ranks``: its members' global ranks, for torch's logs (None where not known).
 
         With NCCL it may return before the NCCL communicator is ready (see :meth:`wait_ready`).
         """
@@ -197,7 +198,7 @@ class Communicators:
             device = self._device()
             comm = self.nccl.create(
                 PrefixStore("nccl/", pstore), rank, size, name=name, device=device, timeout=timeout, blocking=False,
-                ranks=list(range(size)) if ranks is None else list(ranks),
+                ranks=None if ranks is None else list(ranks),
             )  # fmt: skip
             pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, comm)
             pg._set_default_backend(ProcessGroup.BackendType.NCCL)
@@ -219,13 +220,16 @@ class Communicators:
     def is_ready(self, comm: Any) -> bool:
         """Whether ``comm`` can carry traffic now: its NCCL communicator finished its non-blocking
         setup (a poll, it never waits; gloo's is ready once built). A setup that failed is never
-        ready (the switch that waits for it says why)."""
+        ready: it is logged once, and the move waits for a newer plan."""
         nccl = self._nccl_comms.get(id(comm))
         if nccl is None:
             return True
         try:
             return bool(self.nccl.ready(nccl))
-        except NcclSetupError:
+        except NcclSetupError as exc:
+            if id(nccl) not in self._failed_setups:
+                self._failed_setups.add(id(nccl))
+                log.warning("%s; this rank will not vote ready for the move that needs it", exc)
             return False
 
     def error(self, comm: Any) -> str:
@@ -255,7 +259,7 @@ class Communicators:
         while not self.nccl.ready(nccl):
             if self._clock() >= end:
                 raise TimeoutError(
-                    f"The NCCL communicator {comm.group_name} was not ready within {timeout:.0f} s of the switch; "
+                    f"The NCCL communicator {comm.group_name} was not ready within {timeout:.0f} s of its first use; "
                     "a peer may have failed while building it."
                 )
             pause(0.005)

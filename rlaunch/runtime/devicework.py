@@ -4,13 +4,21 @@ NCCL completes an operation's future when the kernel is queued, not when it ends
 :mod:`rlaunch.runtime.nccl`), so neither the guard nor the vote can see an NCCL collective fail:
 a full vote would prove only that every rank *issued* its gradient sync. So, before voting, a rank
 with NCCL groups waits for its GPU (the collectives' waits put them on the current stream) and
-then reads what torch's watchdog recorded on each NCCL communicator. An error found there while no
-peer was lost (a watchdog timeout because one rank spent minutes saving a checkpoint, a
-communication error) means the step's gradients may be partly reduced: it must not be applied.
+then reads what torch's watchdog recorded on each NCCL communicator. What it finds decides:
+
+- the wait itself failed (a CUDA error: the process's GPU context is lost): the rank stops before
+  the step is applied, with a sentence, and the job takes the restart path;
+- a communicator recorded an error (``COMM_ERROR``: a peer died or its link broke; ``TIMEOUT``: a
+  collective waited past the group's timeout, because a peer died or spent minutes elsewhere): the
+  step's gradients may be partly reduced, so the rank abandons those groups and the world group
+  (every peer's vote then fails at once) and the step goes to recovery, as a failed gloo
+  collective's does. A lost peer is replaced live there; with every peer alive, no replacement is
+  planned and recovery stops the rank with a sentence after the group's timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,37 +29,45 @@ from rlaunch.runtime import backend as backends
 
 
 class DeviceWorkError(RlaunchError):
-    """A step's NCCL work failed while every peer is still in the job: the step is not applied."""
+    """Waiting for a step's GPU work failed: the step is not applied."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What went wrong with a step's GPU work."""
+
+    wait: str = ""  # why waiting for the GPU failed ("" if it did not)
+    errors: tuple[tuple[Any, str], ...] = ()  # (group, the error its NCCL communicator recorded)
+
+    def describe(self) -> str:
+        return "; ".join(f"group {g.label!r} recorded {e}" for g, e in self.errors)
 
 
 def _sync_current_stream() -> None:
     torch.cuda.current_stream().synchronize()
 
 
-def finish(groups: Iterable[Any], sync: Callable[[], None] = _sync_current_stream) -> str:
-    """Wait for the GPU, then say what went wrong with the NCCL work of ``groups`` ("" if nothing).
+def finish(groups: Iterable[Any], sync: Callable[[], None] = _sync_current_stream) -> Found:
+    """Wait for the GPU, then read what went wrong with the NCCL work of ``groups``.
 
     ``groups``: this rank's groups whose backend is NCCL (:class:`rlaunch.runtime.groups.SwitchableGroup`);
     without any, there is nothing to wait for (gloo's operations end on the host).
     """
     groups = list(groups)
     if not groups:
-        return ""
-    found = []
+        return Found()
+    wait = ""
     try:
         sync()
-    except RuntimeError as exc:  # an aborted communicator's kernels, an illegal access
-        found.append(f"waiting for the GPU failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-    for group in groups:
-        error = backends.current().error(group.comm)
-        if error:
-            found.append(f"group {group.label!r} recorded {error}")
-    return "; ".join(found)
+    except RuntimeError as exc:  # an illegal access, an ECC error: CUDA's errors are sticky
+        wait = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    errors = tuple((g, e) for g in groups if (e := backends.current().error(g.comm)))
+    return Found(wait, errors)
 
 
 def refusal(rank: int, step: int, why: str) -> DeviceWorkError:
-    """The sentence of a step whose NCCL work failed with every peer alive."""
+    """The sentence of a step whose GPU work could not be waited for."""
     return DeviceWorkError(
-        f"rank {rank}: the NCCL work of step {step} failed ({why}) though no peer was lost, so its gradients may "
-        "be partly reduced: the step is not applied, and this worker stops; the job takes the restart path."
+        f"rank {rank}: waiting for the GPU work of step {step} failed ({why}), so its results cannot be trusted: "
+        "the step is not applied, and this worker stops; the job takes the restart path."
     )

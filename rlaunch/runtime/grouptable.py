@@ -23,7 +23,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime.groups import SwitchableGroup
 
 #: builds a communicator: (store, prefix, rank, size, timeout, backend) -> ProcessGroup
-Builder = Callable[[Store, str, int, int, datetime.timedelta, backends.Backend, Sequence[int]], Any]
+Builder = Callable[[Store, str, int, int, datetime.timedelta, backends.Backend, Sequence[int] | None], Any]
 
 
 class GroupTable:
@@ -95,8 +95,8 @@ class GroupTable:
     def channel(self, gen: int, side: int, moved_rank: int, kind: backends.Backend) -> Any:
         """The sender (side 0: leaver or replica) and joiner (side 1) of a moved rank meet under its name."""
         assert self._store is not None
-        # members named by side (0: sender, 1: joiner): a joiner does not know its sender's global rank
-        return self._build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, kind, (0, 1))
+        # no global ranks for torch: a joiner does not know its sender's
+        return self._build(self._store, f"g{gen}/transfer/{moved_rank}/", side, 2, self._timeout, kind, None)
 
     def swap(self, comms: dict[str, Any], gen: int) -> None:
         """Put the communicators of generation ``gen`` in place (channels are not groups: skipped)."""

@@ -25,7 +25,10 @@ a caller would like it to do (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp
   the backend (``get_error()``: ``COMM_ERROR``, ``TIMEOUT``); :meth:`TorchNccl.error` reads it.
 - **Abort.** ``abort()`` (``ncclCommAbort`` on every communicator of the group, set-up ones
   included) stops their kernels; later operations raise. It neither completes nor fails work
-  already handed out, which is why the runtime never waits on NCCL work it cannot abandon.
+  already handed out, which is why the runtime never waits on NCCL work it cannot abandon. It
+  takes the communicator's lock, which torch holds while it waits for a setup, so an abort of a
+  communicator still being set up is made by its setup thread once that wait ends (at the latest
+  after ``TORCH_NCCL_NONBLOCKING_TIMEOUT``).
 - **Point to point.** After ``eager_connect_single_device`` torch sends and receives on the
   group's own communicator (no second, lazily made 2-rank communicator), so a channel whose
   setup is done has nothing left to build at its first send.
@@ -46,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from torch._C._distributed_c10d import ErrorType
 from torch.distributed import Store
 
 #: NCCL versions whose non-blocking mode torch itself avoids (a hang; pytorch/pytorch#153960)
@@ -67,11 +71,11 @@ class NcclApi(Protocol):
         device: torch.device,
         timeout: datetime.timedelta,
         blocking: bool,
-        ranks: Sequence[int],
+        ranks: Sequence[int] | None,
     ) -> Any:
         """A communicator of ``size`` ranks on ``store``, connected on ``device``; with
         ``blocking=False`` it may return before the communicator is ready. ``ranks``: the
-        members' global ranks (torch's ``global_ranks_in_group``)."""
+        members' global ranks (torch's ``global_ranks_in_group``; None where not known)."""
 
     def ready(self, comm: Any) -> bool:
         """Whether ``comm`` finished its setup (a poll; raises :class:`NcclSetupError` if it failed)."""
@@ -109,6 +113,8 @@ class _Setup:
     name: str
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str = ""
+    #: an abort was asked for while torch still waited on NCCL: the setup thread makes it when torch lets go
+    abort: bool = False
 
 
 class _Cuda(Protocol):
@@ -163,14 +169,16 @@ class TorchNccl:
         self._devices: dict[int, torch.device] = {}
         self._lock = threading.Lock()
 
-    def options(self, *, name: str, timeout: datetime.timedelta, blocking: bool, ranks: Sequence[int]) -> Any:
+    def options(
+        self, *, name: str, timeout: datetime.timedelta, blocking: bool, ranks: Sequence[int] | None
+    ) -> Any:  # fmt: skip
         opts = self._cls.Options()
         opts.is_high_priority_stream = False
         opts.config.blocking = 1 if blocking else 0
         opts._timeout = timeout
         opts.group_name = name
-        # Torch reads it for its logs, its flight recorder and a split (which indexes it by rank).
-        opts.global_ranks_in_group = list(ranks)
+        if ranks is not None:  # torch reads it for its logs, its flight recorder and a split
+            opts.global_ranks_in_group = list(ranks)
         return opts
 
     def create(
@@ -183,15 +191,18 @@ class TorchNccl:
         device: torch.device,
         timeout: datetime.timedelta,
         blocking: bool,
-        ranks: Sequence[int],
+        ranks: Sequence[int] | None,
     ) -> Any:
         nb = non_blocking(not blocking, self.nccl_version, self._env)
         comm = self._cls(store, rank, size, self.options(name=name, timeout=timeout, blocking=not nb, ranks=ranks))
         # Connect now, not at the first collective: that first collective is on the training
-        # thread, at the switch, and must not be where the setup cost is paid.
+        # thread, at the switch, and must not be where the setup cost is paid. (Blocking, this
+        # returns once NCCL is done; it runs on the runtime's background thread, where it cannot
+        # be aborted: a peer lost meanwhile holds up that thread until NCCL gives up.)
         comm.eager_connect_single_device(device)
         with self._lock:
             self._devices[id(comm)] = device
+            self._setups.pop(id(comm), None)  # of a communicator gone before, at the same address
         if nb:
             setup = _Setup(name)
             with self._lock:
@@ -203,14 +214,20 @@ class TorchNccl:
 
     def _finish_setup(self, comm: Any, device: torch.device, setup: _Setup) -> None:
         """(setup thread) Ask for the ``ncclComm_t``: torch waits while NCCL is in progress, then
-        marks the communicator initialized (or raises: the setup failed, timed out or was aborted)."""
+        marks the communicator initialized (or raises: the setup failed or passed
+        ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which the agent sets for workers). Torch holds the
+        communicator's lock for the whole wait, so an abort asked for meanwhile is made here, after."""
         try:
             with self._cuda.device(device):  # _comm_ptr() reads the current device's communicator
-                comm._comm_ptr()
+                if not comm._comm_ptr():
+                    setup.error = f"torch has no NCCL communicator for {device}"
         except Exception as exc:  # noqa: BLE001 - any failure is the setup's, reported by ready()
             setup.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        finally:
+        with self._lock:
             setup.done.set()
+            abort = setup.abort
+        if abort:
+            comm.abort()
 
     def ready(self, comm: Any) -> bool:
         with self._lock:
@@ -225,8 +242,6 @@ class TorchNccl:
         return bool(comm._is_initialized())
 
     def error(self, comm: Any) -> str:
-        from torch._C._distributed_c10d import ErrorType
-
         found = comm.get_error()
         return "" if found == ErrorType.SUCCESS else str(found.name)
 
@@ -237,6 +252,12 @@ class TorchNccl:
             self._cuda.synchronize(device)
 
     def abort(self, comm: Any) -> None:
+        """Abort ``comm`` now, or, while its setup thread waits inside torch (which holds the
+        communicator's lock meanwhile, so that an abort here would block), once that wait ends."""
         with self._lock:
-            self._devices.pop(id(comm), None)  # a setup it ends stays known: ready() says why it failed
+            self._devices.pop(id(comm), None)
+            setup = self._setups.get(id(comm))  # kept: ready() says why the setup failed
+            if setup is not None and not setup.done.is_set():
+                setup.abort = True
+                return
         comm.abort()

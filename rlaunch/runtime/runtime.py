@@ -457,32 +457,39 @@ class Runtime:
             issued = max(g.last_issue for g in s.groups.mine())
             if issued > self._step_began:
                 self._compute.append(issued - self._step_began)
-            broken = self._finish_device_work()
-            if broken and not self.step_failed:  # no plan cut a group: every peer is alive, the sync is not
-                raise self._voting.stop(devicework.refusal(self.rank, s.step, broken))
-            if self._voting.cast():
+            self._finish_device_work()
+            if not self.step_failed and self._voting.cast():
                 self._moves.report()
                 apply()
                 self._voting.after_update()
                 return True
         return self._recovery.recover(apply)
 
-    def _finish_device_work(self) -> str:
-        """With NCCL groups, wait until this step's GPU work is done; say what failed ("" if nothing).
+    def _finish_device_work(self) -> None:
+        """With NCCL groups, wait until this step's GPU work is done, and act on what failed.
 
         See :mod:`rlaunch.runtime.devicework`: afterwards a full vote means what it means under
         gloo, every rank's sync ended. A dead peer leaves this wait blocked until the replacement
-        plan aborts the communicator (the step then goes to recovery); meanwhile the heartbeat says
-        this rank waits on its peers.
+        plan or torch's watchdog aborts the communicator (the step then goes to recovery);
+        meanwhile the heartbeat says this rank waits on its peers.
         """
-        groups = [g for g in self._s.groups.mine() if g.backend is backends.Backend.NCCL]
+        s = self._s
+        groups = [g for g in s.groups.mine() if g.backend is backends.Backend.NCCL]
         if not groups:
-            return ""
+            return
         self._device_wait = True
         try:
-            return devicework.finish(groups)
+            found = devicework.finish(groups)
         finally:
             self._device_wait = False
+        if found.wait:
+            raise self._voting.stop(devicework.refusal(self.rank, s.step, found.wait))
+        if found.errors and not self.step_failed:
+            why = f"torch's NCCL watchdog found an error at step {s.step}: {found.describe()}"
+            log.warning("rank %d: %s; the step goes to recovery instead of its vote", self.rank, why)
+            for group, _ in found.errors:
+                group.abandon(why)
+            s.groups[WORLD].abandon(why)  # every peer's vote fails at once: all recover together
 
     @property
     def step_failed(self) -> bool:
@@ -556,7 +563,7 @@ class Runtime:
             landed = recv_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn)
         except TransferError:
             raise
-        except RuntimeError as exc:  # the sender went away mid-transfer: the job ended, or it died
+        except (RuntimeError, TimeoutError) as exc:  # the sender went away or never came: the job ended, or it died
             raise TransferBrokenError(
                 f"The state transfer for rank {s.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
                 "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
@@ -662,7 +669,9 @@ def init(timeout_s: float = 300.0) -> Runtime:
     standby = hello.role is StartRole.STANDBY
     rank, world, gen = hello.rank, hello.world_size, hello.generation
     comm: Any = (
-        SandboxComm(0, world) if standby else backends.build(store, f"g{gen}/{WORLD}/", rank, world, timeout, kind)
+        SandboxComm(0, world)
+        if standby
+        else backends.build(store, f"g{gen}/{WORLD}/", rank, world, timeout, kind, range(world))
     )
     return Runtime(
         rank=rank, world_size=world, generation=gen, link=link, store=store, world_comm=comm,

@@ -60,7 +60,7 @@ class FakeNccl:
             self.names[id(comm)] = name
             self.calls.append(
                 ("create", name, {"rank": rank, "size": size, "device": str(device), "timeout": timeout,
-                                  "blocking": blocking, "ranks": list(ranks),
+                                  "blocking": blocking, "ranks": None if ranks is None else list(ranks),
                                   "thread": threading.current_thread().name})
             )  # fmt: skip
         return comm
@@ -213,7 +213,7 @@ def test_a_communicator_that_never_becomes_ready_fails_the_switch_with_a_sentenc
     def tick(seconds: float) -> None:
         now[0] += 1.0
 
-    with pytest.raises(TimeoutError, match=r"NCCL communicator g2\.world was not ready within 5 s of the switch"):
+    with pytest.raises(TimeoutError, match=r"NCCL communicator g2\.world was not ready within 5 s of its first use"):
         comms.wait_ready(pg, 5.0, wait=tick)
     assert 5 <= sum(1 for c in nccl.calls if c[0] == "ready") <= 7
     comms.release(pg)
@@ -380,11 +380,15 @@ def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: Fak
 
 
 @pytest.mark.parametrize("side", ["sender", "joiner"])
-def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_done(side: str) -> None:
+def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_done(
+    side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NCCL's ``wait()`` only orders streams: "sent" and "received" must mean done on the GPU (the
     leaver exits, and the joiner's channel is aborted, right after). And a channel's first use is
     the transfer itself: its setup is waited for there. One side's channel is built by the
-    process's communicator layer (with the fake NCCL), the other's by a layer of its own."""
+    process's communicator layer (with the fake NCCL), the other's by a layer of its own; that
+    side's tensor sends (or receives) are recorded among the NCCL calls."""
+    from rlaunch.runtime import transfer
     from rlaunch.runtime.transfer import recv_state, send_state
 
     nccl = FakeNccl(ready_after=2)
@@ -404,12 +408,24 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
             m.join(30)
         torch.manual_seed(0)
         sender, receiver = {"model": torch.nn.Linear(3, 2)}, {"model": torch.nn.Linear(3, 2)}
+        watched = built[0] if side == "sender" else built[1]
+        for name in ("_send", "_recv"):
+            real = getattr(transfer, name)
+
+            def spy(channel: Any, t: torch.Tensor, real: Any = real, name: str = name) -> None:
+                real(channel, t)
+                if channel is watched and t.numel() == 2 * 3:  # the weight: after the headers
+                    nccl.calls.append((name, "tensor", {}))
+
+            monkeypatch.setattr(transfer, name, spy)
         sending = threading.Thread(target=send_state, args=(built[0], sender, 7, rng.capture()), name="sender")
         sending.start()
         assert recv_state(built[1], receiver).step == 7
         sending.join(30)
         assert torch.equal(sender["model"].weight, receiver["model"].weight)
-        calls = [c[0] for c in nccl.calls if c[0] in ("ready", "synchronize")]
-        assert calls == ["ready"] * 3 + ["synchronize"], calls  # ready first (twice not yet), then the GPU waited for
+        calls = [c[0] for c in nccl.calls if c[0] in ("ready", "synchronize", "_send", "_recv")]
+        moved = "_send" if side == "sender" else "_recv"
+        # ready first (twice "not yet"), then the tensors, then the GPU waited for
+        assert calls == ["ready"] * 3 + [moved, "synchronize"], calls
     finally:
         backends.use(previous)

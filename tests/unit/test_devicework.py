@@ -1,5 +1,6 @@
 """Before a step's vote, a rank with NCCL groups waits for its GPU and reads what torch's watchdog
-recorded: an NCCL error while no peer was lost stops the step before it is applied."""
+recorded on each communicator: an error there sends the step to recovery instead of its vote, and
+a failed wait stops it before it is applied."""
 
 from __future__ import annotations
 
@@ -30,31 +31,33 @@ def _group(label: str) -> SwitchableGroup:
 
 def test_a_clean_step_waits_for_the_gpu_and_finds_nothing(nccl: FakeNccl) -> None:
     synced: list[bool] = []
-    assert devicework.finish([_group("world")], sync=lambda: synced.append(True)) == ""
-    assert synced == [True]
+    found = devicework.finish([_group("world")], sync=lambda: synced.append(True))
+    assert synced == [True] and found == devicework.Found()
 
 
 def test_an_error_the_watchdog_recorded_is_found_after_the_wait(nccl: FakeNccl) -> None:
-    """A peer spent minutes saving a checkpoint: the watchdog timed the next allreduce out and
-    aborted it, every future had long completed, and every rank would vote healthy."""
-    groups = [_group("world"), _group("tp")]
+    """A peer spent minutes saving a checkpoint (or died): the watchdog timed the next allreduce
+    out and aborted it, every future had long completed, and every rank would vote healthy."""
+    world, tp = _group("world"), _group("tp")
     nccl.errors["g1.tp"] = "TIMEOUT"
-    assert devicework.finish(groups, sync=lambda: None) == "group 'tp' recorded TIMEOUT"
+    found = devicework.finish([world, tp], sync=lambda: None)
+    assert found.wait == "" and found.errors == ((tp, "TIMEOUT"),)
+    assert found.describe() == "group 'tp' recorded TIMEOUT"
 
 
-def test_a_failed_wait_for_the_gpu_is_found(nccl: FakeNccl) -> None:
+def test_a_failed_wait_for_the_gpu_is_a_sentence_that_stops_the_step(nccl: FakeNccl) -> None:
     def sync() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
 
-    why = devicework.finish([_group("world")], sync=sync)
-    assert why == "waiting for the GPU failed: CUDA error: an illegal memory access was encountered"
-    error = devicework.refusal(3, 41, why)
-    assert str(error).startswith("rank 3: the NCCL work of step 41 failed (waiting for the GPU failed: CUDA error")
-    assert "the step is not applied" in str(error) and "the job takes the restart path" in str(error)
+    found = devicework.finish([_group("world")], sync=sync)
+    assert found.wait == "CUDA error: an illegal memory access was encountered"
+    error = str(devicework.refusal(3, 41, found.wait))
+    assert error.startswith("rank 3: waiting for the GPU work of step 41 failed (CUDA error: an illegal memory")
+    assert "the step is not applied" in error and "the job takes the restart path" in error
 
 
 def test_without_nccl_groups_the_gloo_path_needs_no_wait() -> None:
     def sync() -> None:
         raise AssertionError("gloo's operations end on the host: no GPU to wait for")
 
-    assert devicework.finish([], sync=sync) == ""
+    assert devicework.finish([], sync=sync) == devicework.Found()

@@ -83,21 +83,31 @@ def test_where_non_blocking_mode_hangs_or_is_turned_off_communicators_are_built_
     assert got == [comm] and api.ready(comm)
 
 
-def test_a_setup_aborted_midway_is_never_ready_and_says_why() -> None:
+def test_an_abort_during_the_setup_never_blocks_and_is_made_once_torch_lets_go() -> None:
+    """Torch holds the communicator's lock while its setup waits for a peer that never comes: an
+    abort asked for then (the plan was abandoned) returns at once and is made by the setup thread
+    when the wait ends (here: TORCH_NCCL_NONBLOCKING_TIMEOUT); the setup is never ready, and says why."""
     api, _ = _api()
     comm = _create(api)
-    api.abort(comm)  # the plan was abandoned while NCCL was still setting up
-    assert _eventually(lambda: _raises(api, comm))
+    assert _eventually(comm.waiting.is_set)
+    aborting = threading.Thread(target=api.abort, args=(comm,), daemon=True)
+    aborting.start()
+    aborting.join(5)
+    assert not aborting.is_alive(), "the abort must not wait for the setup"
+    assert not comm.aborted and not api.ready(comm)
+    comm.finish_setup(error="ncclInProgress past TORCH_NCCL_NONBLOCKING_TIMEOUT")
+    assert _eventually(lambda: comm.aborted)
     with pytest.raises(NcclSetupError, match=r"The NCCL communicator g2\.world failed its setup: NCCL error in"):
         api.ready(comm)
 
 
-def _raises(api: TorchNccl, comm: FakeProcessGroupNCCL) -> bool:
-    try:
-        api.ready(comm)
-    except NcclSetupError:
-        return True
-    return False
+def test_an_abort_after_the_setup_is_made_at_once() -> None:
+    api, _ = _api()
+    comm = _create(api)
+    comm.finish_setup()
+    assert _eventually(lambda: api.ready(comm))
+    api.abort(comm)
+    assert comm.aborted
 
 
 def test_the_watchdogs_error_is_read_from_the_backend() -> None:
