@@ -214,25 +214,29 @@ def nccl_case(case: str) -> dict[str, Any]:
         out["failed"] = group.failed
         out["ok"] = bool(out["pending_before_abandon"] and group.failed)
     elif case == "abort_missing_peer":
+        os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] = "5"  # torch reads it once, at this first setup
         t0 = time.perf_counter()
         comm = api.create(PrefixStore("m/", HashStore()), 0, 2, name="ws2.missing", device=gpu, timeout=timeout,
                           blocking=False, ranks=[0, 1])  # fmt: skip
         out["create_returned_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-        time.sleep(1.0)
+        slept = time.perf_counter()
+        time.sleep(1.0)  # the setup thread waits inside torch meanwhile: this thread must run on
+        out["main_thread_free"] = time.perf_counter() - slept < 1.5
         out["ready_after_1s"] = api.ready(comm)
         t0 = time.perf_counter()
         api.abort(comm)
         out["abort_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         from rlaunch.runtime.nccl import NcclSetupError
 
-        end, out["setup_failed"] = time.perf_counter() + 20, ""  # the abort ends the setup in progress
+        # the setup ends after TORCH_NCCL_NONBLOCKING_TIMEOUT; its thread then makes the abort
+        end, out["setup_failed"] = time.perf_counter() + 30, ""
         while not out["setup_failed"] and time.perf_counter() < end:
             try:
                 api.ready(comm)
                 time.sleep(0.01)
             except NcclSetupError as exc:
                 out["setup_failed"] = str(exc)
-        out["ok"] = not out["ready_after_1s"] and bool(out["setup_failed"])
+        out["ok"] = out["main_thread_free"] and not out["ready_after_1s"] and bool(out["setup_failed"])
     print("RESULT " + json.dumps(out), flush=True)
     return out
 
