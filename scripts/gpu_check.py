@@ -211,6 +211,11 @@ def nccl_case(case: str) -> dict[str, Any]:
         group.abandon("the check abandons it")
         work.wait()
         out["future_returned_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        try:  # what the pre-vote wait sees after a plan aborted a kernel still queued
+            torch.cuda.current_stream(gpu).synchronize()
+            out["sync_after_abort"] = "ok"
+        except RuntimeError as exc:
+            out["sync_after_abort"] = str(exc).splitlines()[0]
         out["failed"] = group.failed
         out["ok"] = bool(out["pending_before_abandon"] and group.failed)
     elif case == "abort_missing_peer":

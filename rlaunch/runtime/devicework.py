@@ -6,14 +6,18 @@ a full vote would prove only that every rank *issued* its gradient sync. So, bef
 with NCCL groups waits for its GPU (the collectives' waits put them on the current stream) and
 then reads what torch's watchdog recorded on each NCCL communicator. What it finds decides:
 
-- the wait itself failed (a CUDA error: the process's GPU context is lost): the rank stops before
-  the step is applied, with a sentence, and the job takes the restart path;
-- a communicator recorded an error (``COMM_ERROR``: a peer died or its link broke; ``TIMEOUT``: a
-  collective waited past the group's timeout, because a peer died or spent minutes elsewhere): the
-  step's gradients may be partly reduced, so the rank abandons those groups and the world group
-  (every peer's vote then fails at once) and the step goes to recovery, as a failed gloo
-  collective's does. A lost peer is replaced live there; with every peer alive, no replacement is
-  planned and recovery stops the rank with a sentence after the group's timeout.
+- a plan already cut a group (a peer is lost; its aborted kernels may fail the wait): the step goes
+  to recovery, as under gloo;
+- else, the wait itself failed (a CUDA error: the process's GPU context is lost): the rank stops
+  before the step is applied, with a sentence, and the job takes the restart path;
+- else, a communicator recorded an error (``COMM_ERROR``: a peer died or its link broke;
+  ``TIMEOUT``: a collective waited past the group's timeout, because a peer died or spent minutes
+  elsewhere): the step's gradients may be partly reduced, so the rank abandons those groups and
+  the world group (every peer's vote then fails at once) and the step goes to recovery, as a
+  failed gloo collective's does. A lost peer is replaced live there; with every peer alive no
+  replacement is planned, so recovery ends the worker with a sentence after the group's timeout,
+  and the job goes on as after any worker failure. Either way the step is never applied on
+  partly reduced gradients.
 """
 
 from __future__ import annotations

@@ -403,7 +403,19 @@ def _forward(name: str) -> Any:
         if self.failed:
             return _done(_flat(args))
         comm = self.comm
-        work = getattr(comm, name)(*args, **kwargs)
+        try:
+            work = getattr(comm, name)(*args, **kwargs)
+        except RuntimeError as exc:
+            # torch's watchdog aborted the NCCL communicator (an error it found) between two of this
+            # step's collectives: the step fails as a failed collective does. Any other error at
+            # issue (a wrong tensor) is the caller's, and is raised as it is.
+            recorded = backends.current().error(comm) if self.guarded and name not in _UNGUARDED else ""
+            if not recorded:
+                raise
+            with self._lock:
+                self.failed = self.failed or f"its NCCL communicator recorded {recorded} ({str(exc).splitlines()[0]})"
+            backends.cut(id(comm), wait=0)
+            return _done(_flat(args))
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()

@@ -482,14 +482,16 @@ class Runtime:
             found = devicework.finish(groups)
         finally:
             self._device_wait = False
+        if self.step_failed:
+            return  # a plan cut a group meanwhile (its aborted kernels may fail the wait): recovery
         if found.wait:
             raise self._voting.stop(devicework.refusal(self.rank, s.step, found.wait))
-        if found.errors and not self.step_failed:
+        if found.errors:
             why = f"torch's NCCL watchdog found an error at step {s.step}: {found.describe()}"
             log.warning("rank %d: %s; the step goes to recovery instead of its vote", self.rank, why)
             for group, _ in found.errors:
                 group.abandon(why)
-            s.groups[WORLD].abandon(why)  # every peer's vote fails at once: all recover together
+            self.group.abandon(why)  # the world group: every peer's vote fails at once, all recover together
 
     @property
     def step_failed(self) -> bool:

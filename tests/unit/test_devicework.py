@@ -5,8 +5,10 @@ a failed wait stops it before it is applied."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 from torch.distributed import HashStore
 
 from rlaunch.runtime import backend as backends
@@ -61,3 +63,36 @@ def test_without_nccl_groups_the_gloo_path_needs_no_wait() -> None:
         raise AssertionError("gloo's operations end on the host: no GPU to wait for")
 
     assert devicework.finish([], sync=sync) == devicework.Found()
+
+
+class _AbortedComm:
+    """A communicator torch's watchdog aborted: issuing on it raises (``getNcclComm``)."""
+
+    def allreduce(self, tensors: Any, *args: Any) -> Any:
+        raise RuntimeError("NCCL communicator was aborted on rank 0.\ndetails")
+
+
+def test_a_collective_issued_on_a_communicator_the_watchdog_aborted_fails_the_step_not_the_script(
+    nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-backward, the watchdog aborted the communicator (it recorded COMM_ERROR): the next
+    bucket's allreduce raises when issued. The group fails as a failed collective does (the
+    caller gets its inputs back, the step goes to recovery) instead of backward() raising."""
+    comm = _AbortedComm()
+    monkeypatch.setattr(backends.current(), "error", lambda c: "COMM_ERROR" if c is comm else "")
+    group = SwitchableGroup("world", [0], 0, comm, 1, guarded=True, backend=Backend.NCCL)
+    t = torch.ones(3)
+    group.allreduce([t]).wait()
+    assert group.failed.startswith("its NCCL communicator recorded COMM_ERROR (NCCL communicator was aborted")
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_error_at_issue_that_torch_did_not_record_is_the_callers(
+    nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    comm = _AbortedComm()
+    monkeypatch.setattr(backends.current(), "error", lambda c: "")
+    group = SwitchableGroup("world", [0], 0, comm, 1, guarded=True, backend=Backend.NCCL)
+    with pytest.raises(RuntimeError, match="NCCL communicator was aborted"):
+        group.allreduce([torch.ones(3)])
+    assert not group.failed
