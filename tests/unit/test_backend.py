@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,14 +89,6 @@ class FakeNccl:
             if not out or out[-1] != (call, name):
                 out.append((call, name))
         return out
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeNccl]:
-    nccl = FakeNccl()
-    previous = backends.use(Communicators(nccl, device=lambda: GPU))
-    yield nccl
-    backends.use(previous)
 
 
 def _build(prefix: str, backend: Backend, store: Any = None) -> ProcessGroup:

@@ -4,7 +4,6 @@ a failed wait stops it before it is applied."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,17 +12,9 @@ from torch.distributed import HashStore
 
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import devicework
-from rlaunch.runtime.backend import Backend, Communicators
+from rlaunch.runtime.backend import Backend
 from rlaunch.runtime.groups import SwitchableGroup
-from tests.unit.test_backend import GPU, TIMEOUT, FakeNccl
-
-
-@pytest.fixture
-def nccl() -> Iterator[FakeNccl]:
-    fake = FakeNccl()
-    previous = backends.use(Communicators(fake, device=lambda: GPU))
-    yield fake
-    backends.use(previous)
+from tests.unit.test_backend import TIMEOUT, FakeNccl
 
 
 def _group(label: str) -> SwitchableGroup:
@@ -31,23 +22,23 @@ def _group(label: str) -> SwitchableGroup:
     return SwitchableGroup(label, [0], 0, comm, 1, guarded=True, backend=Backend.NCCL)
 
 
-def test_a_clean_step_waits_for_the_gpu_and_finds_nothing(nccl: FakeNccl) -> None:
+def test_a_clean_step_waits_for_the_gpu_and_finds_nothing(fake: FakeNccl) -> None:
     synced: list[bool] = []
     found = devicework.finish([_group("world")], sync=lambda: synced.append(True))
     assert synced == [True] and found == devicework.Found()
 
 
-def test_an_error_the_watchdog_recorded_is_found_after_the_wait(nccl: FakeNccl) -> None:
+def test_an_error_the_watchdog_recorded_is_found_after_the_wait(fake: FakeNccl) -> None:
     """A peer spent minutes saving a checkpoint (or died): the watchdog timed the next allreduce
     out and aborted it, every future had long completed, and every rank would vote healthy."""
     world, tp = _group("world"), _group("tp")
-    nccl.errors["g1.tp"] = "TIMEOUT"
+    fake.errors["g1.tp"] = "TIMEOUT"
     found = devicework.finish([world, tp], sync=lambda: None)
     assert found.wait == "" and found.errors == ((tp, "TIMEOUT"),)
     assert found.describe() == "group 'tp' recorded TIMEOUT"
 
 
-def test_a_failed_wait_for_the_gpu_is_a_sentence_that_stops_the_step(nccl: FakeNccl) -> None:
+def test_a_failed_wait_for_the_gpu_is_a_sentence_that_stops_the_step(fake: FakeNccl) -> None:
     def sync() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
 
@@ -73,7 +64,7 @@ class _AbortedComm:
 
 
 def test_a_collective_issued_on_a_communicator_the_watchdog_aborted_fails_the_step_not_the_script(
-    nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+    fake: FakeNccl, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mid-backward, the watchdog aborted the communicator (it recorded COMM_ERROR): the next
     bucket's allreduce raises when issued. The group fails as a failed collective does (the
@@ -88,7 +79,7 @@ def test_a_collective_issued_on_a_communicator_the_watchdog_aborted_fails_the_st
 
 
 def test_an_error_at_issue_that_torch_did_not_record_is_the_callers(
-    nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+    fake: FakeNccl, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     comm = _AbortedComm()
     monkeypatch.setattr(backends.current(), "error", lambda c: "")
