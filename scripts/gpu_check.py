@@ -8,16 +8,28 @@ Parts (``--parts``, default all), each printed as one JSON line and gathered in
   ``tests/scripts/cuda_train.py --device cuda``): an uninterrupted run, a drain onto a warm
   standby and a live replacement after a worker's SIGKILL; the final weights and optimizer
   state of each must be bit-identical to the uninterrupted run's.
+- ``transfer``: a state of ``--transfer-mb`` MiB (1024 on a GPU) moved by rlaunch's transfer
+  (``send_state``/``recv_state``) from a leaver process to a joiner process over a gloo channel,
+  CUDA tensors staged through pinned host memory; the leaver exits the moment its send returns,
+  and the joiner must still land it whole (digests checked, and compared with the seeded
+  original). Its rate is set against the slowest leg measured on the same pair: the loopback,
+  and the pinned device-to-host and host-to-device copies.
 - ``nccl``: NCCL with world size 1, through rlaunch's own layer (rlaunch.runtime.backend):
   blocking and non-blocking communicator init times, an allreduce on the GPU, abandoning a
-  group with an operation pending on the GPU (its future must return), and a non-blocking
-  init whose peer never comes, aborted. Each in a subprocess with a timeout: a hang is a result.
+  group with an operation pending on the GPU (its future must return), a non-blocking init
+  whose peer never comes, aborted, and an NCCL error with no lost peer (a gradient allreduce
+  queued behind ~10 s of GPU work passes its group's 3 s timeout): the pre-vote wait must find
+  it, so the step is not applied. Each in a subprocess with a timeout: a hang is a result.
 - ``nvml``: a health reading through rlaunch's detector (rlaunch.detectors.gpu.NvmlHealth).
 
-NCCL refuses two ranks of one communicator on one GPU, so NCCL with several ranks is not run.
+``cases`` in the JSON sums it up: every case by name, with its pass/fail and seconds.
 
-Without CUDA the script says so and exits 3, unless ``--device cpu`` is given: the ``gloo``
-part then runs on the CPU, which checks the harness itself (how the unit tests use it).
+NCCL refuses two ranks of one communicator on one GPU, so NCCL with several ranks is not run:
+no NCCL transfer, no NCCL drain or replacement, no error at a peer, no watchdog abort seen from a
+second rank. Those run over gloo here (the ``gloo`` and ``transfer`` parts).
+
+Without CUDA the script says so and exits 3, unless ``--device cpu`` is given: the ``gloo`` and
+``transfer`` parts then run on the CPU (64 MiB), which checks the harness itself (how the tests use it).
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "scripts" / "cuda_train.py"
 FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+) versions=\S+ devices=(\S+)")
 NO_CUDA = 3
-PARTS = ("env", "gloo", "nccl", "nvml")
+PARTS = ("env", "gloo", "transfer", "nccl", "nvml")
 
 
 def emit(results: dict[str, Any], name: str, value: dict[str, Any]) -> None:
@@ -145,9 +157,136 @@ def gloo_part(device: str, steps: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+# --- one large state transfer: landed whole after the leaver exits, against the link's bound ---------
+
+#: the largest tensor of the transfer's model (its parameters are cut into tensors of this size)
+TRANSFER_PIECE_MB = 256
+
+
+def _transfer_model(mb: int, device: str, seed: int | None) -> Any:
+    """Parameters of ``mb`` MiB in all on ``device``: seeded normals, or zeros where ``seed`` is None."""
+    import torch
+    from torch import nn
+
+    sizes = [TRANSFER_PIECE_MB] * (mb // TRANSFER_PIECE_MB) + (
+        [mb % TRANSFER_PIECE_MB] if mb % TRANSFER_PIECE_MB else []
+    )
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    params = []
+    for size in sizes:
+        n = size * (1 << 20) // 4
+        t = torch.randn(n, generator=gen, device=device) if gen is not None else torch.zeros(n, device=device)
+        params.append(nn.Parameter(t))
+    return nn.ParameterList(params)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else 0.0
+
+
+def _copy_bounds(device: str, nbytes: int) -> dict[str, float]:
+    """GB/s of a device-to-host and a host-to-device copy of ``nbytes`` through pinned memory."""
+    import torch
+
+    if device != "cuda":
+        return {}
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, (dst, src) in {"d2h_gbps": (host, gpu), "h2d_gbps": (gpu, host)}.items():
+        dst.copy_(src)  # warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        out[name] = _gbps(nbytes, time.perf_counter() - t0)
+    return out
+
+
+def transfer_role(role: str, device: str, mb: int, port: int) -> dict[str, Any]:
+    """One end of the transfer, in this (child) process: ``send`` is the leaver, ``recv`` the joiner."""
+    import torch
+    from torch.distributed import TCPStore
+
+    from rlaunch.runtime import backend as backends
+    from rlaunch.runtime import rng
+    from rlaunch.runtime.transfer import recv_state, send_state
+
+    rank = 0 if role == "send" else 1
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    store = TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    channel = backends.build(store, "transfer/", rank, 2, datetime.timedelta(seconds=120), backends.Backend.GLOO)
+    out: dict[str, Any] = {"role": role}
+    # the loopback's own rate, measured on this channel before the transfer: one CPU tensor each way
+    probe = torch.empty(min(mb, TRANSFER_PIECE_MB) << 20, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    (channel.send([probe], 1, 1) if rank == 0 else channel.recv([probe], 0, 1)).wait()
+    channel.barrier().wait()
+    out["loopback_gbps"] = _gbps(probe.numel(), time.perf_counter() - t0)
+    out.update(_copy_bounds(device, probe.numel()))
+    tracked = {"model": _transfer_model(mb, device, 1 if rank == 0 else None)}
+    nbytes = sum(p.numel() * p.element_size() for p in tracked["model"].parameters())
+    channel.barrier().wait()
+    t0 = time.perf_counter()
+    if rank == 0:
+        out["bytes"] = send_state(channel, tracked, 7, rng.capture())
+        out["sent_s"] = round(time.perf_counter() - t0, 3)
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)  # the leaver exits the moment its send returns, as a drained worker does
+    landed = recv_state(channel, tracked, rank=1)  # raises if a digest differs from the sender's
+    seconds = time.perf_counter() - t0
+    expected = _transfer_model(mb, device, 1)
+    out.update(
+        bytes=nbytes, step=landed.step, received_s=round(seconds, 3), gbps=_gbps(nbytes, seconds),
+        identical=all(torch.equal(a, b) for a, b in zip(tracked["model"], expected, strict=True)),
+        devices=sorted({str(p.device) for p in tracked["model"]}),
+    )  # fmt: skip
+    print("RESULT " + json.dumps(out), flush=True)
+    return out
+
+
+def transfer_part(device: str, mb: int, timeout: float) -> dict[str, Any]:
+    """A state of ``mb`` MiB from a leaver process to a joiner process over a gloo channel (CUDA
+    tensors staged through pinned host memory): it must land whole, digests checked, although
+    the leaver exits as soon as its send returns."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, "--transfer-mb", str(mb),
+           "--transfer-port", str(port), "--transfer-role"]  # fmt: skip
+    t0 = time.perf_counter()
+    ends = {r: subprocess.Popen([*cmd, r], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+            for r in ("send", "recv")}  # fmt: skip
+    out: dict[str, Any] = {"device": device, "mb": mb}
+    for role, proc in ends.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            for p in ends.values():
+                p.kill()
+            proc.communicate()
+            out.update(ok=False, error=f"the {role} end hung: no result within {timeout:.0f} s")
+            return out
+        found = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        out[role] = json.loads(found[-1][len("RESULT ") :]) if proc.returncode == 0 and found else {
+            "error": f"exit {proc.returncode}", "tail": stderr[-1500:]}  # fmt: skip
+    got, sent = out["recv"], out["send"]
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    if "gbps" in got:  # staged, the transfer can go no faster than its slowest leg: out of the GPU, the wire, in
+        legs = [got["loopback_gbps"], sent.get("d2h_gbps"), got.get("h2d_gbps")]
+        bound = min(v for v in legs if v)
+        out.update(gbps=got["gbps"], bound_gbps=bound, fraction_of_bound=round(got["gbps"] / bound, 2))
+    out["ok"] = bool(got.get("identical") and got.get("bytes", 0) == sent.get("bytes") and got["bytes"] >= mb << 20)
+    return out
+
+
 # --- NCCL with world size 1 -----------------------------------------------------------------------
 
-NCCL_CASES = ("init", "abandon_pending", "abort_missing_peer")
+NCCL_CASES = ("init", "abandon_pending", "abort_missing_peer", "error_without_lost_peer")
 
 
 def nccl_case(case: str) -> dict[str, Any]:
@@ -155,6 +294,8 @@ def nccl_case(case: str) -> dict[str, Any]:
     import torch
     from torch.distributed import HashStore, PrefixStore
 
+    from rlaunch.runtime import backend as backends
+    from rlaunch.runtime import devicework
     from rlaunch.runtime.backend import Backend, Communicators
     from rlaunch.runtime.groups import SwitchableGroup
     from rlaunch.runtime.nccl import TorchNccl
@@ -196,8 +337,6 @@ def nccl_case(case: str) -> dict[str, Any]:
                          and out["non_blocking"]["ready"])  # fmt: skip
         comms.cut(id(pg))
     elif case == "abandon_pending":
-        import rlaunch.runtime.backend as backends
-
         backends.use(comms)
         pg = comms.build(HashStore(), "g1/world/", 0, 1, timeout, Backend.NCCL)
         comms.wait_ready(pg, 60)
@@ -242,6 +381,25 @@ def nccl_case(case: str) -> dict[str, Any]:
             except NcclSetupError as exc:
                 out["setup_failed"] = str(exc)
         out["ok"] = out["main_thread_free"] and not out["ready_after_1s"] and bool(out["setup_failed"])
+    elif case == "error_without_lost_peer":
+        backends.use(comms)
+        pg = comms.build(HashStore(), "g1/world/", 0, 1, datetime.timedelta(seconds=3), Backend.NCCL)
+        comms.wait_ready(pg, 60)
+        group = SwitchableGroup("world", [0], 0, pg, 1, guarded=True, backend=Backend.NCCL)
+        weight, grad = torch.ones(1 << 20, device=gpu), torch.ones(1 << 20, device=gpu)
+        before = weight.clone()
+        # the GPU is busy for ~10 s (as a rank is that spends minutes on a checkpoint while its peers
+        # wait): the gradient allreduce queued behind it passes the group's 3 s timeout, every peer alive
+        torch.cuda._sleep(int(2e10))
+        group.allreduce([grad]).wait()  # completes at enqueue, as every NCCL future does
+        t0 = time.perf_counter()
+        found = devicework.finish([group])  # the runtime's pre-vote wait
+        out["found_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        out["wait"], out["errors"] = found.wait, [e for _, e in found.errors]
+        if not found.wait and not found.errors:  # what the step would do next: apply the reduced gradient
+            weight.sub_(grad)
+        out["step_applied"] = not torch.equal(weight, before)
+        out["ok"] = bool((found.errors or found.wait) and not out["step_applied"])
     print("RESULT " + json.dumps(out), flush=True)
     return out
 
@@ -292,6 +450,19 @@ def nvml_part() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def cases(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every case that ran, by name, with its pass/fail and seconds: the summary quoted on the issue."""
+    out: dict[str, dict[str, Any]] = {}
+    for part, value in results.items():
+        if part in ("env", "verdict") or not isinstance(value, dict):
+            continue
+        inner = {k: v for k, v in value.items() if isinstance(v, dict) and "ok" in v}
+        for name, case in inner.items() or [(part, value)]:
+            key = f"{part}.{name}" if inner else part
+            out[key] = {"ok": bool(case.get("ok")), "seconds": case.get("seconds", value.get("seconds"))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default: $OUT, else none)")
@@ -299,10 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the gloo part on the CPU")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--case-timeout", type=float, default=60.0)
+    ap.add_argument("--transfer-mb", type=int, default=None, help="MiB of the transfer part (default: 1024 on a GPU)")
     ap.add_argument("--nccl-case", choices=NCCL_CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--transfer-role", choices=("send", "recv"), help=argparse.SUPPRESS)
+    ap.add_argument("--transfer-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    mb = args.transfer_mb or (1024 if args.device == "cuda" else 64)
     if args.nccl_case:
         return 0 if nccl_case(args.nccl_case).get("ok") else 1
+    if args.transfer_role:
+        return 0 if transfer_role(args.transfer_role, args.device, mb, args.transfer_port) else 1
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -323,10 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="rlaunch-gpu-check-") as tmp:
             if "gloo" in parts:
                 emit(results, "gloo", gloo_part(args.device, args.steps, Path(tmp)))
+            if "transfer" in parts:
+                emit(results, "transfer", transfer_part(args.device, mb, 240.0))
             if "nccl" in parts and args.device == "cuda":
                 emit(results, "nccl", nccl_part(args.case_timeout))
             if "nvml" in parts and args.device == "cuda":
                 emit(results, "nvml", nvml_part())
+        results["cases"] = cases(results)
         failed = [p for p in parts if p in results and p != "env" and not results[p].get("ok")]
         results["verdict"] = "all checks passed" if not failed else f"failed: {', '.join(failed)}"
         status = 0 if not failed else 1

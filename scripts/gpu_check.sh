@@ -4,10 +4,14 @@
 # What it runs (scripts/gpu_check.py has the details; results go to stdout and $OUT/gpu_check.json):
 #   - several ranks on the one GPU over gloo with CUDA tensors: an uninterrupted run, a drain onto
 #     a warm standby and a live replacement after a SIGKILL, each checked bit-identical;
+#   - a 1 GiB state transfer between two processes (CUDA tensors staged through pinned memory over
+#     gloo), landed whole after the leaver exits, its rate against the slowest leg of the link;
 #   - NCCL with world size 1: blocking and non-blocking init times, an allreduce, abandoning a group
-#     with an operation pending on the GPU, aborting a non-blocking init whose peer never comes;
+#     with an operation pending on the GPU, aborting a non-blocking init whose peer never comes, an
+#     NCCL timeout with no lost peer found before the step is applied;
 #   - an NVML health reading through rlaunch's detector.
 # NCCL refuses two ranks of one communicator on one GPU: NCCL with several ranks is not run.
+# The JSON's "cases" lists every case with its pass/fail and seconds.
 #
 # The device machine has torch (and grpcio, protobuf, typer, rich, psutil, nvidia-ml-py,
 # prometheus-client) but nothing can be fetched there. The missing wheels travel in .whl/

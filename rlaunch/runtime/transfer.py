@@ -10,8 +10,9 @@ GradScaler's ``state_dict()``) travel as one ``torch.save`` blob loaded with
 ``weights_only=True``: nothing received is ever unpickled freely.
 
 CUDA tensors move into the joiner's live CUDA tensors. Over a channel whose backend is NCCL they
-go GPU to GPU (NCCL send/recv); over a gloo channel each is staged through host memory, one
-tensor at a time (:func:`wire`), so the staging never holds more than the largest tensor.
+go GPU to GPU (NCCL send/recv); over a gloo channel each is staged through host memory
+(:func:`wire`), in chunks through two pinned buffers (:mod:`rlaunch.runtime.staging`), so the
+staging never holds more than two chunks.
 
 Every move is verified end to end: after the tensors, the sender sends a digest of each tracked
 object's state as it sent it (and of the RNG states and the step), computed on the tensors' own
@@ -43,10 +44,12 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import digest, rng, shards
 from rlaunch.runtime.groups import READY_TIMEOUT_S
+from rlaunch.runtime.staging import Staging
 
 _TAG = 7
-#: Header format version: a joiner refuses a header it does not know.
-HEADER_VERSION = 2
+#: Version of the header and of the stream after it (3: staged tensors cross in chunks); a joiner
+#: refuses a version it does not know.
+HEADER_VERSION = 3
 
 
 class TransferError(RuntimeError):
@@ -178,11 +181,12 @@ def send_state(
     }
     _send_json(channel, header)
     if blob:
-        _send(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        _send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total = 0
+    staging = Staging()
     for _, t in pairs:
         data = shards.local(t).detach().contiguous()
-        _send(channel, data)
+        _send(channel, data, staging)
         total += data.numel() * data.element_size()
     # over what was sent (no second state_dict() call: some draw from the RNG, as a loader's does)
     _send_json(channel, {"digests": _digests(list(tracked), pairs, kinds, values, step, rng_state)})
@@ -192,17 +196,17 @@ def send_state(
 
 def _send_json(channel: ProcessGroup, value: dict[str, Any]) -> None:
     raw = json.dumps(value, separators=(",", ":")).encode()
-    _send(channel, torch.tensor([len(raw)], dtype=torch.int64))
-    _send(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    _send_host(channel, torch.tensor([len(raw)], dtype=torch.int64))
+    _send_host(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
 def _recv_json(channel: ProcessGroup, what: str) -> Any:
     size = torch.zeros(1, dtype=torch.int64)
-    _recv(channel, size)
+    _recv_host(channel, size)
     if not 0 < int(size.item()) <= MAX_JSON_BYTES:
         raise TransferError(f"The transfer {what} announces {int(size.item())} bytes; is the sender another version?")
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
-    _recv(channel, raw)
+    _recv_host(channel, raw)
     try:
         return json.loads(raw.numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -243,15 +247,16 @@ def recv_state(
         )
     blob = torch.empty(int(header["blob_bytes"]), dtype=torch.uint8)
     if blob.numel():
-        _recv(channel, blob)
+        _recv_host(channel, blob)
     values = _loads(blob.numpy().tobytes()) if blob.numel() else {}
     targets = _targets(tracked, header)
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
     _load_values(tracked, header, values)
+    staging = Staging()
     with torch.no_grad():
         for t in targets:
-            _recv(channel, t)
+            _recv(channel, t, staging)
     backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
@@ -376,16 +381,24 @@ def _staged(channel: ProcessGroup, t: torch.Tensor) -> bool:
     return wire(t.device.type, backends.current().carries(channel, t.device.type)) == "staged"
 
 
-def _send(channel: ProcessGroup, t: torch.Tensor) -> None:
+def _send(channel: ProcessGroup, t: torch.Tensor, staging: Staging) -> None:
     if _staged(channel, t):
-        t = t.cpu()
+        staging.send(channel, t, 1, _TAG)
+    else:
+        _send_host(channel, t)
+
+
+def _recv(channel: ProcessGroup, t: torch.Tensor, staging: Staging) -> None:
+    if _staged(channel, t):
+        staging.recv(channel, t, 0, _TAG)
+    else:
+        _recv_host(channel, t)
+
+
+def _send_host(channel: ProcessGroup, t: torch.Tensor) -> None:
+    """Send a tensor the channel carries itself (a CPU one, or a CUDA one over NCCL)."""
     channel.send([t], 1, _TAG).wait()
 
 
-def _recv(channel: ProcessGroup, t: torch.Tensor) -> None:
-    if _staged(channel, t):
-        host = torch.empty(t.shape, dtype=t.dtype)
-        channel.recv([host], 0, _TAG).wait()
-        t.copy_(host)
-        return
+def _recv_host(channel: ProcessGroup, t: torch.Tensor) -> None:
     channel.recv([t], 0, _TAG).wait()

@@ -403,8 +403,8 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
         for name in ("_send", "_recv"):
             real = getattr(transfer, name)
 
-            def spy(channel: Any, t: torch.Tensor, real: Any = real, name: str = name) -> None:
-                real(channel, t)
+            def spy(channel: Any, t: torch.Tensor, staging: Any, real: Any = real, name: str = name) -> None:
+                real(channel, t, staging)
                 if channel is watched and t.numel() == 2 * 3:  # the weight: after the headers
                     nccl.calls.append((name, "tensor", {}))
 

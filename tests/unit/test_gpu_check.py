@@ -39,3 +39,21 @@ def test_the_training_scripts_final_lines_are_read_per_rank() -> None:
         'rank 0 final: steps=60 params=abc123 optim=def456 versions={"world":1} devices=cuda:0 seconds=3.1\n'
     )
     assert gpu_check._finals(text) == {0: ("abc123", "def456", "cuda:0"), 1: ("abc123", "def456", "cuda:0")}
+
+
+def test_the_summary_names_every_case_with_its_outcome_and_seconds() -> None:
+    results = {
+        "env": {"cuda": True},
+        "gloo": {"ok": False, "drain": {"ok": True, "seconds": 30.1}, "replace": {"ok": False, "error": "x"}},
+        "transfer": {"ok": True, "seconds": 9.5, "send": {"role": "send"}},
+        "nccl": {"ok": True, "init": {"ok": True, "seconds": 4.0}},
+        "nvml": {"ok": True},
+        "verdict": "failed: gloo",
+    }
+    assert gpu_check.cases(results) == {
+        "gloo.drain": {"ok": True, "seconds": 30.1},
+        "gloo.replace": {"ok": False, "seconds": None},
+        "transfer": {"ok": True, "seconds": 9.5},
+        "nccl.init": {"ok": True, "seconds": 4.0},
+        "nvml": {"ok": True, "seconds": None},
+    }
