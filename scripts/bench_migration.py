@@ -14,7 +14,11 @@ the JSON's top level, and FSDP2 sharding the same model over both ranks, under
            worker checkpoints and exits, the job exits and torchrun starts every worker again on
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
   (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0).
-Downtime of an event = wall time of the 6 steps around it minus 6 median steps. ``verification``:
+Downtime of an event = wall time of the 6 steps around it minus 6 median steps. ``phases`` (and
+``phases_cold``): where each drain's time went, as its ranks measured it on one clock (plan seen,
+phase 1 done, ready voted, the boundary, the transfer, groups swapped, the first step; see
+rlaunch.runtime.phases), each phase's median over the drains, and the runtime's downtime
+(boundary to the last first step's end, less a median step) against the bench's. ``verification``:
 what comparing replicas costs (the runtime's own timing, from its agents' events): at steady state
 with the default ``--verify-every auto``, the seconds of digests over the seconds of training, and
 for each drain the joiner's digests of what landed plus the first vote's replica digests, also
@@ -89,6 +93,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlaunch.cli.status import fetch_status  # noqa: E402
+from rlaunch.runtime.phases import breakdown  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
 
 WORKER = REPO / "scripts" / "bench_train.py"
@@ -160,9 +165,10 @@ def median_step(rows: list[tuple[int, float, float, str]]) -> float:
     return statistics.median(durations)
 
 
-def downtime(rows: list[tuple[int, float, float, str]], t_event: float, median: float) -> tuple[float, int]:
-    """Extra wall time of the 6 steps around the event over 6 median steps, and the event's step.
+def window(rows: list[tuple[int, float, float, str]], t_event: float) -> tuple[float, float, int, int]:
+    """The 6 steps around the event: (start, end) on the wall clock, the steps in it, the event's step.
 
+    The window runs from the end of the step 3 before the event's to the end of the one 3 after it.
     The event's step is the first one not done before the event; steps redone after it (from a
     checkpoint) count from their first run, and the window ends with their last.
     """
@@ -171,7 +177,13 @@ def downtime(rows: list[tuple[int, float, float, str]], t_event: float, median: 
     last = {s: end for s, _, end, _ in sorted(real, key=lambda r: r[2])}  # last occurrence wins
     event_step = min((s for s, end in first.items() if end > t_event), default=real[-1][0])
     lo, hi = max(event_step - 3, min(first)), min(event_step + 3, max(last))
-    return (last[hi] - first[lo]) - (hi - lo) * median, event_step
+    return first[lo], last[hi], hi - lo, event_step
+
+
+def downtime(rows: list[tuple[int, float, float, str]], t_event: float, median: float) -> tuple[float, int]:
+    """Extra wall time of the 6 steps around the event over 6 median steps, and the event's step."""
+    start, end, steps, event_step = window(rows, t_event)
+    return (end - start) - steps * median, event_step
 
 
 def next_event(name: str, planned: int, done: int, steps: int) -> int:
@@ -496,6 +508,45 @@ def verification_report(steady: list[dict[str, Any]], warm: dict[str, Any], down
     return out
 
 
+def phase_report(result: dict[str, Any], median: float) -> dict[str, Any]:
+    """Where each drain's time went, as the ranks measured it (their ``move_phases`` events; see
+    rlaunch.runtime.phases), the median of each phase over the drains, and the runtime's own
+    downtime (boundary to the last first step's end, less a median step) against the bench's (the
+    6 steps around the event on rank 0's timeline, less 6 median steps), the bench's split in
+    three: the steps of its window before the boundary, the switch (the runtime's figure), and
+    what follows the last first step's end, each less its median steps."""
+    rows = read_timeline(result["timeline"] / "rank0.txt")
+    by_gen: dict[int, list[dict[str, Any]]] = {}
+    for _, gen, data in agent_events(result["work"], "move_phases"):
+        by_gen.setdefault(gen, []).append(data)
+    moves = [breakdown(by_gen[g], median) for g in sorted(by_gen)]
+    for move, event in zip(moves, result["events"], strict=False):
+        start, end, steps, _ = window(rows, event["t_event"])
+        if move["boundary_at"] is None or move["trained_at"] is None:
+            continue
+        before = sum(1 for _, _, e, role in rows if role in ("real", "active") and start < e <= move["boundary_at"])
+        move["bench_s"] = round(end - start - steps * median, 4)
+        move["bench_before_boundary_s"] = round(move["boundary_at"] - start - before * median, 4)
+        move["bench_after_switch_s"] = round(move["bench_s"] - move["bench_before_boundary_s"] - move["downtime_s"], 4)
+    out: dict[str, Any] = {"drains": moves}
+    for key in moves[0] if moves else {}:
+        values = [m[key] for m in moves if m.get(key) is not None]
+        if values and not key.endswith("_at"):
+            out[key] = round(statistics.median(values), 4)
+    diffs = [100 * (m["downtime_s"] - m["bench_s"]) / m["bench_s"] for m in moves if m.get("bench_s", 0) > 0]
+    out["runtime_vs_bench_downtime_pct"] = [round(d, 1) for d in diffs]
+    out["agree_within_10pct"] = bool(diffs) and all(abs(d) <= 10 for d in diffs)
+    if not moves:
+        out["why_not"] = "no drain reported its phases"
+    elif not out["agree_within_10pct"]:
+        out["why_not"] = (
+            "the bench's window holds 3 steps before the boundary and 2 after the first step besides the switch; "
+            "bench_before_boundary_s and bench_after_switch_s are their excess over median steps (either sign: "
+            "step-time noise is in both), the switch alone is the runtime's downtime_s"
+        )
+    return out
+
+
 def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ...], args: Any,
                    bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """Everything the JSON reports for one layout (model and parallelism: ``train_args`` go to
@@ -575,6 +626,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         },
         "drain_reported": warm["events"][0]["stdout"],
         "verification": verification_report(steady_rl, warm, down_warm),
+        "phases": phase_report(warm, med_warm),
+        "phases_cold": phase_report(cold, med_cold),
     })  # fmt: skip
     out["targets"] = {
         "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,

@@ -112,7 +112,7 @@ class WorkerLink:
 
     def register(self, server: ControlServer) -> None:
         ops = (
-            "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "recovering", "recovered",
+            "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "phases", "recovering", "recovered",
             "heartbeat", "replica_sent", "unrecoverable", "done", "moves", "sdc_suspected",
             "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count", "kv_gather",
         )  # fmt: skip
@@ -275,6 +275,13 @@ class WorkerLink:
         self._emit("switched", int(req["generation"]), rank=req["rank"], downtime_ms=round(req["downtime_ms"], 1),
                    step_ms=round(req["step_ms"], 1), median_ms=round(req["median_ms"], 1),
                    verify_ms=round(float(req.get("verify_ms", 0.0)), 1))  # fmt: skip
+        return {}
+
+    async def _phases(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Where a move's time went on one rank (see rlaunch.runtime.phases): logged as it came."""
+        marks = {str(k): round(float(v), 6) for k, v in dict(req["marks"]).items()}
+        self._emit("move_phases", int(req["generation"]), rank=int(req["rank"]), role=str(req["role"]), marks=marks,
+                   bytes=int(req["bytes"]))  # fmt: skip
         return {}
 
     # -- the c10d store in etcd ---------------------------------------------------------------

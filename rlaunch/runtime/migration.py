@@ -30,6 +30,7 @@ from rlaunch.runtime import rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import GroupTable
+from rlaunch.runtime.phases import MovePhases, Phase
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import send_state
 
@@ -42,6 +43,7 @@ class Prepared:
 
     plan: Plan
     comms: dict[str, Any]
+    phases: MovePhases  # the move's marks on this rank (see rlaunch.runtime.phases)
 
 
 class Migration:
@@ -89,6 +91,7 @@ class Migration:
         if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
             return 0
         self._offered = prepared
+        prepared.phases.mark(Phase.READY_VOTED)
         return prepared.plan.generation
 
     def agree(self, generation: int) -> None:
@@ -135,6 +138,8 @@ class Migration:
         if isinstance(plan, ReplacePlan):
             self._on_replace(plan)
             return
+        phases = MovePhases(plan.generation, plan.role.value)
+        phases.mark(Phase.PLAN_SEEN)
         self._supersede(None)
         why = self._refusal()
         if why:
@@ -145,7 +150,9 @@ class Migration:
                 s.rank, plan.generation, why,
             )  # fmt: skip
             return
-        self._supersede(Prepared(plan, self.prepare(plan)))
+        comms = self.prepare(plan)
+        phases.mark(Phase.PREPARED)
+        self._supersede(Prepared(plan, comms, phases))
         s.link.call("prepared", generation=plan.generation)
 
     def _supersede(self, prepared: Prepared | None) -> None:
@@ -186,15 +193,21 @@ class Migration:
         with self._lock:
             if self._prepared is agreed:
                 self._prepared = None
-        gen, comms = agreed.plan.generation, agreed.comms
+        gen, comms, phases = agreed.plan.generation, agreed.comms, agreed.phases
+        phases.mark(Phase.BOUNDARY)
         if agreed.plan.role is Role.LEAVER:
             began = time.perf_counter()
+            phases.mark(Phase.TRANSFER_START)
             sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge())
+            phases.mark(Phase.TRANSFER_END)
+            phases.transfer_bytes = sent
             s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
+            s.link.call("phases", rank=s.rank, **phases.report())
             # Tearing this process down must not take CPU from the job it just left.
             os.nice(19)
             raise SystemExit(0)
         self._groups.swap(comms, gen)
+        phases.mark(Phase.GROUPS_SWAPPED)
         s.generation = gen
-        s.measure_after_switch = True
+        s.after_move = phases
         s.verify_due = True  # the first vote of the new generation compares the replicas

@@ -21,6 +21,7 @@ from torch.distributed import Store
 from rlaunch.runtime.agent_link import AgentLink
 from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh
+from rlaunch.runtime.phases import MovePhases
 from rlaunch.runtime.replicas import Declared
 from rlaunch.runtime.stepstate import StepStart
 from rlaunch.runtime.vote import StepVote
@@ -57,7 +58,8 @@ class RankState:
     start: StepStart | None = None
     #: the next vote verifies that replicas hold equal state (set at every move's boundary)
     verify_due: bool = True
-    #: the first step after a switch reports its downtime
-    measure_after_switch: bool = False
+    #: the move whose first step in the new generation is under way: that step ends it, reporting
+    #: the move's phases (and a survivor's downtime)
+    after_move: MovePhases | None = None
     #: rt.steps() has ended: no more plans are taken
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)

@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError, TransferBrokenError
-from rlaunch.plans import Hello, StartRole
+from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
@@ -68,6 +68,7 @@ from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.moves import Moves
+from rlaunch.runtime.phases import MovePhases, Phase
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
@@ -383,9 +384,9 @@ class Runtime:
                 self._recovery.send_replicas(step)
                 last = time.perf_counter()
                 continue
+            last = now  # a switch's own time counts in the next step's: that step's excess is the downtime
             if self._migration.due:
                 self._migration.switch(step + 1)
-            last = time.perf_counter()
             step += 1
         if s.link is not None:
             # Done stepping: take no more plans, and what follows (saving, teardown) is not a
@@ -400,6 +401,8 @@ class Runtime:
     def _begin_step(self, step: int) -> None:
         """At a step's start: derive per-rank streams (rt.seed) and keep what the step may change."""
         self._voted = None
+        if self._s.after_move is not None:
+            self._s.after_move.mark(Phase.FIRST_STEP_START)
         if self._s.seed is not None:
             self._reseed(step)
         self._s.start = self._snapshots.take(step, self._s.tracked)
@@ -550,9 +553,12 @@ class Runtime:
             )
         plan = self._migration.wait_plan(0)
         began = time.perf_counter()
+        phases = MovePhases(plan.generation, Role.JOINER.value)
+        phases.mark(Phase.PLAN_SEEN)
         s.rank = plan.rank
         self._rebind_mesh(s.rank)
         comms = self._migration.prepare(plan)
+        phases.mark(Phase.PREPARED)
         s.standby = False
         for group in s.groups:
             group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
@@ -560,7 +566,9 @@ class Runtime:
                 group.swap(comms[group.label], plan.generation)
                 if group.label != WORLD:
                     register(group, s.store, {g: i for i, g in enumerate(group.members)})
+        phases.mark(Phase.GROUPS_SWAPPED)
         reshard.to_coordinate(s.tracked)  # uneven shards: rank 0's shapes become this rank's
+        phases.mark(Phase.TRANSFER_START)
         try:
             landed = recv_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn)
         except TransferError:
@@ -571,6 +579,8 @@ class Runtime:
                 "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
                 "again."
             ) from exc
+        phases.mark(Phase.TRANSFER_END)
+        s.after_move = phases
         retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
         # The first vote compares what just landed, as digested: no second pass over it. (The other
         # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
@@ -612,16 +622,21 @@ class Runtime:
     def _after_step(self, seconds: float) -> None:
         s = self._s
         self._completed += 1
-        if s.measure_after_switch:
-            s.measure_after_switch = False
-            median = _median(self._durations) if self._durations else 0.0
+        moved, s.after_move = s.after_move, None
+        if moved is not None:
+            moved.mark(Phase.FIRST_STEP_END)
+            survivor = moved.role != Role.JOINER.value  # a joiner's own time is in its "joined" report
             if s.link is not None:
-                s.link.call(
-                    "switched", generation=s.generation, rank=s.rank,
-                    downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000, median_ms=median * 1000,
-                    verify_ms=self._voting.verifier.last_cost_s * 1000,
-                )  # fmt: skip
-            return
+                if survivor:  # this step's excess over the median step is its downtime
+                    median = _median(self._durations) if self._durations else 0.0
+                    s.link.call(
+                        "switched", generation=s.generation, rank=s.rank,
+                        downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000,
+                        median_ms=median * 1000, verify_ms=self._voting.verifier.last_cost_s * 1000,
+                    )  # fmt: skip
+                s.link.call("phases", rank=s.rank, **moved.report())
+            if survivor:
+                return
         self._durations.append(seconds)
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ def send_state(
         "version": HEADER_VERSION,
         "step": step,
         "objects": kinds,
-        "tensors": [describe(n, t) for n, t in pairs],
+        "tensors": [{**describe(n, t), "wire": _wire_of(channel, shards.local(t))} for n, t in pairs],
         "rng": rng.to_json(rng_state),
         "blob_bytes": len(blob),
         "runtime": knowledge or {},
@@ -182,14 +182,20 @@ def send_state(
     _send_json(channel, header)
     if blob:
         _send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    total = 0
-    staging = Staging()
-    for _, t in pairs:
+    total, staging, on_the_wire = 0, Staging(), []
+    for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
         data = shards.local(t).detach().contiguous()
-        _send(channel, data, staging)
+        if _staged(channel, data):
+            staging.send(channel, data, 1, _TAG)
+        else:
+            on_the_wire.append((data, channel.send([data], 1, _TAG)))
         total += data.numel() * data.element_size()
-    # over what was sent (no second state_dict() call: some draw from the RNG, as a loader's does)
-    _send_json(channel, {"digests": _digests(list(tracked), pairs, kinds, values, step, rng_state)})
+    # over what is sent, read while it is on the wire (no second state_dict() call: some draw from
+    # the RNG, as a loader's does)
+    digests = _digests(list(tracked), pairs, kinds, values, step, rng_state)
+    for _, work in on_the_wire:
+        work.wait()
+    _send_json(channel, {"digests": digests})
     backends.current().settle(channel)  # sent means done on the GPU, not queued: the sender may exit next
     return total
 
@@ -253,22 +259,23 @@ def recv_state(
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
     _load_values(tracked, header, values)
-    staging = Staging()
+    landed, spent = digest.Terms(), 0.0
     with torch.no_grad():
-        for t in targets:
-            _recv(channel, t, staging)
+        for arrived in _receive(channel, header["tensors"], targets):
+            began = time.perf_counter()  # its digest's terms, read while the tensors after it still land
+            landed.read([arrived])
+            spent += time.perf_counter() - began
     backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
     step = int(header["step"])
-    # What landed, digested while the sender digests what it sent; calling state_dict() may draw
+    # What landed, digested as the sender digested what it sent; calling state_dict() may draw
     # from the global generator (a raw StatefulDataLoader's does): put the sender's streams back.
     began = time.perf_counter()
     restored = rng.capture()
-    landed = digest.Terms()
     mine = state_digests(tracked, step, restored, landed)
     rng.restore(restored)
-    spent = time.perf_counter() - began
+    spent += time.perf_counter() - began
     trailer = _recv_json(channel, "digests")
     theirs = trailer.get("digests") if isinstance(trailer, dict) else None
     if not isinstance(theirs, dict):
@@ -381,18 +388,39 @@ def _staged(channel: ProcessGroup, t: torch.Tensor) -> bool:
     return wire(t.device.type, backends.current().carries(channel, t.device.type)) == "staged"
 
 
-def _send(channel: ProcessGroup, t: torch.Tensor, staging: Staging) -> None:
-    if _staged(channel, t):
-        staging.send(channel, t, 1, _TAG)
-    else:
-        _send_host(channel, t)
+def _wire_of(channel: ProcessGroup, t: torch.Tensor) -> str:
+    """How the sender sends ``t``, as its header entry tells the joiner: in staging chunks, or whole."""
+    return "chunked" if _staged(channel, t) else "whole"
 
 
-def _recv(channel: ProcessGroup, t: torch.Tensor, staging: Staging) -> None:
-    if _staged(channel, t):
-        staging.recv(channel, t, 0, _TAG)
-    else:
-        _recv_host(channel, t)
+def _receive(
+    channel: ProcessGroup, entries: list[dict[str, Any]], targets: list[torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """Receive the tensors into ``targets`` as the sender sent them (each entry's ``wire``), and
+    yield each target once it landed, in order.
+
+    Every whole tensor's receive is posted before the first is waited for, so the wire never
+    idles between tensors; the caller reads each one as it lands while the next ones arrive. A
+    whole tensor whose target the channel does not carry (a CPU sender's, for a CUDA target) lands
+    in host memory first. Chunked tensors come through the staging buffers.
+    """
+    staging = Staging()
+    posted: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
+    for entry, t in zip(entries, targets, strict=True):
+        if entry.get("wire") == "chunked":
+            staging.recv(channel, t, 0, _TAG)
+            posted.append((None, t, None))
+        elif _staged(channel, t):
+            landing = torch.empty(t.shape, dtype=t.dtype)
+            posted.append((channel.recv([landing], 0, _TAG), t, landing))
+        else:
+            posted.append((channel.recv([t], 0, _TAG), t, None))
+    for work, t, host in posted:
+        if work is not None:
+            work.wait()
+        if host is not None:
+            t.copy_(host)
+        yield t
 
 
 def _send_host(channel: ProcessGroup, t: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from rlaunch.runtime.phases import breakdown
 from tests.cluster import REPO, AgentProc, Cluster, wait_for
 
 RESILIENT = REPO / "examples" / "train_resilient.py"
@@ -84,6 +85,34 @@ def test_drain_partway_is_bit_identical(cluster: Cluster, reference: dict[int, t
     assert "step 10/" in agents["a"].output(), "the survivor kept its process throughout"
     assert "[c/1] rank 1 final" in agents["c"].output(), "the joiner's lines carry its new rank"
     assert_identical(finals(agents["a"], agents["c"]), reference)
+    assert_phases(cluster)
+
+
+def assert_phases(cluster: Cluster) -> None:
+    """Every rank of the drain reported where its time went, on one clock, in the order of the move."""
+    res = cluster.cli("events", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, "--json")
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    reports = {ev["data"]["role"]: ev for ev in events if ev["kind"] == "move_phases"}
+    assert sorted(reports) == ["joiner", "leaver", "survivor"], reports
+    assert len({ev["generation"] for ev in reports.values()}) == 1
+    order = {
+        "leaver": ["plan_seen", "prepared", "ready_voted", "boundary", "transfer_start", "transfer_end"],
+        "survivor": ["plan_seen", "prepared", "ready_voted", "boundary", "groups_swapped", "first_step_start",
+                     "first_step_end"],
+        "joiner": ["plan_seen", "prepared", "groups_swapped", "transfer_start", "transfer_end", "first_step_start",
+                   "first_step_end"],
+    }  # fmt: skip
+    for role, ev in reports.items():
+        marks = ev["data"]["marks"]
+        assert sorted(marks, key=marks.__getitem__) == order[role], (role, marks)
+    leaver, survivor, joiner = (reports[r]["data"]["marks"] for r in ("leaver", "survivor", "joiner"))
+    assert abs(leaver["boundary"] - survivor["boundary"]) < 5.0, "both switch at the same step boundary"
+    assert leaver["transfer_start"] <= joiner["transfer_end"] and survivor["boundary"] < joiner["first_step_end"]
+    assert reports["leaver"]["data"]["bytes"] > 0
+    got = breakdown([ev["data"] for ev in reports.values()], median_step=0.05)
+    assert got["transfer_s"] is not None and 0 < got["transfer_s"] <= got["switch_to_trained_s"]
+    assert got["downtime_s"] is not None and got["transfer_bytes"] == reports["leaver"]["data"]["bytes"]
 
 
 def test_drain_of_the_rank0_node_is_bit_identical(cluster: Cluster, reference: dict[int, tuple[str, str]]) -> None:

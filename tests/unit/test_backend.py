@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,12 +356,13 @@ def test_a_rank_votes_ready_only_once_its_nccl_communicators_are_ready(fake: Fak
     """A peer failing while NCCL builds must delay the move, not hang every rank at the switch."""
     from rlaunch.plans import MigratePlan, Role
     from rlaunch.runtime.migration import Prepared
+    from rlaunch.runtime.phases import MovePhases
 
     fake.ready_after = 2
     rt = _nccl_runtime(world_comm=SandboxComm(0, 1), generation=1, store=HashStore())
     plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(0,), world_size=1)
     comms = rt._migration.prepare(plan)
-    rt._migration._prepared = Prepared(plan, comms)
+    rt._migration._prepared = Prepared(plan, comms, MovePhases(2, "survivor"))
     assert [rt._migration.ready for _ in range(3)] == [0, 0, 2], "ready for generation 2 once built"
     assert [c[0] for c in fake.calls] == ["create", "ready", "ready", "ready"], "polled, never waited"
     for comm in comms.values():
@@ -400,15 +402,21 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
         torch.manual_seed(0)
         sender, receiver = {"model": torch.nn.Linear(3, 2)}, {"model": torch.nn.Linear(3, 2)}
         watched = built[0] if side == "sender" else built[1]
-        for name in ("_send", "_recv"):
-            real = getattr(transfer, name)
+        real_digests, real_receive = transfer._digests, transfer._receive
 
-            def spy(channel: Any, t: torch.Tensor, staging: Any, real: Any = real, name: str = name) -> None:
-                real(channel, t, staging)
-                if channel is watched and t.numel() == 2 * 3:  # the weight: after the headers
-                    nccl.calls.append((name, "tensor", {}))
+        def digests(names: Any, pairs: Any, *args: Any) -> Any:  # the sender's: its tensors are posted by then
+            if side == "sender" and threading.current_thread().name == "sender":
+                nccl.calls.append(("_send", "tensor", {}))
+            return real_digests(names, pairs, *args)
 
-            monkeypatch.setattr(transfer, name, spy)
+        def receive(channel: Any, entries: Any, targets: Any) -> Iterator[torch.Tensor]:
+            for t in real_receive(channel, entries, targets):
+                if channel is watched and t.numel() == 2 * 3:  # the weight has landed
+                    nccl.calls.append(("_recv", "tensor", {}))
+                yield t
+
+        monkeypatch.setattr(transfer, "_digests", digests)
+        monkeypatch.setattr(transfer, "_receive", receive)
         sending = threading.Thread(target=send_state, args=(built[0], sender, 7, rng.capture()), name="sender")
         sending.start()
         assert recv_state(built[1], receiver).step == 7

@@ -262,3 +262,23 @@ def test_a_transfer_whose_tensors_are_all_staged_lands_bit_identical(monkeypatch
     sent, got = _state(sender), _state(receiver)
     assert all(torch.equal(t, got[0][name]) for name, t in sent[0].items())
     assert str(sent[1]) == str(got[1])
+
+
+@pytest.mark.parametrize("staged_on", ["sender", "joiner"])
+def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pytest.MonkeyPatch, staged_on: str) -> None:
+    """The two ends need not stage alike (a CPU optimizer step on one end, a CUDA one created on
+    the other): the header's ``wire`` says how each tensor was sent, and the joiner follows it."""
+    receiver_thread = threading.main_thread()  # _move receives on the test's thread
+
+    def staged(channel: Any, t: torch.Tensor) -> bool:
+        on_joiner = threading.current_thread() is receiver_thread
+        return on_joiner if staged_on == "joiner" else not on_joiner
+
+    monkeypatch.setattr(transfer, "_staged", staged)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 40)
+    sender, receiver = _objects(1, width=16), _objects(0, width=16)
+    step, error = _move(sender, receiver)
+    assert error is None and step == 5
+    sent, got = _state(sender), _state(receiver)
+    assert all(torch.equal(t, got[0][name]) for name, t in sent[0].items())
+    assert str(sent[1]) == str(got[1])

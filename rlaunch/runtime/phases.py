@@ -1,0 +1,113 @@
+"""Where a planned move's time goes: the phases each rank marks, and the event's breakdown.
+
+Every rank that takes part in a migration marks the moments it lives through, on the wall clock
+(``time.time()``: one clock base for every rank of a host, and NTP's across hosts), and reports
+them once its part is over (the leaver when its state is sent, the others after their first step
+in the new generation); the agent logs them as a ``move_phases`` event. The phases, in order:
+
+- ``plan_seen``: the plan reached the rank (a joiner: the plan that gives it ranks);
+- ``prepared``: phase 1 done, the next generation's communicators built;
+- ``ready_voted``: the first vote that said "ready for this generation" (leaver and survivors);
+- ``boundary``: the switch began, after the step every rank voted ready in (leaver and survivors);
+- ``transfer_start``, ``transfer_end``: the state transfer (leaver and joiner; with its bytes);
+- ``groups_swapped``: the rank's groups hold the new communicators (survivors and joiner);
+- ``first_step_start``, ``first_step_end``: the rank's first step in the new generation.
+
+:func:`breakdown` turns every rank's report of one move into the event's phases, in seconds.
+Phase 1 and the wait for the vote run while training goes on; the downtime is what lies between
+the boundary and the last rank's first step end, less one median step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+class Phase(str, enum.Enum):
+    PLAN_SEEN = "plan_seen"
+    PREPARED = "prepared"
+    READY_VOTED = "ready_voted"
+    BOUNDARY = "boundary"
+    TRANSFER_START = "transfer_start"
+    TRANSFER_END = "transfer_end"
+    GROUPS_SWAPPED = "groups_swapped"
+    FIRST_STEP_START = "first_step_start"
+    FIRST_STEP_END = "first_step_end"
+
+
+@dataclasses.dataclass
+class MovePhases:
+    """One rank's marks for the move to ``generation``, in which it is ``role`` (leaver, joiner, survivor)."""
+
+    generation: int
+    role: str
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+    transfer_bytes: int = 0
+
+    def mark(self, phase: Phase) -> None:
+        """Mark ``phase`` now; a phase is marked once, at its first moment."""
+        self.marks.setdefault(phase.value, time.time())
+
+    def report(self) -> dict[str, Any]:
+        """The JSON values the rank sends its agent."""
+        return {"generation": self.generation, "role": self.role, "marks": dict(self.marks),
+                "bytes": self.transfer_bytes}  # fmt: skip
+
+
+def _at(reports: Iterable[Mapping[str, Any]], phase: Phase, roles: tuple[str, ...] = ()) -> list[float]:
+    return [
+        float(r["marks"][phase.value])
+        for r in reports
+        if phase.value in r["marks"] and (not roles or r["role"] in roles)
+    ]
+
+
+def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[str, Any]:
+    """The phases of one move from every rank's report (:meth:`MovePhases.report`), in seconds.
+
+    Off the critical path: ``prepare_s`` (first plan seen to last rank prepared), ``vote_wait_s``
+    (last rank prepared to the boundary: the steps trained meanwhile). On it, each from the
+    earliest boundary: ``to_transfer_s`` (to the leaver's first byte), ``transfer_s`` (the
+    leaver's first byte to the joiner's last; with ``transfer_gbps``), ``swap_s`` (to the last
+    rank's groups swapped), ``to_first_step_s`` (to the last rank's first step start),
+    ``first_step_s`` (the longest first step), ``switch_to_trained_s`` (to the last rank's first
+    step end) and ``downtime_s``, that less one ``median_step``. A phase no rank reported is None.
+    ``boundary_at`` and ``trained_at`` are the two ends of the switch on the wall clock.
+    """
+    reports = list(reports)
+
+    def span(start: list[float], end: list[float]) -> float | None:
+        return round(max(end) - min(start), 4) if start and end else None
+
+    plan, prepared = _at(reports, Phase.PLAN_SEEN), _at(reports, Phase.PREPARED)
+    boundary = _at(reports, Phase.BOUNDARY)
+    sent_from = _at(reports, Phase.TRANSFER_START, ("leaver",))
+    landed = _at(reports, Phase.TRANSFER_END, ("joiner",))
+    starts, ends = _at(reports, Phase.FIRST_STEP_START), _at(reports, Phase.FIRST_STEP_END)
+    firsts = [
+        r["marks"][Phase.FIRST_STEP_END.value] - r["marks"][Phase.FIRST_STEP_START.value]
+        for r in reports
+        if Phase.FIRST_STEP_END.value in r["marks"] and Phase.FIRST_STEP_START.value in r["marks"]
+    ]
+    moved = max((int(r.get("bytes", 0)) for r in reports), default=0)
+    transfer = span(sent_from, landed)
+    trained = span(boundary, ends)
+    return {
+        "prepare_s": span(plan, prepared),
+        "vote_wait_s": round(min(boundary) - max(prepared), 4) if boundary and prepared else None,
+        "to_transfer_s": span(boundary, sent_from),
+        "transfer_s": transfer,
+        "transfer_bytes": moved,
+        "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer and moved else None,
+        "swap_s": span(boundary, _at(reports, Phase.GROUPS_SWAPPED, ("survivor",))),
+        "to_first_step_s": span(boundary, starts),
+        "first_step_s": round(max(firsts), 4) if firsts else None,
+        "switch_to_trained_s": trained,
+        "downtime_s": round(max(0.0, trained - median_step), 4) if trained is not None else None,
+        "boundary_at": min(boundary) if boundary else None,
+        "trained_at": max(ends) if ends else None,
+    }

@@ -1,0 +1,47 @@
+"""The phase breakdown of a planned move, from every rank's marks (rlaunch.runtime.phases)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlaunch.runtime.phases import MovePhases, Phase, breakdown
+
+
+def _report(role: str, rank: int, nbytes: int = 0, **marks: float) -> dict[str, Any]:
+    return {"generation": 3, "role": role, "rank": rank, "marks": marks, "bytes": nbytes}
+
+
+def test_the_breakdown_times_each_phase_from_the_earliest_boundary() -> None:
+    t = 1000.0
+    reports = [
+        _report("leaver", 1, 400_000_000, plan_seen=t, prepared=t + 0.05, ready_voted=t + 0.3, boundary=t + 1.0,
+                transfer_start=t + 1.01, transfer_end=t + 1.21),
+        _report("survivor", 0, plan_seen=t + 0.002, prepared=t + 0.08, ready_voted=t + 0.3, boundary=t + 1.004,
+                groups_swapped=t + 1.02, first_step_start=t + 1.02, first_step_end=t + 1.72),
+        _report("joiner", 1, plan_seen=t + 0.001, prepared=t + 0.1, groups_swapped=t + 0.1, transfer_start=t + 0.1,
+                transfer_end=t + 1.23, first_step_start=t + 1.24, first_step_end=t + 1.74),
+    ]  # fmt: skip
+    got = breakdown(reports, median_step=0.5)
+    assert got == {
+        "prepare_s": 0.1, "vote_wait_s": 0.9, "to_transfer_s": 0.01, "transfer_s": 0.22,
+        "transfer_bytes": 400_000_000, "transfer_gbps": 1.818, "swap_s": 0.02, "to_first_step_s": 0.24,
+        "first_step_s": 0.7, "switch_to_trained_s": 0.74, "downtime_s": 0.24, "boundary_at": t + 1.0,
+        "trained_at": t + 1.74,
+    }  # fmt: skip
+
+
+def test_a_phase_no_rank_reported_is_none_and_downtime_is_never_negative() -> None:
+    got = breakdown([_report("survivor", 0, boundary=5.0, first_step_start=5.0, first_step_end=5.1)], median_step=0.3)
+    assert got["transfer_s"] is None and got["transfer_gbps"] is None and got["prepare_s"] is None
+    assert got["downtime_s"] == 0.0 and got["switch_to_trained_s"] == 0.1
+
+
+def test_a_phase_is_marked_once_at_its_first_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 11.0])
+    monkeypatch.setattr("rlaunch.runtime.phases.time.time", lambda: next(clock))
+    phases = MovePhases(4, "survivor")
+    phases.mark(Phase.READY_VOTED)
+    phases.mark(Phase.READY_VOTED)  # every later vote says ready again: the first one counts
+    assert phases.report() == {"generation": 4, "role": "survivor", "marks": {"ready_voted": 10.0}, "bytes": 0}
