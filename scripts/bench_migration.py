@@ -644,7 +644,7 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         # issue 17's: the transfer bound plus a quarter step (median), twice it plus half a step (worst)
         "downtime_le_bound_plus_quarter_step": out["rlaunch_downtime_s"] <= lower + 0.25 * med_warm,
         "downtime_max_le_2x_bound_plus_half_step": out["rlaunch_downtime_s_max"] <= 2 * lower + 0.5 * med_warm,
-        "phase_downtime_le_bound_plus_quarter_step": (out["phases"].get("downtime_s") or 1e9)
+        "phase_downtime_le_bound_plus_quarter_step": out["phases"].get("downtime_s", float("inf"))
         <= lower + 0.25 * med_warm,
     }
     return out

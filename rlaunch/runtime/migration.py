@@ -30,7 +30,7 @@ from rlaunch.runtime import rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import GroupTable
-from rlaunch.runtime.phases import MovePhases, Phase
+from rlaunch.runtime.phases import MovePhases, Phase, report
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import send_state
 
@@ -201,8 +201,8 @@ class Migration:
             sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge())
             phases.mark(Phase.TRANSFER_END)
             phases.transfer_bytes = sent
+            report(s.link, s.rank, phases)  # before "left": the agent may stop this worker as soon as it hears that
             s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
-            s.link.call("phases", rank=s.rank, **phases.report())
             # Tearing this process down must not take CPU from the job it just left.
             os.nice(19)
             raise SystemExit(0)

@@ -3,7 +3,8 @@
 Every rank that takes part in a migration marks the moments it lives through, on the wall clock
 (``time.time()``: one clock base for every rank of a host, and NTP's across hosts), and reports
 them once its part is over (the leaver when its state is sent, the others after their first step
-in the new generation); the agent logs them as a ``move_phases`` event. The phases, in order:
+in the new generation); the agent logs them as a ``move_phases`` event. The phases (a joiner swaps
+its groups before its transfer, the others after the boundary):
 
 - ``plan_seen``: the plan reached the rank (a joiner: the plan that gives it ranks);
 - ``prepared``: phase 1 done, the next generation's communicators built;
@@ -22,9 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
+
+log = logging.getLogger(__name__)
 
 
 class Phase(str, enum.Enum):
@@ -58,6 +64,18 @@ class MovePhases:
                 "bytes": self.transfer_bytes}  # fmt: skip
 
 
+def report(link: AgentLink | None, rank: int, phases: MovePhases) -> None:
+    """Send ``phases`` to the rank's agent; a report that cannot be made is logged, never raised:
+    the move it describes goes on regardless."""
+    if link is None:
+        return
+    try:
+        link.call("phases", rank=rank, **phases.report())
+    except (OSError, AgentLinkError) as exc:
+        log.warning("rank %d: the phases of the move to generation %d were not reported: %s", rank, phases.generation,
+                    exc)  # fmt: skip
+
+
 def _at(reports: Iterable[Mapping[str, Any]], phase: Phase, roles: tuple[str, ...] = ()) -> list[float]:
     return [
         float(r["marks"][phase.value])
@@ -72,7 +90,8 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     Off the critical path: ``prepare_s`` (first plan seen to last rank prepared), ``vote_wait_s``
     (last rank prepared to the boundary: the steps trained meanwhile). On it, each from the
     earliest boundary: ``to_transfer_s`` (to the leaver's first byte), ``transfer_s`` (the
-    leaver's first byte to the joiner's last; with ``transfer_gbps``), ``swap_s`` (to the last
+    leaver's first byte to the joiner's last; ``transfer_gbps`` is the largest rank's bytes over
+    it, so with several local ranks moving at once it understates their sum), ``swap_s`` (to the last
     rank's groups swapped), ``to_first_step_s`` (to the last rank's first step start),
     ``first_step_s`` (the longest first step), ``switch_to_trained_s`` (to the last rank's first
     step end) and ``downtime_s``, that less one ``median_step``. A phase no rank reported is None.

@@ -68,7 +68,7 @@ from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.moves import Moves
-from rlaunch.runtime.phases import MovePhases, Phase
+from rlaunch.runtime.phases import MovePhases, Phase, report
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
@@ -384,8 +384,8 @@ class Runtime:
                 self._recovery.send_replicas(step)
                 last = time.perf_counter()
                 continue
-            last = now  # a switch's own time counts in the next step's: that step's excess is the downtime
-            if self._migration.due:
+            last = time.perf_counter()
+            if self._migration.due:  # its time counts in the next step's: that step's excess is the downtime
                 self._migration.switch(step + 1)
             step += 1
         if s.link is not None:
@@ -626,15 +626,14 @@ class Runtime:
         if moved is not None:
             moved.mark(Phase.FIRST_STEP_END)
             survivor = moved.role != Role.JOINER.value  # a joiner's own time is in its "joined" report
-            if s.link is not None:
-                if survivor:  # this step's excess over the median step is its downtime
-                    median = _median(self._durations) if self._durations else 0.0
-                    s.link.call(
-                        "switched", generation=s.generation, rank=s.rank,
-                        downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000,
-                        median_ms=median * 1000, verify_ms=self._voting.verifier.last_cost_s * 1000,
-                    )  # fmt: skip
-                s.link.call("phases", rank=s.rank, **moved.report())
+            if s.link is not None and survivor:  # this step's excess over the median step is its downtime
+                median = _median(self._durations) if self._durations else 0.0
+                s.link.call(
+                    "switched", generation=s.generation, rank=s.rank,
+                    downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000,
+                    median_ms=median * 1000, verify_ms=self._voting.verifier.last_cost_s * 1000,
+                )  # fmt: skip
+            report(s.link, s.rank, moved)
             if survivor:
                 return
         self._durations.append(seconds)

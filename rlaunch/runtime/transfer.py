@@ -29,8 +29,11 @@ joiner's live tensor.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -174,7 +177,7 @@ def send_state(
         "version": HEADER_VERSION,
         "step": step,
         "objects": kinds,
-        "tensors": [{**describe(n, t), "wire": _wire_of(channel, shards.local(t))} for n, t in pairs],
+        "tensors": [_entry(channel, n, t) for n, t in pairs],
         "rng": rng.to_json(rng_state),
         "blob_bytes": len(blob),
         "runtime": knowledge or {},
@@ -183,16 +186,23 @@ def send_state(
     if blob:
         _send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total, staging, on_the_wire = 0, Staging(), []
-    for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
-        data = shards.local(t).detach().contiguous()
-        if _staged(channel, data):
-            staging.send(channel, data, 1, _TAG)
-        else:
-            on_the_wire.append((data, channel.send([data], 1, _TAG)))
-        total += data.numel() * data.element_size()
-    # over what is sent, read while it is on the wire (no second state_dict() call: some draw from
-    # the RNG, as a loader's does)
-    digests = _digests(list(tracked), pairs, kinds, values, step, rng_state)
+    try:
+        for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
+            data = shards.local(t).detach().contiguous()
+            if _staged(channel, data):
+                staging.send(channel, data, 1, _TAG)
+            else:
+                on_the_wire.append((data, channel.send([data], 1, _TAG)))
+            total += data.numel() * data.element_size()
+        # over what is sent, read while it is on the wire (no second state_dict() call: some draw
+        # from the RNG, as a loader's does)
+        digests = _digests(list(tracked), pairs, kinds, values, step, rng_state)
+    except BaseException:
+        # nothing the posted sends still read may change before they end (a caller restores buffers next)
+        for _, work in on_the_wire:
+            with contextlib.suppress(RuntimeError):
+                work.wait()
+        raise
     for _, work in on_the_wire:
         work.wait()
     _send_json(channel, {"digests": digests})
@@ -219,6 +229,9 @@ def _recv_json(channel: ProcessGroup, what: str) -> Any:
         raise TransferError(f"The transfer {what} is not valid JSON ({exc}); is the sender another version?") from exc
 
 
+#: A joiner reads the digest terms of what landed in batches of about this many bytes (one host
+#: read each), while the next tensors land.
+DIGEST_BATCH_BYTES = 64 << 20
 #: The largest JSON header or trailer a joiner accepts (a corrupt size must not allocate gigabytes).
 MAX_JSON_BYTES = 256 << 20
 
@@ -259,12 +272,17 @@ def recv_state(
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
     _load_values(tracked, header, values)
-    landed, spent = digest.Terms(), 0.0
+    landed, spent, batch = digest.Terms(), 0.0, []
     with torch.no_grad():
-        for arrived in _receive(channel, header["tensors"], targets):
-            began = time.perf_counter()  # its digest's terms, read while the tensors after it still land
-            landed.read([arrived])
-            spent += time.perf_counter() - began
+        arrivals = _receive(channel, header["tensors"], targets)
+        for arrived in itertools.chain(arrivals, [None]):
+            if arrived is not None:
+                batch.append(arrived)
+            if batch and (arrived is None or sum(t.nbytes for t in batch) >= DIGEST_BATCH_BYTES):
+                began = time.perf_counter()  # their digests' terms, read while the next tensors land
+                landed.read(batch)  # one host read per batch, not per tensor
+                spent += time.perf_counter() - began
+                batch = []
     backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
@@ -388,9 +406,17 @@ def _staged(channel: ProcessGroup, t: torch.Tensor) -> bool:
     return wire(t.device.type, backends.current().carries(channel, t.device.type)) == "staged"
 
 
-def _wire_of(channel: ProcessGroup, t: torch.Tensor) -> str:
-    """How the sender sends ``t``, as its header entry tells the joiner: in staging chunks, or whole."""
-    return "chunked" if _staged(channel, t) else "whole"
+def _entry(channel: ProcessGroup, name: str, t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's header entry with how the sender sends it: in staging chunks or whole, from which
+    device type (the joiner receives it as it was sent, whatever its own tensor's device)."""
+    local = shards.local(t)
+    return {**describe(name, t), "wire": "chunked" if _staged(channel, local) else "whole", "device": local.device.type}
+
+
+def _lands_in_place(entry: dict[str, Any], t: torch.Tensor) -> bool:
+    """Whether a whole tensor can be received straight into ``t``: sent from ``t``'s device type, so
+    through the backend ``t`` itself would use (else it lands on the sender's device type first)."""
+    return entry["device"] == t.device.type
 
 
 def _receive(
@@ -399,28 +425,35 @@ def _receive(
     """Receive the tensors into ``targets`` as the sender sent them (each entry's ``wire``), and
     yield each target once it landed, in order.
 
-    Every whole tensor's receive is posted before the first is waited for, so the wire never
-    idles between tensors; the caller reads each one as it lands while the next ones arrive. A
-    whole tensor whose target the channel does not carry (a CPU sender's, for a CUDA target) lands
-    in host memory first. Chunked tensors come through the staging buffers.
+    The receives are posted in the sender's order (gloo pairs them in posting order). Every whole
+    tensor's receive up to the next chunked one is posted before the first is waited for, so the
+    wire never idles between tensors, and the caller reads each one as it lands while the next
+    ones arrive. A whole tensor sent from another device type than its target's (Adam's CPU
+    ``step`` for state this joiner created on the GPU) lands on the sender's device type first,
+    through the backend the sender used. Chunked tensors come through the staging buffers.
     """
     staging = Staging()
-    posted: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
+    posted: collections.deque[tuple[Any, torch.Tensor, torch.Tensor | None]] = collections.deque()
+
+    def landed(work: Any, t: torch.Tensor, landing: torch.Tensor | None) -> torch.Tensor:
+        work.wait()
+        if landing is not None:
+            t.copy_(landing)
+        return t
+
     for entry, t in zip(entries, targets, strict=True):
-        if entry.get("wire") == "chunked":
+        if entry["wire"] == "chunked":
+            while posted:  # the whole tensors posted before it land first
+                yield landed(*posted.popleft())
             staging.recv(channel, t, 0, _TAG)
-            posted.append((None, t, None))
-        elif _staged(channel, t):
-            landing = torch.empty(t.shape, dtype=t.dtype)
-            posted.append((channel.recv([landing], 0, _TAG), t, landing))
-        else:
+            yield t
+        elif _lands_in_place(entry, t):
             posted.append((channel.recv([t], 0, _TAG), t, None))
-    for work, t, host in posted:
-        if work is not None:
-            work.wait()
-        if host is not None:
-            t.copy_(host)
-        yield t
+        else:
+            landing = torch.empty(t.shape, dtype=t.dtype, device=entry["device"])
+            posted.append((channel.recv([landing], 0, _TAG), t, landing))
+    while posted:
+        yield landed(*posted.popleft())
 
 
 def _send_host(channel: ProcessGroup, t: torch.Tensor) -> None:

@@ -264,21 +264,30 @@ def test_a_transfer_whose_tensors_are_all_staged_lands_bit_identical(monkeypatch
     assert str(sent[1]) == str(got[1])
 
 
-@pytest.mark.parametrize("staged_on", ["sender", "joiner"])
-def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pytest.MonkeyPatch, staged_on: str) -> None:
-    """The two ends need not stage alike (a CPU optimizer step on one end, a CUDA one created on
-    the other): the header's ``wire`` says how each tensor was sent, and the joiner follows it."""
-    receiver_thread = threading.main_thread()  # _move receives on the test's thread
+@pytest.mark.parametrize("mismatch", ["sender_stages", "devices_differ"])
+def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pytest.MonkeyPatch, mismatch: str) -> None:
+    """The two ends need not hold a tensor alike: the header says how and from which device type
+    each tensor was sent, and the joiner follows it. ``sender_stages``: the sender's tensors go
+    through its staging chunks (a CUDA model over gloo) into CPU ones. ``devices_differ``: a
+    whole tensor sent from one device type lands there first, then in a target on another (Adam's
+    CPU ``step`` for state a joiner created on its GPU), here standing in as a CPU landing."""
+    if mismatch == "sender_stages":
+        on_sender = threading.main_thread()  # _move receives on the test's thread, sends on another
+        monkeypatch.setattr(transfer, "_staged", lambda channel, t: threading.current_thread() is not on_sender)
+        monkeypatch.setattr(staging, "CHUNK_BYTES", 40)
+    else:
+        landed_apart: list[torch.Tensor] = []
 
-    def staged(channel: Any, t: torch.Tensor) -> bool:
-        on_joiner = threading.current_thread() is receiver_thread
-        return on_joiner if staged_on == "joiner" else not on_joiner
+        def lands_in_place(entry: dict[str, Any], t: torch.Tensor) -> bool:
+            landed_apart.append(t)
+            return False
 
-    monkeypatch.setattr(transfer, "_staged", staged)
-    monkeypatch.setattr(staging, "CHUNK_BYTES", 40)
+        monkeypatch.setattr(transfer, "_lands_in_place", lands_in_place)
     sender, receiver = _objects(1, width=16), _objects(0, width=16)
     step, error = _move(sender, receiver)
     assert error is None and step == 5
     sent, got = _state(sender), _state(receiver)
     assert all(torch.equal(t, got[0][name]) for name, t in sent[0].items())
     assert str(sent[1]) == str(got[1])
+    if mismatch == "devices_differ":
+        assert len(landed_apart) == len(transfer.tensors_of(sender)[0]), "every tensor landed apart, then in place"
