@@ -294,6 +294,11 @@ def _fields(cls: type[Any]) -> tuple[tuple[str, Any, bool], ...]:
     return fields
 
 
+#: Types whose JSON values are valid exactly when their type is the type itself (``type(v) is int``
+#: also refuses a bool, as :func:`_check` does): items of these are checked without a call each.
+_EXACT = (str, int)
+
+
 def _check(tp: Any, value: Any, where: str, name: str) -> Any:
     """Validate ``value`` against type ``tp``; return it converted (enums)."""
     origin = typing.get_origin(tp)
@@ -319,11 +324,18 @@ def _check(tp: Any, value: Any, where: str, name: str) -> Any:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise _bad(where, name, value, tp)
+        if item in _EXACT and all(type(v) is item for v in value):  # the common case, without a call per item
+            return list(value)
         return [_check(item, v, where, name) for v in value]
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise _bad(where, name, value, tp)
+        if (  # a generation's assignment has an entry per node: 4,096 calls per decode otherwise
+            key_tp in _EXACT and val_tp in _EXACT
+            and all(type(k) is key_tp for k in value) and all(type(v) is val_tp for v in value.values())
+        ):  # fmt: skip
+            return dict(value)
         return {_check(key_tp, k, where, name): _check(val_tp, v, where, name) for k, v in value.items()}
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

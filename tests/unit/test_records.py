@@ -206,6 +206,8 @@ def test_missing_required_field_is_named(cls: type, record: Any, field: str) -> 
         (NodeRecord, node_record(), "message", None),  # null for str
         (Generation, generation(), "status", "paused"),  # bad enum value
         (Generation, generation(), "assignment", {"a": "0"}),  # dict of wrong values
+        (Generation, generation(), "assignment", {"a": 0, "b": True}),  # a bool among ints
+        (Generation, generation(), "leavers", ["a", 1]),  # list of wrong items
         (JobSpec, job_spec(), "args", ["ok", 3]),  # list of wrong items
         (JobSpec, job_spec(), "args", "--lr 0.1"),  # string for list
         (JobSpec, job_spec(), "nnodes", "2"),  # string for int
