@@ -251,17 +251,24 @@ def test_staged_tensors_cross_in_chunks_through_two_host_buffers_and_land_bit_id
     assert chunks(4000, 1024) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4000)] and chunks(0, 1024) == []
 
 
-def test_a_transfer_whose_tensors_are_all_staged_lands_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a CUDA model's state crosses a gloo channel: every tensor through the host buffers, in
-    chunks smaller than most tensors, and the digests still agree."""
-    monkeypatch.setattr(transfer, "_staged", lambda channel, t: True)
-    monkeypatch.setattr(staging, "CHUNK_BYTES", 48)
+def _moved_bit_identical() -> dict[str, Any]:
+    """Move a trained sender's state into a fresh joiner; both must then hold the same model and
+    optimizer state. Returns the sender's objects."""
     sender, receiver = _objects(1, width=16), _objects(0, width=16)
     step, error = _move(sender, receiver)
     assert error is None and step == 5
     sent, got = _state(sender), _state(receiver)
     assert all(torch.equal(t, got[0][name]) for name, t in sent[0].items())
     assert str(sent[1]) == str(got[1])
+    return sender
+
+
+def test_a_transfer_whose_tensors_are_all_staged_lands_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a CUDA model's state crosses a gloo channel: every tensor through the host buffers, in
+    chunks smaller than most tensors, and the digests still agree."""
+    monkeypatch.setattr(transfer, "_staged", lambda channel, t: True)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 48)
+    _moved_bit_identical()
 
 
 @pytest.mark.parametrize("mismatch", ["sender_stages", "devices_differ"])
@@ -272,8 +279,8 @@ def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pyte
     whole tensor sent from one device type lands there first, then in a target on another (Adam's
     CPU ``step`` for state a joiner created on its GPU), here standing in as a CPU landing."""
     if mismatch == "sender_stages":
-        on_sender = threading.main_thread()  # _move receives on the test's thread, sends on another
-        monkeypatch.setattr(transfer, "_staged", lambda channel, t: threading.current_thread() is not on_sender)
+        receiving = threading.main_thread()  # _move receives on the test's thread, sends on another
+        monkeypatch.setattr(transfer, "_staged", lambda channel, t: threading.current_thread() is not receiving)
         monkeypatch.setattr(staging, "CHUNK_BYTES", 40)
     else:
         landed_apart: list[torch.Tensor] = []
@@ -283,11 +290,6 @@ def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pyte
             return False
 
         monkeypatch.setattr(transfer, "_lands_in_place", lands_in_place)
-    sender, receiver = _objects(1, width=16), _objects(0, width=16)
-    step, error = _move(sender, receiver)
-    assert error is None and step == 5
-    sent, got = _state(sender), _state(receiver)
-    assert all(torch.equal(t, got[0][name]) for name, t in sent[0].items())
-    assert str(sent[1]) == str(got[1])
+    sender = _moved_bit_identical()
     if mismatch == "devices_differ":
         assert len(landed_apart) == len(transfer.tensors_of(sender)[0]), "every tensor landed apart, then in place"
