@@ -33,7 +33,6 @@ import collections
 import contextlib
 import dataclasses
 import io
-import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -272,17 +271,25 @@ def recv_state(
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
     _load_values(tracked, header, values)
-    landed, spent, batch = digest.Terms(), 0.0, []
+    landed, spent, batch_bytes = digest.Terms(), 0.0, 0
+    batch: list[torch.Tensor] = []
+
+    def read_batch() -> None:  # their digests' terms, read while the next tensors land
+        nonlocal spent
+        began = time.perf_counter()
+        landed.read(batch)  # one host read per batch, not per tensor
+        spent += time.perf_counter() - began
+        batch.clear()
+
     with torch.no_grad():
-        arrivals = _receive(channel, header["tensors"], targets)
-        for arrived in itertools.chain(arrivals, [None]):
-            if arrived is not None:
-                batch.append(arrived)
-            if batch and (arrived is None or sum(t.nbytes for t in batch) >= DIGEST_BATCH_BYTES):
-                began = time.perf_counter()  # their digests' terms, read while the next tensors land
-                landed.read(batch)  # one host read per batch, not per tensor
-                spent += time.perf_counter() - began
-                batch = []
+        for arrived in _receive(channel, header["tensors"], targets):
+            batch.append(arrived)
+            batch_bytes += arrived.nbytes
+            if batch_bytes >= DIGEST_BATCH_BYTES:
+                read_batch()
+                batch_bytes = 0
+        if batch:
+            read_batch()
     backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
