@@ -19,6 +19,9 @@
   (:attr:`WorkerLink.on_sdc`) *before* it replies: the worker exits non-zero only after the reply,
   so its exit is never seen before the fault, and is never taken for an ordinary worker failure
   that restarts the node in place.
+- ``snapshot``: a host snapshot every rank holds was committed (layouts without a replica; see
+  :mod:`rlaunch.runtime.snapshots`): this rank's bytes and what copying and exchanging it took
+  (a ``snapshot_committed`` event).
 - ``done``: the worker's ``rt.steps()`` ended; it says what comparing replicas cost it over the
   job (a ``verification`` event: seconds spent, comparisons, steps and the median step).
 """
@@ -113,7 +116,7 @@ class WorkerLink:
     def register(self, server: ControlServer) -> None:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "phases", "recovering", "recovered",
-            "heartbeat", "replica_sent", "unrecoverable", "done", "moves", "sdc_suspected",
+            "heartbeat", "replica_sent", "unrecoverable", "done", "moves", "sdc_suspected", "snapshot",
             "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count", "kv_gather",
         )  # fmt: skip
         for op in ops:
@@ -222,8 +225,10 @@ class WorkerLink:
         self.state.recovered.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
         self._wake()
         fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sends_to")
+        back = {"rolled_back_to": req["rolled_back_to"], "steps_redone": req["steps_redone"]} if req.get(
+            "rolled_back_to") is not None else {}  # fmt: skip
         self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
-                   **{k: req[k] for k in fields})  # fmt: skip
+                   **{k: req[k] for k in fields}, **back)  # fmt: skip
         return {}
 
     async def _done(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +280,13 @@ class WorkerLink:
         self._emit("switched", int(req["generation"]), rank=req["rank"], downtime_ms=round(req["downtime_ms"], 1),
                    step_ms=round(req["step_ms"], 1), median_ms=round(req["median_ms"], 1),
                    verify_ms=round(float(req.get("verify_ms", 0.0)), 1))  # fmt: skip
+        return {}
+
+    async def _snapshot(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A host snapshot every rank holds was committed (see rlaunch.runtime.snapshots): this rank's part."""
+        self._emit("snapshot_committed", self.generation.number if self.generation else 0, rank=int(req["rank"]),
+                   step=int(req["step"]), bytes=int(req["bytes"]), copy_s=round(float(req["copy_s"]), 4),
+                   exchange_s=round(float(req["exchange_s"]), 4))  # fmt: skip
         return {}
 
     async def _phases(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,12 @@ class Moves:
             self._reported = moves
             s.link.call("moves", drain=moves[0], replace=moves[1], reason=moves[2], rank=s.rank)
 
+    @property
+    def needs_snapshots(self) -> bool:
+        """A drain can move this rank but no replica can stand in for it after a fault: the rollback
+        to a host snapshot (:mod:`rlaunch.runtime.snapshots`) is its live path (False until reported)."""
+        return self._reported is not None and self._reported[0] and not self._reported[1]
+
     def knowledge(self) -> dict[str, Any]:
         """What the other ranks learnt while the job ran (JSON values, for the transfer header)."""
         declared = self._s.declared

@@ -9,8 +9,11 @@ needed every rank), else all discard s and redo it. Only the groups that touch t
 (or failed on some survivor) are rebuilt. The replacement (a warm standby, or the failed node's
 restarted workers) receives its state from a data-parallel replica, at the end of the step
 (:meth:`Recovery.send_replicas`). A replacement that no replica can serve (sharded state without a
-replicated dimension, per-rank state, parameters that differ by rank) is refused before anything
-is written, with a sentence the agent puts on the node's failure, and the job restarts instead.
+replicated dimension, per-rank state, parameters that differ by rank) rolls back instead, where
+the job takes host snapshots: every survivor puts its own copy of the last committed snapshot
+back, the lost rank's buddy sends the copy it holds to the joiner, and the steps since are redone
+(:mod:`rlaunch.runtime.snapshots`). Without a snapshot that can serve, it is refused before
+anything is written, with a sentence the agent puts on the node's failure, and the job restarts.
 
 Two faults a few seconds apart give two plans; a survivor recovers to the newest one it holds, and
 one that began the exchange of an older plan moves to the newer one as soon as it arrives (the
@@ -34,6 +37,7 @@ from rlaunch.runtime import rng, shards
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.snapshots import HostSnapshots, Rollback, rollback
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
 
@@ -81,8 +85,10 @@ class Recovery:
         sources: Callable[[ReplacePlan, list[int]], tuple[dict[int, int], str]],
         knowledge: Callable[[], dict[str, Any]],
         learn: Callable[[dict[str, Any]], None],
+        snapshots: HostSnapshots,
     ) -> None:
         self._s = state
+        self._snapshots = snapshots
         self._refusal = refusal
         self._sources = sources
         self._knowledge = knowledge
@@ -91,6 +97,8 @@ class Recovery:
         self._sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
         #: between a failed step's report to the agent and its recovery: waiting on peers, not hung
         self.active = False
+        #: the recovery rolls back to a host snapshot (set from the agreement to the step boundary)
+        self.rollback: Rollback | None = None
 
     @property
     def planned(self) -> bool:
@@ -144,13 +152,19 @@ class Recovery:
         self.active = True
         s.link.call("recovering", step=s.step)
         plan = self._take_plan()
+        self._snapshots.stop()  # what it holds no longer changes: it is reported next
         deadline = time.monotonic() + s.timeout.total_seconds()
         while True:
             gen, moved = plan.generation, set(plan.moved_ranks)
-            self._refuse_replacement(plan, sorted(moved))
+            refused = self._refusal()
+            if refused and not self._snapshots.enabled:
+                self._give_up(plan, self._diverges(sorted(moved), refused))
             survivors = [r for r in range(s.world_size) if r not in moved]
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
-            report = {"rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge()}
+            report = {
+                "rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge(),
+                "snapshot": self._snapshots.report(),
+            }  # fmt: skip
             s.store.set(f"g{gen}/recover/{s.rank}", json.dumps(report))
             try:
                 # One exchange, O(1) store requests per survivor (not a read of every other's report).
@@ -171,7 +185,9 @@ class Recovery:
                     ) from None
         reports = [json.loads(v) for v in values]
         agreed, rolled = commit_point(s.applied, s.step, [int(r["applied"]) for r in reports])
-        if rolled:
+        sources, why = self._sources(plan, survivors) if not refused else ({}, refused)
+        back = self._roll_back_to(plan, reports, why) if why else None
+        if back is None and rolled:
             # Some survivor applied this step, so every rank finished its gradient sync: apply it.
             apply()
             s.applied = agreed
@@ -180,25 +196,48 @@ class Recovery:
         self._learn(min((r for r in reports if int(r["applied"]) == agreed), key=lambda r: int(r["rank"]))["knowledge"])
         dirty_names = {n for r in reports for n in r["dirty"]}
         comms = s.groups.build(s.groups.touched(s.rank, moved, also=dirty_names), s.rank, gen)
-        sources, why = self._sources(plan, survivors)
-        self._give_up(plan, why)
+        if back is not None:
+            sources = back.holders
         mine = sorted(m for m, src in sources.items() if src == s.rank)
         kind = s.groups["world"].backend
         self._sends = {m: s.groups.channel(gen, 0, m, kind) for m in mine}
         s.groups.swap(comms, gen)
         s.generation = gen
-        s.resume_at = agreed + 1
+        resume = back.step if back is not None else agreed + 1
+        if back is not None:
+            s.applied = back.step - 1
+        s.resume_at = resume
+        self.rollback = back
         s.verify_due = True  # the first vote after the recovery compares the replicas
         self.active = False
         s.link.call(
-            "recovered", generation=gen, rank=s.rank, step=s.step, resume_at=agreed + 1,
-            rolled_forward=rolled, rebuilt=sorted(comms), sends_to=mine, seconds=time.perf_counter() - began,
+            "recovered", generation=gen, rank=s.rank, step=s.step, resume_at=resume,
+            rolled_forward=rolled and back is None, rebuilt=sorted(comms), sends_to=mine,
+            seconds=time.perf_counter() - began,
+            rolled_back_to=back.step if back is not None else None,
+            steps_redone=agreed - back.step + 1 if back is not None else 0,
         )  # fmt: skip
         return s.applied == s.step
 
+    def _roll_back_to(self, plan: ReplacePlan, reports: list[dict[str, Any]], why: str) -> Rollback:
+        """The snapshot every survivor rolls back to, when no replica can serve the replaced ranks (``why``);
+        else the replacement is refused (every survivor decides alike, from the same reports)."""
+        moved = sorted(plan.moved_ranks)
+        found = rollback(reports, moved, self._snapshots.holder_of) if self._snapshots.enabled else "no snapshots"
+        if isinstance(found, str):
+            self._give_up(plan, f"{self._diverges(moved, why)}, and no host snapshot can serve instead: {found}")
+        assert isinstance(found, Rollback)
+        return found
+
+    @staticmethod
+    def _diverges(moved: list[int], why: str) -> str:
+        return f"a live replacement of ranks {moved} would diverge silently: {why}"
+
     def send_replicas(self, next_step: int) -> None:
         """At the step boundary after a recovery (and after a redone step's start was restored):
-        send this replica's state to the ranks it serves."""
+        send this replica's state to the ranks it serves (after a rollback: the copies of their
+        snapshot this rank holds)."""
+        back, self.rollback = self.rollback, None
         if not self._sends:
             return
         s = self._s
@@ -207,18 +246,16 @@ class Recovery:
         channels, self._sends = self._sends, {}
         sent = 0
         for moved, channel in channels.items():
-            with s.vote.buffers_of(moved, next_step, s.tracked, s.rank):
-                sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())
+            if back is not None:  # the copy of the lost rank's state this rank holds, at the snapshot's step
+                sent += self._snapshots.send_to(channel, moved, self._knowledge())
+            else:
+                with s.vote.buffers_of(moved, next_step, s.tracked, s.rank):
+                    sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())
             retire(channel)  # one use only (an NCCL channel is aborted when retired)
         s.link.call(
             "replica_sent", generation=s.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
-
-    def _refuse_replacement(self, plan: ReplacePlan, moved: list[int]) -> None:
-        """Stop, before anything is written, when no replica holds what the replaced ranks had."""
-        why = self._refusal()
-        self._give_up(plan, f"a live replacement of ranks {moved} would diverge silently: {why}" if why else "")
 
     def _give_up(self, plan: ReplacePlan, why: str) -> None:
         """Refuse the replacement of ``plan`` (if ``why``): tell the agent why, then stop this worker.

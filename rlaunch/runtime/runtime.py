@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, verify
+from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
@@ -72,6 +72,7 @@ from rlaunch.runtime.phases import MovePhases, Phase, report
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
+from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.transfer import TransferError, recv_state
@@ -120,14 +121,20 @@ class Runtime:
         # Under plain torchrun nothing moves: replicas are compared only under an agent.
         every = verify.interval(os.environ.get(verify.ENV, "auto")) if link is not None else 0
         self._migration: Migration
+        self._moves: Moves
+        # host snapshots where no replica can serve a lost rank (under an agent only)
+        self._host = HostSnapshots(
+            self._s, snapshots.interval(os.environ.get(snapshots.ENV, "auto")) if link is not None else 0,
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), lambda: self._moves.needs_snapshots,
+        )  # fmt: skip
         self._voting = Voting(
             self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,
-            lambda gen: self._migration.agree(gen) if not self.step_failed else None, self._median_step,
+            lambda gen: self._migration.agree(gen) if not self.step_failed else None, self._median_step, self._host,
         )  # fmt: skip
         self._moves = Moves(self._s, self._voting)
         self._recovery = Recovery(  # live replacement after a fault
             self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
-            self._moves.knowledge, self._moves.learn,
+            self._moves.knowledge, self._moves.learn, self._host,
         )  # fmt: skip
         # planned moves: phase 1 in the background, then the switch
         self._migration = Migration(
@@ -377,7 +384,11 @@ class Runtime:
             self._after_step(now - last)
             if s.resume_at is not None:
                 step, s.resume_at = s.resume_at, None
-                if step == s.step and s.start is not None:
+                if self._recovery.rollback is not None:
+                    # Back to the committed host snapshot, before its copies are sent to the joiners.
+                    self._host.restore()
+                    self._voting.verifier.forget_witness()
+                elif step == s.step and s.start is not None:
                     # The step is redone: as if never run. Before the replicas are sent, so that a
                     # replacement starts from the same step start as the survivors.
                     self._snapshots.restore(s.start, s.tracked)
@@ -403,6 +414,8 @@ class Runtime:
         self._voted = None
         if self._s.after_move is not None:
             self._s.after_move.mark(Phase.FIRST_STEP_START)
+        if self._host.due(step):  # before anything of the step draws from the generators
+            self._host.take(step)
         if self._s.seed is not None:
             self._reseed(step)
         self._s.start = self._snapshots.take(step, self._s.tracked)
@@ -589,6 +602,7 @@ class Runtime:
         s.generation = plan.generation
         s.verify_due = True  # the first vote after joining compares the replicas
         s.link.call("joined", generation=s.generation, seconds=time.perf_counter() - began, verify_s=landed.verify_s)
+        self._moves.report()  # from what it learnt: it takes host snapshots when the others do
         self._start_listener()
         return landed.step
 

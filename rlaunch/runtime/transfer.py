@@ -48,7 +48,7 @@ from rlaunch.runtime import digest, rng, shards
 from rlaunch.runtime.groups import READY_TIMEOUT_S
 from rlaunch.runtime.staging import Staging
 
-_TAG = 7
+TAG = 7
 #: Version of the header and of the stream after it (3: staged tensors cross in chunks); a joiner
 #: refuses a version it does not know.
 HEADER_VERSION = 3
@@ -117,13 +117,13 @@ def check_tensor(entry: dict[str, Any], live: torch.Tensor) -> None:
         )
 
 
-def _dumps(values: dict[str, Any]) -> bytes:
+def dump_values(values: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(values, buf)
     return buf.getvalue()
 
 
-def _loads(raw: bytes) -> dict[str, Any]:
+def load_blob(raw: bytes) -> dict[str, Any]:
     try:
         loaded = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever the restricted unpickler refuses
@@ -141,10 +141,10 @@ def state_digests(
 ) -> dict[str, str]:
     """A digest of each tracked object's state as :func:`tensors_of` sees it (its tensors and its
     other values), of the RNG states and of the step: what a move must carry unchanged."""
-    return _digests(list(tracked), *tensors_of(tracked), step, rng_state, known)
+    return digests_of(list(tracked), *tensors_of(tracked), step, rng_state, known)
 
 
-def _digests(
+def digests_of(
     names: list[str], pairs: list[tuple[str, torch.Tensor]], kinds: dict[str, str], values: dict[str, Any],
     step: int, rng_state: rng.RngState, known: digest.Terms | None = None,
 ) -> dict[str, str]:  # fmt: skip
@@ -170,7 +170,7 @@ def send_state(
     ``Runtime._knowledge``). The digests of what was sent follow the tensors.
     """
     pairs, kinds, values = tensors_of(tracked)
-    blob = _dumps(values)
+    blob = dump_values(values)
     backends.current().wait_ready(channel, READY_TIMEOUT_S)  # its first use: its NCCL setup must be done
     header = {
         "version": HEADER_VERSION,
@@ -181,21 +181,21 @@ def send_state(
         "blob_bytes": len(blob),
         "runtime": knowledge or {},
     }
-    _send_json(channel, header)
+    send_json(channel, header)
     if blob:
-        _send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total, staging, on_the_wire = 0, Staging(), []
     try:
         for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
             data = shards.local(t).detach().contiguous()
             if _staged(channel, data):
-                staging.send(channel, data, 1, _TAG)
+                staging.send(channel, data, 1, TAG)
             else:
-                on_the_wire.append((data, channel.send([data], 1, _TAG)))
+                on_the_wire.append((data, channel.send([data], 1, TAG)))
             total += data.numel() * data.element_size()
         # over what is sent, read while it is on the wire (no second state_dict() call: some draw
         # from the RNG, as a loader's does)
-        digests = _digests(list(tracked), pairs, kinds, values, step, rng_state)
+        digests = digests_of(list(tracked), pairs, kinds, values, step, rng_state)
     except BaseException:
         # nothing the posted sends still read may change before they end (a caller restores buffers next)
         for _, work in on_the_wire:
@@ -204,24 +204,24 @@ def send_state(
         raise
     for _, work in on_the_wire:
         work.wait()
-    _send_json(channel, {"digests": digests})
+    send_json(channel, {"digests": digests})
     backends.current().settle(channel)  # sent means done on the GPU, not queued: the sender may exit next
     return total
 
 
-def _send_json(channel: ProcessGroup, value: dict[str, Any]) -> None:
+def send_json(channel: ProcessGroup, value: dict[str, Any]) -> None:
     raw = json.dumps(value, separators=(",", ":")).encode()
-    _send_host(channel, torch.tensor([len(raw)], dtype=torch.int64))
-    _send_host(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    send_host(channel, torch.tensor([len(raw)], dtype=torch.int64))
+    send_host(channel, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def _recv_json(channel: ProcessGroup, what: str) -> Any:
+def recv_json(channel: ProcessGroup, what: str) -> Any:
     size = torch.zeros(1, dtype=torch.int64)
-    _recv_host(channel, size)
+    recv_host(channel, size)
     if not 0 < int(size.item()) <= MAX_JSON_BYTES:
         raise TransferError(f"The transfer {what} announces {int(size.item())} bytes; is the sender another version?")
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
-    _recv_host(channel, raw)
+    recv_host(channel, raw)
     try:
         return json.loads(raw.numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -257,7 +257,7 @@ def recv_state(
     which object differs (``rank``: the rank this joiner takes, for the sentence).
     """
     backends.current().wait_ready(channel, READY_TIMEOUT_S)  # its first use: its NCCL setup must be done
-    header = _recv_json(channel, "header")
+    header = recv_json(channel, "header")
     if not isinstance(header, dict) or header.get("version") != HEADER_VERSION:
         raise TransferError(
             f"The transfer header has version {header.get('version') if isinstance(header, dict) else None!r}, "
@@ -265,12 +265,12 @@ def recv_state(
         )
     blob = torch.empty(int(header["blob_bytes"]), dtype=torch.uint8)
     if blob.numel():
-        _recv_host(channel, blob)
-    values = _loads(blob.numpy().tobytes()) if blob.numel() else {}
-    targets = _targets(tracked, header)
+        recv_host(channel, blob)
+    values = load_blob(blob.numpy().tobytes()) if blob.numel() else {}
+    targets = live_targets(tracked, header)
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
-    _load_values(tracked, header, values)
+    load_values(tracked, header, values)
     landed, spent, batch_bytes = digest.Terms(), 0.0, 0
     batch: list[torch.Tensor] = []
 
@@ -301,7 +301,7 @@ def recv_state(
     mine = state_digests(tracked, step, restored, landed)
     rng.restore(restored)
     spent += time.perf_counter() - began
-    trailer = _recv_json(channel, "digests")
+    trailer = recv_json(channel, "digests")
     theirs = trailer.get("digests") if isinstance(trailer, dict) else None
     if not isinstance(theirs, dict):
         raise TransferError("The transfer ended without the digests of what was sent; is the sender another version?")
@@ -315,7 +315,7 @@ def recv_state(
     return Landed(step, spent, landed)
 
 
-def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:
+def live_targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:
     """The joiner's live tensors in the sender's order (created where the joiner lacks optimizer
     state), each checked against its header entry."""
     for name in header["objects"]:
@@ -334,7 +334,7 @@ def _targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tens
     ]
 
 
-def _load_values(tracked: dict[str, Any], header: dict[str, Any], values: dict[str, Any]) -> None:
+def load_values(tracked: dict[str, Any], header: dict[str, Any], values: dict[str, Any]) -> None:
     for name, kind in header["objects"].items():
         obj = tracked[name]
         if kind == "optimizer":
@@ -452,21 +452,21 @@ def _receive(
         if entry["wire"] == "chunked":
             while posted:  # the whole tensors posted before it land first
                 yield landed(*posted.popleft())
-            staging.recv(channel, t, 0, _TAG)
+            staging.recv(channel, t, 0, TAG)
             yield t
         elif _lands_in_place(entry, t):
-            posted.append((channel.recv([t], 0, _TAG), t, None))
+            posted.append((channel.recv([t], 0, TAG), t, None))
         else:
             landing = torch.empty(t.shape, dtype=t.dtype, device=entry["device"])
-            posted.append((channel.recv([landing], 0, _TAG), t, landing))
+            posted.append((channel.recv([landing], 0, TAG), t, landing))
     while posted:
         yield landed(*posted.popleft())
 
 
-def _send_host(channel: ProcessGroup, t: torch.Tensor) -> None:
+def send_host(channel: ProcessGroup, t: torch.Tensor) -> None:
     """Send a tensor the channel carries itself (a CPU one, or a CUDA one over NCCL)."""
-    channel.send([t], 1, _TAG).wait()
+    channel.send([t], 1, TAG).wait()
 
 
-def _recv_host(channel: ProcessGroup, t: torch.Tensor) -> None:
-    channel.recv([t], 0, _TAG).wait()
+def recv_host(channel: ProcessGroup, t: torch.Tensor) -> None:
+    channel.recv([t], 0, TAG).wait()

@@ -219,6 +219,10 @@ class Verifier:
         self._after_cost_s = self._clock() - began
         self.spent_s += self._after_cost_s
 
+    def forget_witness(self) -> None:
+        """The state was rolled back to a host snapshot: what the last update produced is no witness."""
+        self._after = None
+
     def every_compared(self, step: int) -> bool:
         """Whether step ``step``'s vote is a scheduled comparison (moves aside)."""
         return self.every != 0 and step >= self.next_step

@@ -11,7 +11,9 @@ world group after gradient sync and reads the sums, in this order, every rank al
    :mod:`rlaunch.runtime.partition`);
 4. the replicas' digests, at the first vote after a move and every ``--verify-every`` steps
    (:mod:`rlaunch.runtime.verify`);
-5. the fingerprints of tracked state and generators, and the module buffers (``StepVote.accept``).
+5. which ranks hold the host snapshot being taken, in a job that takes them: when all do, it is
+   committed (:mod:`rlaunch.runtime.snapshots`);
+6. the fingerprints of tracked state and generators, and the module buffers (``StepVote.accept``).
 
 A broken contract or replicas that differ after a move stop every rank with a sentence that
 names the ranks (one more allreduce gathers what each holds); a suspect of silent data
@@ -32,6 +34,8 @@ from rlaunch.runtime import contract, digest, partition, verify
 from rlaunch.runtime.contract import ContractError, GroupCatalog, StepContract
 from rlaunch.runtime.groups import SwitchableGroup
 from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.snapshots import SECTION as SNAPSHOT
+from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.verify import MoveVerificationError, SilentCorruptionError, Verifier
 from rlaunch.runtime.vote import Layout
 
@@ -54,6 +58,7 @@ class Voting:
         ready: Callable[[], int],
         agree: Callable[[int], None],
         step_s: Callable[[], float],
+        snapshots: HostSnapshots,
     ) -> None:
         self._s = state
         self._group = group
@@ -61,6 +66,7 @@ class Voting:
         self._ready = ready
         self._agree = agree
         self._step_s = step_s
+        self._snapshots = snapshots
         #: rt.epochs loaders with a sampler, by name, and the partition rule found for each
         self.samplers: dict[str, Any] = {}
         self.partitions: dict[str, str] = {}  # loader name -> rule ("": no candidate rule holds)
@@ -110,6 +116,9 @@ class Voting:
                 for r in rules
             ]
             sections.append((partition.SECTION, torch.tensor(bits, dtype=torch.float64)))
+        snapshots = checking and self._snapshots.enabled
+        if snapshots:
+            sections.append((SNAPSHOT, torch.tensor(self._snapshots.terms(), dtype=torch.float64)))
         vote, layout = s.vote.tensor(
             ready=self._ready(), group_rank=self._group.group_rank, start=s.start, tracked=s.tracked,
             per_rank=s.per_rank, seeded=s.seed is not None, sections=sections,
@@ -141,6 +150,8 @@ class Voting:
             return False
         s.verify_due = False
         s.vote.accept(vote, layout, s.step, s.tracked, s.rank)
+        if snapshots:
+            self._snapshots.commit(layout.section(vote, SNAPSHOT).tolist())
         s.applied = s.step
         ready = s.vote.ready_for(vote)
         if ready:

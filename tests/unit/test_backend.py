@@ -402,7 +402,7 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
         torch.manual_seed(0)
         sender, receiver = {"model": torch.nn.Linear(3, 2)}, {"model": torch.nn.Linear(3, 2)}
         watched = built[0] if side == "sender" else built[1]
-        real_digests, real_receive = transfer._digests, transfer._receive
+        real_digests, real_receive = transfer.digests_of, transfer._receive
 
         def digests(names: Any, pairs: Any, *args: Any) -> Any:  # the sender's: its tensors are posted by then
             if side == "sender" and threading.current_thread().name == "sender":
@@ -415,7 +415,7 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
                     nccl.calls.append(("_recv", "tensor", {}))
                 yield t
 
-        monkeypatch.setattr(transfer, "_digests", digests)
+        monkeypatch.setattr(transfer, "digests_of", digests)
         monkeypatch.setattr(transfer, "_receive", receive)
         sending = threading.Thread(target=send_state, args=(built[0], sender, 7, rng.capture()), name="sender")
         sending.start()

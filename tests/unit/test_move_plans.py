@@ -16,6 +16,7 @@ from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery
+from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.vote import StepVote
 
 TIMEOUT = datetime.timedelta(seconds=5)
@@ -84,7 +85,9 @@ def _replace(gen: int, moved: tuple[int, ...]) -> ReplacePlan:
 def test_a_survivor_recovers_to_the_newest_plan_it_holds() -> None:
     """Two faults seconds apart: the older plan's exchange waits on a rank the newer plan replaces."""
     state = _state(_Link([]), lambda *a: SandboxComm(0, 2))
-    recovery = Recovery(state, lambda: "", lambda plan, alive: ({}, ""), dict, lambda known: None)
+    recovery = Recovery(
+        state, lambda: "", lambda plan, alive: ({}, ""), dict, lambda known: None, HostSnapshots(state, 0, 1, bool)
+    )
     recovery.on_replace(_replace(5, (1,)))
     recovery.on_replace(_replace(6, (1, 2)))
     assert recovery._take_plan().generation == 6

@@ -161,7 +161,7 @@ def copy_state(src: dict[str, Any], dst: dict[str, Any]) -> None:
     """The transfer without the wire: dst's live tensors, checked against src's header entries."""
     pairs, kinds, _ = transfer.tensors_of(src)
     header = {"objects": kinds, "tensors": [transfer.describe(n, t) for n, t in pairs]}
-    targets = transfer._targets(dst, header)
+    targets = transfer.live_targets(dst, header)
     with torch.no_grad():
         for target, (_, t) in zip(targets, pairs, strict=True):
             target.copy_(shards.local(t))

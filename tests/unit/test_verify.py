@@ -191,6 +191,7 @@ def test_a_gather_that_failed_names_nobody_and_sends_the_step_to_recovery() -> N
     from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
     from rlaunch.runtime.grouptable import GroupTable
     from rlaunch.runtime.rankstate import RankState
+    from rlaunch.runtime.snapshots import HostSnapshots
     from rlaunch.runtime.vote import StepVote
     from rlaunch.runtime.voting import Voting
 
@@ -217,7 +218,8 @@ def test_a_gather_that_failed_names_nobody_and_sends_the_step_to_recovery() -> N
         timeout=datetime.timedelta(seconds=5), groups=GroupTable(None, datetime.timedelta(seconds=5)),
         vote=StepVote(3),
     )  # type: ignore[arg-type]  # fmt: skip
-    voting = Voting(state, group, verifiers[0], lambda: 0, lambda gen: None, lambda: 0.1)
+    off = HostSnapshots(state, 0, 1, bool)
+    voting = Voting(state, group, verifiers[0], lambda: 0, lambda gen: None, lambda: 0.1, off)
     assert voting._compare(summed, prints, digests[0], move=False) is False
     assert "sdc_suspected" not in link.calls, "rank 0 (healthy) must not report itself"
 

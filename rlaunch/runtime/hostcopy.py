@@ -1,0 +1,173 @@
+"""One rank's state copied into host memory: taken, verified, sent, received and put back.
+
+A :class:`HostCopy` is what a host snapshot holds for one rank (see :mod:`rlaunch.runtime.snapshots`):
+the transfer header a joiner reads (:mod:`rlaunch.runtime.transfer`), the ``weights_only`` blob of
+the values that are not tensors, a CPU tensor per tracked tensor (a DTensor's local shard) and the
+digest of each tracked object over exactly those bytes. It is laid out as a move's stream, so a
+copy held for another rank is sent to that rank's joiner with the joiner's own :func:`recv_state
+<rlaunch.runtime.transfer.recv_state>`, and verified there as every move is.
+
+The CPU tensors are allocated once and reused by every later copy of the same shapes: a rank's
+own copy and the copy it holds for its source are all the host memory snapshots take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from rlaunch.runtime import rng, shards, transfer
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """A rank's state at the start of ``step``, in host memory (see the module docstring)."""
+
+    header: dict[str, Any]
+    blob: torch.Tensor  # uint8
+    tensors: list[torch.Tensor]
+    #: each tracked object's digest over what this copy holds (empty until :func:`seal`)
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel() + sum(t.nbytes for t in self.tensors)
+
+
+def _buffers(entries: list[dict[str, Any]], into: HostCopy | None) -> list[torch.Tensor]:
+    """CPU tensors for ``entries``: ``into``'s own when every shape and dtype is the same, else new ones
+    (pinned where CUDA exists, so device copies into them run at full speed)."""
+    if into is not None and len(into.tensors) == len(entries):
+        same = all(
+            list(t.shape) == list(e["shape"]) and str(t.dtype) == e["dtype"]
+            for t, e in zip(into.tensors, entries, strict=True)
+        )
+        if same:
+            return into.tensors
+    pin = torch.cuda.is_available()
+    out = []
+    for e in entries:
+        dtype = getattr(torch, str(e["dtype"]).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise transfer.TransferError(f"The snapshot's {e['name']} has dtype {e['dtype']!r}, which is not known.")
+        out.append(torch.empty(tuple(e["shape"]), dtype=dtype, pin_memory=pin))
+    return out
+
+
+def capture(tracked: dict[str, Any], step: int, rng_state: rng.RngState, into: HostCopy | None = None) -> HostCopy:
+    """Copy ``tracked`` (as a move would send it) into host memory, reusing ``into``'s buffers.
+
+    The caller restores the RNG states afterwards: a tracked object's ``state_dict()`` may draw
+    from them (a raw ``StatefulDataLoader``'s does). Not yet digested: see :func:`seal`.
+    """
+    pairs, kinds, values = transfer.tensors_of(tracked)
+    entries = [{**transfer.describe(n, t), "wire": "whole", "device": "cpu"} for n, t in pairs]
+    raw = transfer.dump_values(values)  # a deep copy: the live objects go on changing
+    header = {
+        "version": transfer.HEADER_VERSION, "step": step, "objects": kinds, "tensors": entries,
+        "rng": rng.to_json(rng_state), "blob_bytes": len(raw), "runtime": {},
+    }  # fmt: skip
+    tensors = _buffers(entries, into)
+    with torch.no_grad():
+        for held, (_, t) in zip(tensors, pairs, strict=True):
+            held.copy_(shards.local(t).detach(), non_blocking=held.is_pinned())
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # every device copy landed before the state changes
+    return HostCopy(header, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else _empty(), tensors)
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _digests(copy: HostCopy) -> dict[str, str]:
+    h = copy.header
+    values = transfer.load_blob(copy.blob.numpy().tobytes()) if copy.blob.numel() else {}
+    pairs = [(e["name"], t) for e, t in zip(h["tensors"], copy.tensors, strict=True)]
+    return transfer.digests_of(list(h["objects"]), pairs, h["objects"], values, copy.step, rng.from_json(h["rng"]))
+
+
+def seal(copy: HostCopy) -> None:
+    """Digest what ``copy`` holds (off the main thread: its bytes no longer change)."""
+    copy.digests = _digests(copy)
+
+
+def send(channel: ProcessGroup, copy: HostCopy, knowledge: dict[str, Any] | None = None) -> int:
+    """Send ``copy`` to rank 1 of ``channel`` as a move's stream; return the bytes sent.
+
+    ``knowledge``: what the runtime knows now (a joiner learns it; see ``Moves.knowledge``).
+    """
+    transfer.send_json(channel, {**copy.header, "runtime": knowledge or {}})
+    if copy.blob.numel():
+        transfer.send_host(channel, copy.blob)
+    works = [channel.send([t], 1, transfer.TAG) for t in copy.tensors]  # posted at once: the wire never idles
+    for work in works:
+        work.wait()
+    transfer.send_json(channel, {"digests": copy.digests})
+    return copy.nbytes
+
+
+def receive(channel: ProcessGroup, into: HostCopy | None = None) -> HostCopy:
+    """Receive a copy from rank 0 of ``channel`` into host memory (``into``'s buffers where they fit).
+
+    It is digested as it landed and must equal the sender's digests, or :class:`TransferError`
+    says which object differs: a snapshot that would restore other bytes is never held.
+    """
+    header = transfer.recv_json(channel, "snapshot header")
+    if not isinstance(header, dict) or header.get("version") != transfer.HEADER_VERSION:
+        raise transfer.TransferError(
+            f"A snapshot arrived with header version {header.get('version') if isinstance(header, dict) else None!r}, "
+            f"this rank reads version {transfer.HEADER_VERSION}; run the same rlaunch everywhere."
+        )
+    entries = header["tensors"]
+    blob = torch.empty(int(header["blob_bytes"]), dtype=torch.uint8)
+    if blob.numel():
+        transfer.recv_host(channel, blob)
+    tensors = _buffers(entries, into)
+    works = [channel.recv([t], 0, transfer.TAG) for t in tensors]
+    for work in works:
+        work.wait()
+    copy = HostCopy({**header, "runtime": {}}, blob, tensors)
+    seal(copy)
+    trailer = transfer.recv_json(channel, "snapshot digests")
+    theirs = trailer.get("digests") if isinstance(trailer, dict) else None
+    for name in sorted(set(copy.digests) | set(theirs or {})):
+        if not isinstance(theirs, dict) or copy.digests.get(name) != theirs.get(name):
+            raise transfer.TransferError(
+                f"The snapshot of step {copy.step} landed with {name!r} of digest {copy.digests.get(name)}, but its "
+                f"sender computed {(theirs or {}).get(name)}; it is not kept."
+            )
+    return copy
+
+
+def restore(copy: HostCopy, tracked: dict[str, Any], rank: int) -> None:
+    """Put ``copy`` back into ``tracked`` in place (the rank rolls back to ``copy.step``), RNG states too.
+
+    Checked as a joiner checks a move: every tensor's shape first, and afterwards the digests of
+    what ``tracked`` holds must equal the copy's, or :class:`TransferError` names the object.
+    """
+    header = copy.header
+    targets = transfer.live_targets(tracked, header)
+    values = transfer.load_blob(copy.blob.numpy().tobytes()) if copy.blob.numel() else {}
+    transfer.load_values(tracked, header, values)
+    with torch.no_grad():
+        for t, held in zip(targets, copy.tensors, strict=True):
+            t.copy_(held)
+    state = rng.from_json(header["rng"])
+    rng.restore(state)
+    mine = transfer.state_digests(tracked, copy.step, state)
+    rng.restore(state)  # state_dict() may have drawn from them
+    for name in sorted(set(mine) | set(copy.digests)):
+        if mine.get(name) != copy.digests.get(name):
+            raise transfer.TransferError(
+                f"rank {rank}: after rolling back to the snapshot of step {copy.step}, {name!r} has digest "
+                f"{mine.get(name)} but the snapshot holds {copy.digests.get(name)}; this worker stops rather "
+                "than train on it."
+            )
