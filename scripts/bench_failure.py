@@ -45,7 +45,18 @@ rlaunch's recovery is split into phases, from the bench's clock at the kill and 
 The phases add up to kill -> first step completed after recovery (phases_sum_s). That interval
 also holds the work of the interrupted step done before the kill, which is redone, so it exceeds
 rlaunch_recovery_s by up to one median step.
-Prints one JSON object. Usage: scripts/bench_failure.py [--steps 40] [--event-at 30] [--out FILE]
+
+``--layout fsdp`` runs the same model sharded with FSDP2 over both ranks: no replica holds a shard,
+so (a) rolls back to the last host snapshot (every RLAUNCH_SNAPSHOT_EVERY steps, 20 by default:
+rlaunch.runtime.snapshots), rank 0 sends b's copy to c, and the steps since the snapshot are
+redone (steps_redone; torchrun redoes those since its last checkpoint, torchrun_lost_steps). The
+JSON adds the snapshots' cost: snapshot_overhead_pct, the median step with snapshots over the
+median step without (RLAUNCH_SNAPSHOT_EVERY=0), from --overhead-pairs interleaved pairs of
+no-event runs (the median of the pairs' ratios), and host memory: each rank's copy
+(snapshot_bytes_per_rank) and what a node holds (its ranks' copies and those it holds for the
+other node: twice its own). (c) is left out with fsdp.
+Prints one JSON object. Usage: scripts/bench_failure.py [--layout ddp|fsdp] [--steps 40] [--event-at 30]
+[--overhead-pairs 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -66,11 +78,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlaunch.controller.view import read_snapshot  # noqa: E402
+from rlaunch.runtime import snapshots  # noqa: E402
 from rlaunch.store.client import Store, parse_endpoints  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
 from rlaunch.store.keys import JobKeys  # noqa: E402
 from rlaunch.store.records import Generation  # noqa: E402
 from scripts.bench_migration import (  # noqa: E402
+    ENV,
     PARAMS,
     WORKER,
     Procs,
@@ -87,6 +101,8 @@ from scripts.bench_migration import (  # noqa: E402
 )
 
 Row = tuple[int, float, float, str]
+#: the interval the runs with host snapshots use (the environment's, as the agents would read it)
+SNAPSHOT_EVERY = os.environ.get(snapshots.ENV, "auto")
 
 
 class Tree(Procs):
@@ -136,8 +152,9 @@ class Tree(Procs):
 
 
 def run_fault(
-    root: Path, etcd: str, name: str, steps: int, event_at: int, lease_ttl: int, lose_node: bool
-) -> dict[str, Any]:
+    root: Path, etcd: str, name: str, steps: int, event_at: int, lease_ttl: int, lose_node: bool,
+    train_args: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
     """rlaunch with a warm standby; at ``event_at`` node b is lost (``lose_node``) or its worker crashes."""
     work = root / name
     timeline, logs = work / "timeline", work / "logs"
@@ -152,7 +169,7 @@ def run_fault(
             procs.start(node, [
                 sys.executable, "-m", "rlaunch", "--nnodes", "2", "--rdzv-endpoint", etcd, "--rdzv-id", job,
                 "--node-id", node, *flags, *(["--standby"] if node == "c" else []), str(WORKER),
-                "--mode", "rlaunch", "--steps", str(steps), "--timeline", str(timeline),
+                "--mode", "rlaunch", "--steps", str(steps), "--timeline", str(timeline), *train_args,
             ])  # fmt: skip
             wait_until(lambda n=node: _node(etcd, job, n), 60, f"{name}: node {node} to join")
         wait_until(lambda: (n := _node(etcd, job, "c")) and n["state"] == "standby" and n["runtime"], 180,
@@ -176,12 +193,15 @@ def run_fault(
         procs.close()
 
 
-def run_torchrun_kill(root: Path, name: str, steps: int, event_at: int, ckpt_every: int) -> dict[str, Any]:
-    """Plain DDP under torchrun with periodic checkpoints; node b is SIGKILLed, torchrun restarts on a and c."""
+def run_torchrun_kill(
+    root: Path, name: str, steps: int, event_at: int, ckpt_every: int, train_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Plain DDP (or FSDP2) under torchrun with periodic checkpoints; node b is SIGKILLed, torchrun
+    restarts on a and c (an FSDP2 rank resumes from its own shard's checkpoint)."""
     work = root / name
     (work / "timeline").mkdir(parents=True)
     procs = Tree(work)
-    extra = ("--ckpt-every", str(ckpt_every))
+    extra = ("--ckpt-every", str(ckpt_every), *train_args)
     try:
         port = free_port()
         for node, host in (("a", True), ("b", False)):
@@ -269,8 +289,31 @@ def phases(result: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
         "joiner_received_s": joined[0]["data"]["seconds"],
         "state_bytes": sum(e["data"]["bytes"] for e in sent),
         "resumed_at_step": recovered[0]["data"]["resume_at"],
+        "rolled_back_to": recovered[0]["data"].get("rolled_back_to"),
+        "steps_redone": recovered[0]["data"].get("steps_redone", 0),
         "plan_reason": gen["data"]["reason"],
         "survivor_kept_its_process": len(started_a) == 1,
+    }
+
+
+def snapshot_figures(events: list[dict[str, Any]], pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """What the host snapshots cost: from the `snapshot_committed` events of the node-loss run, and
+    the median step with and without them over the interleaved pairs."""
+    committed = [e["data"] for e in events if e["kind"] == "snapshot_committed"]
+    if not committed:
+        raise RuntimeError("the node-loss run committed no host snapshot")
+    per_rank = max(int(d["bytes"]) for d in committed)
+    ratios = [on / off - 1 for on, off in pairs]
+    return {
+        "snapshot_every": snapshots.interval(SNAPSHOT_EVERY),
+        "snapshots_committed": len({(d["rank"], d["step"]) for d in committed}),
+        "snapshot_bytes_per_rank": per_rank,
+        "host_memory_per_node_bytes": 2 * per_rank,  # one rank per node: its own copy and the other node's
+        "snapshot_copy_s": round(statistics.median(float(d["copy_s"]) for d in committed), 4),
+        "snapshot_exchange_s": round(statistics.median(float(d["exchange_s"]) for d in committed), 4),
+        "snapshot_overhead_pct": round(100 * statistics.median(ratios), 2) if ratios else None,
+        "snapshot_overhead_pct_pairs": [round(100 * r, 2) for r in ratios],
+        "median_step_with_without_s": [[round(on, 4), round(off, 4)] for on, off in pairs],
     }
 
 
@@ -292,20 +335,35 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: checkpoint every N steps")
     ap.add_argument("--lease-ttl", type=int, default=3, help="rlaunch agents' --lease-ttl")
     ap.add_argument("--skip-crash", action="store_true", help="leave out (c), the crashed worker")
+    ap.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
+    ap.add_argument("--overhead-pairs", type=int, default=2,
+                    help="fsdp: interleaved no-event runs with and without host snapshots")  # fmt: skip
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args()
     began = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="rlaunch-bench-failure-"))
     log(f"logs in {root}")
+    fsdp = args.layout == "fsdp"
+    train = ("--layout", args.layout)
+    pairs: list[tuple[float, float]] = []
     with EmbeddedEtcd() as etcd:
         log("reference: rlaunch, no event")
-        reference_run = run_rlaunch(root, etcd.endpoint, "reference", args.steps, None, 3)
+        reference_run = run_rlaunch(root, etcd.endpoint, "reference", args.steps, None, 3, train)
         log("(a) rlaunch: node b lost, the warm standby takes its rank")
-        lost = run_fault(root, etcd.endpoint, "rlaunch-node-loss", args.steps, args.event_at, args.lease_ttl, True)
+        lost = run_fault(root, etcd.endpoint, "rlaunch-node-loss", args.steps, args.event_at, args.lease_ttl, True,
+                         train)  # fmt: skip
         log(f"(b) torchrun: node b lost, restart from the last checkpoint (every {args.ckpt_every} steps)")
-        tr = run_torchrun_kill(root, "torchrun-node-loss", args.steps, args.event_at, args.ckpt_every)
+        tr = run_torchrun_kill(root, "torchrun-node-loss", args.steps, args.event_at, args.ckpt_every, train)
+        for i in range(args.overhead_pairs if fsdp else 0):
+            log(f"snapshot overhead, pair {i + 1}: a run with host snapshots, then one without")
+            steps_s = []
+            for every in (SNAPSHOT_EVERY, "0"):
+                run = run_rlaunch(root, etcd.endpoint, f"snapshots-{every}-{i}", args.steps, None, 3, train,
+                                  {**ENV, "RLAUNCH_SNAPSHOT_EVERY": every})  # fmt: skip
+                steps_s.append(median_step(read_timeline(run["timeline"] / "rank0.txt")))
+            pairs.append((steps_s[0], steps_s[1]))
         crash = None
-        if not args.skip_crash:
+        if not args.skip_crash and not fsdp:
             log("(c) rlaunch: the worker of node b crashes")
             crash = run_fault(root, etcd.endpoint, "rlaunch-worker-crash", args.steps, args.event_at, args.lease_ttl,
                               False)  # fmt: skip
@@ -324,6 +382,7 @@ def main() -> None:
     # The relaunched job's first step is the one its checkpoint resumed from.
     relaunched = [r for r in rows_tr if r[1] > tr["t_event"]]
     out: dict[str, Any] = {
+        "layout": args.layout,
         "params_m": round(PARAMS / 1e6, 2),
         "steps": args.steps,
         "event_at_step": step_rl,
@@ -342,6 +401,8 @@ def main() -> None:
         "bit_identical": same(lost),
         "torchrun_resume_bit_identical": same(tr),
     }
+    if fsdp:
+        out.update(snapshot_figures(lost["events"], pairs))
     if crash is not None:
         rows_crash = read_timeline(crash["timeline"] / "rank0.txt")
         t_plan, gen = planned_at(crash)
@@ -356,6 +417,9 @@ def main() -> None:
     }
     if crash is not None:
         out["targets"]["worker_crash_detected_within_1s"] = out["worker_crash_detect_s"] < 1
+    if fsdp:
+        out["targets"]["rolled_back_live"] = split["rolled_back_to"] is not None and split["survivor_kept_its_process"]
+        out["targets"]["snapshot_overhead_le_1pct"] = out["snapshot_overhead_pct"] <= 1.0
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -148,6 +148,21 @@ class AgentMetrics:
             "rlaunch_live_moves", "Which live moves this node's ranks allow, as its workers reported.", node,
             states=[m.value for m in LiveMoves], registry=r,
         )  # fmt: skip
+        self.snapshot_bytes = Gauge(
+            "rlaunch_rank_snapshot_bytes", "Bytes of a rank's last committed host snapshot (its own copy).", rank,
+            registry=r,
+        )  # fmt: skip
+        self.snapshot_seconds = Gauge(
+            "rlaunch_rank_snapshot_seconds",
+            "What a rank's last committed host snapshot took: its copy on the training thread, or its exchange "
+            "with the buddy in the background.", ("node", "rank", "phase"), registry=r,
+        )  # fmt: skip
+        self.snapshot_committed = Gauge(
+            "rlaunch_rank_snapshot_committed_timestamp_seconds",
+            "When a rank's last host snapshot was committed (its age: time() minus this).", rank, registry=r,
+        )  # fmt: skip
+        self.snapshot_step = Gauge("rlaunch_rank_snapshot_step", "The step of a rank's last committed host snapshot.",
+                                   rank, registry=r)  # fmt: skip
         Info("rlaunch_agent", "This agent.", node, registry=r).labels(node_id).info({"version": __version__})
         r.register(client.REQUEST_SECONDS)
         self.node_goodput.labels(node_id).set_function(self._node_goodput)
@@ -240,9 +255,15 @@ class AgentMetrics:
         mine = set(gen.ranks_of(self.node_id))
         for rank in [r for r in self._ranks if r not in mine]:
             del self._ranks[rank]
-            for metric in (self.step_seconds, self.compute_seconds, self.steps, self.applied, self.goodput):
+            for metric in (self.step_seconds, self.compute_seconds, self.steps, self.applied, self.goodput,
+                           self.snapshot_bytes, self.snapshot_committed, self.snapshot_step):  # fmt: skip
                 try:
                     metric.remove(self.node_id, str(rank))
+                except KeyError:
+                    pass
+            for phase in ("copy", "exchange"):
+                try:
+                    self.snapshot_seconds.remove(self.node_id, str(rank), phase)
                 except KeyError:
                     pass
 
@@ -273,6 +294,13 @@ class AgentMetrics:
             self._downtime("migrate", gen, int(data["rank"]), float(data["downtime_ms"]) / 1000)
         elif kind == "recovered":
             self._downtime("replace", gen, int(data["rank"]), float(data["seconds"]))
+        elif kind == "snapshot_committed":
+            rank = str(data["rank"])
+            self.snapshot_bytes.labels(node, rank).set(float(data["bytes"]))
+            self.snapshot_seconds.labels(node, rank, "copy").set(float(data["copy_s"]))
+            self.snapshot_seconds.labels(node, rank, "exchange").set(float(data["exchange_s"]))
+            self.snapshot_step.labels(node, rank).set(float(data["step"]))
+            self.snapshot_committed.labels(node, rank).set(time.time())  # wall clock: Prometheus computes the age
         elif kind == "joined" and self._offered.get(gen) == "replace":
             # The joiner's rank was down from its own workers' failure (restarted in place), or
             # else (a standby) from the plan until it had its state.

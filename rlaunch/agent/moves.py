@@ -15,6 +15,9 @@ live only as far as every one of its ranks can, so both summaries are the weakes
 - ``unknown``: a rank (a node) has not reported yet.
 
 The reason is the first one given by a rank (a node, in node rank order) that lacks something.
+Where every rank allows both, it is the first note a rank gave on how: a job without replicas is
+replaced live by a rollback to its host snapshots, and its ranks say so with the steps it would
+redo (``drain and replacement: a fault rolls back to the last host snapshot ...``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def combine(parts: Iterable[tuple[LiveMoves, str]]) -> tuple[LiveMoves, str]:
         return LiveMoves.UNKNOWN, ""
     moves = LiveMoves.of(all(m.allows_drain for m, _ in parts), all(m.allows_replacement for m, _ in parts))
     if moves is LiveMoves.BOTH:
-        return moves, ""
+        return moves, next((note for _, note in parts if note), "")  # how (a rollback), where a rank said
     return moves, next((why for m, why in parts if m is not LiveMoves.BOTH and why), "")
 
 
@@ -48,7 +51,7 @@ def sentence(moves: LiveMoves, reason: str) -> str:
     """How a summary reads after ``Live moves: `` (the agent's log line, ``rlaunch status``)."""
     if moves is LiveMoves.UNKNOWN:
         return "not known yet"
-    return f"{moves.value}: {reason}" if reason and moves is not LiveMoves.BOTH else moves.value
+    return f"{moves.value}: {reason}" if reason else moves.value
 
 
 class NodeMoves:

@@ -38,7 +38,7 @@ def require(req: Mapping[str, Any], op: str, name: str, kind: type[Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class MovesReport:
-    """One rank's answer: can a drain move it live, can a replacement serve it, and if not why."""
+    """One rank's answer: can a drain move it live, can a replacement serve it, and if not why (or how)."""
 
     rank: int
     drain: bool
@@ -56,9 +56,10 @@ class MovesReport:
         )
 
     def why_not(self) -> str:
-        """Why not both ("" when both): the rank's own sentence, or one saying it gave none."""
+        """Why not both: the rank's own sentence, or one saying it gave none (when both: its note on
+        how, such as a rollback to host snapshots, or "")."""
         if self.drain and self.replace:
-            return ""
+            return self.reason
         if self.reason:
             return self.reason
         if not self.drain and not self.replace:

@@ -5,7 +5,9 @@ and the job takes the restart path; training itself goes on as under torchrun. :
 holds those rules in one place: the listener asks :meth:`Moves.drain_refusal` before preparing a
 drain, the survivors ask :meth:`Moves.replace_refusal` before a live replacement, and the rank
 reports both to its agent (:meth:`Moves.report`) so that ``rlaunch status`` and the job's log say
-whether live moves are possible and, if not, why.
+whether live moves are possible and, if not, why. Where no replica can serve but host snapshots
+are taken, a fault is still recovered live, by a rollback: the report says so, with the steps it
+would redo.
 
 A joiner must decide as the ranks it joins do, so what they learnt while the job ran (what
 differs by rank, which replicas were compared, which partition each sampler reads) travels in
@@ -14,6 +16,7 @@ the transfer header (:meth:`Moves.knowledge`, :meth:`Moves.learn`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rlaunch.runtime import registry, shards
@@ -25,9 +28,10 @@ from rlaunch.runtime.voting import Voting
 class Moves:
     """The rules for moving one rank live, and what it reported of them (see the module docstring)."""
 
-    def __init__(self, state: RankState, voting: Voting) -> None:
+    def __init__(self, state: RankState, voting: Voting, snapshot_every: Callable[[], int]) -> None:
         self._s = state
         self._voting = voting
+        self._snapshot_every = snapshot_every  # the host snapshots' interval (0: none taken)
         self._reported: tuple[bool, bool, str] | None = None
         self._seen: tuple[Any, ...] | None = None  # what the last report was computed from
 
@@ -97,7 +101,15 @@ class Moves:
         moves = (not drain, not replace, drain or replace)
         if moves != self._reported:
             self._reported = moves
-            s.link.call("moves", drain=moves[0], replace=moves[1], reason=moves[2], rank=s.rank)
+            every = self._snapshot_every()
+            if every and self.needs_snapshots:  # a fault rolls back live: the replacement is possible
+                note = (
+                    f"a fault rolls back to the last host snapshot (every {every} steps: up to {every} steps redone), "
+                    f"since {replace}"
+                )
+                s.link.call("moves", drain=True, replace=True, reason=note, rank=s.rank)
+            else:
+                s.link.call("moves", drain=moves[0], replace=moves[1], reason=moves[2], rank=s.rank)
 
     @property
     def needs_snapshots(self) -> bool:

@@ -131,7 +131,7 @@ class Runtime:
             self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,
             lambda gen: self._migration.agree(gen) if not self.step_failed else None, self._median_step, self._host,
         )  # fmt: skip
-        self._moves = Moves(self._s, self._voting)
+        self._moves = Moves(self._s, self._voting, lambda: self._host.every)
         self._recovery = Recovery(  # live replacement after a fault
             self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
             self._moves.knowledge, self._moves.learn, self._host,
@@ -530,6 +530,7 @@ class Runtime:
         active exception").
         """
         self._s.stopped.set()
+        self._host.close()
         for group in self._s.groups:
             unregister(group)
             backends.current().release(group.comm)  # an NCCL communicator is aborted, not left to teardown

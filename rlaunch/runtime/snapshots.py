@@ -26,6 +26,7 @@ two) only the restart path is left.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import threading
 import time
@@ -49,8 +50,12 @@ SECTION = "snapshot"
 #: the vote carries a snapshot's step modulo this (+1): its square times the world size stays exact
 #: in float64, and the ranks are never that many steps apart
 VOTE_MOD = 1 << 20
-#: how long a snapshot's start waits for the previous exchange to end before it skips its turn
+#: how long a snapshot's start waits for the previous generation's exchange to end once its pairs
+#: are cut (an exchange of this generation still running is not waited for: the snapshot is skipped)
 JOIN_WAIT_S = 1.0
+#: the snapshot pairs' gloo timeout, for their rendezvous and every operation: a pair whose peer is
+#: gone holds this process's communicator builds (they are serialized) until it ends
+PAIR_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def interval(value: str) -> int:
@@ -156,10 +161,13 @@ class HostSnapshots:
         """(main thread, at ``step``'s start) Copy this rank's state, then exchange copies in the background."""
         s = self._s
         began = time.perf_counter()
-        if self._gen != s.generation:
+        moved = self._gen != s.generation
+        if moved:
             self._cut()  # the old generation's pairs: a moved rank may be in them
-        if not self._join(JOIN_WAIT_S):
+        if not self._join(JOIN_WAIT_S if moved else 0.0):
+            # Not this turn: this rank holds no copy of ``step``, so its vote keeps it from committing.
             log.warning("rank %d: the previous snapshot's exchange still runs; step %d takes none", s.rank, step)
+            self.pending, self._gen = step, s.generation
             return
         state = rng.capture()
         self.own = hostcopy.capture(s.tracked, step, state, self.own)
@@ -203,8 +211,9 @@ class HostSnapshots:
         for sender in sorted({mine, theirs}):
             for side in ([0] if sender == mine else []) + ([1] if sender == theirs else []):
                 built[side] = backends.build(
-                    s.store, f"g{gen}/snapshot/{sender}/", side, 2, s.timeout, backends.Backend.GLOO, None
-                )
+                    s.store, f"g{gen}/snapshot/{sender}/", side, 2, min(s.timeout, PAIR_TIMEOUT),
+                    backends.Backend.GLOO, None,
+                )  # fmt: skip
         self._pairs = (gen, built[0], built[1])
         return built[0], built[1]
 
@@ -217,6 +226,16 @@ class HostSnapshots:
         for pair in (send_pair, recv_pair):
             backends.cut(id(pair))
             retire(pair)
+
+    def close(self) -> None:
+        """At exit: end an exchange in flight and release the pairs now (a gloo group left to
+        interpreter teardown can abort the process)."""
+        pairs, self._pairs = self._pairs, None
+        for pair in pairs[1:] if pairs is not None else ():
+            backends.cut(id(pair))
+        self._join(5.0)
+        for pair in pairs[1:] if pairs is not None else ():
+            backends.current().release(pair)
 
     def _join(self, timeout: float) -> bool:
         thread = self._thread
@@ -260,7 +279,7 @@ class HostSnapshots:
     def stop(self) -> None:
         """(recovery) End the exchange in flight, before this rank reports what it holds."""
         self._cut()
-        if not self._join(10.0):
+        if not self._join(2.0):  # one still building a pair with a lost peer: it reports no copy held
             log.warning("rank %d: the snapshot exchange did not end after its pairs were cut", self._s.rank)
 
     def report(self) -> dict[str, Any]:

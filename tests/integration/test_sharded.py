@@ -88,19 +88,26 @@ def test_hsdp_drain_then_a_lost_node_replaced_live_from_its_replicas(cluster: Cl
     assert any("'plan': 'replace'" in x.output() for x in (c, d))
 
 
-def test_tensor_x_data_parallel_drain_onto_a_cold_standby_is_bit_identical(cluster: Cluster) -> None:
+def test_tensor_x_data_parallel_drain_onto_a_cold_standby_then_a_loss_rolls_back_live(cluster: Cluster) -> None:
     # --sandbox-steps 0: the joiner never ran a step, so it has no optimizer state yet and creates
     # the DTensor moments of its sharded parameters as the state arrives. Ranks 2 and 3 sit on dp
     # coordinate 1: their embedding and head shards (FSDP over dp) are smaller than rank 0's. Their
     # sampler reads dp part 1, not part 2 or 3 (which crashed DistributedSampler), and the group
     # made after the mesh keeps its place in the joiners' build order (it went last: a hang).
-    a, b, c = _start(cluster, "tp_dp", ["a", "b", "c"], flags=("--sandbox-steps", "0"))
+    # No replica holds a tensor-parallel shard: when a (ranks 0 and 1) is then lost, c (ranks 2 and
+    # 3, their buddies) rolls back to its host snapshots and sends a's copies to the cold d.
+    a, b, c, d = _start(cluster, "tp_dp", ["a", "b", "c", "d"], flags=("--sandbox-steps", "0"))
     assert "drained" in drain(cluster, "b")
-    for agent in (a, b, c):
-        assert agent.wait(240) == 0, agent.output()[-3000:]
-    assert _finals(a, c) == _reference("tp_dp"), "every shard must end as in an uninterrupted run"
-    assert "event state_sent" in b.output() and "event joined" in c.output()
-    assert "live moves: drain only" in a.output(), "no replica of a tensor-parallel shard: drains only"
+    wait_for(lambda: "event joined" in c.output(), 60, "c to take b's ranks")
+    wait_for(lambda: c.output().count("event snapshot_committed") >= 2, 120, "c's snapshots after the drain")
+    a.kill_with_workers()
+    for agent in (b, c, d):
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    assert _finals(c, d) == _reference("tp_dp"), "every shard must end as in an uninterrupted run"
+    assert "event state_sent" in b.output() and "event joined" in d.output()
+    assert "'rolled_back_to': " in c.output() and "'sends_to': [0]" in c.output(), c.output()[-3000:]
+    rolls_back = "live moves: drain and replacement: a fault rolls back to the last host snapshot (every 20 steps"
+    assert rolls_back in a.output(), "no replica of a tensor-parallel shard: a fault rolls back"
 
 
 def test_fsdp_drain_is_live_and_a_loss_without_replica_rolls_back_live_to_host_snapshots(cluster: Cluster) -> None:
@@ -120,6 +127,36 @@ def test_fsdp_drain_is_live_and_a_loss_without_replica_rolls_back_live_to_host_s
     assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), "each buddy serves its lost rank"
     assert "event joined" in d.output() and "no live move" not in c.output() + d.output()
     assert "Traceback" not in c.output() + d.output()
+
+
+def test_fsdp_over_two_ranks_rolls_back_live_and_a_rank_lost_with_its_buddy_restarts(cluster: Cluster) -> None:
+    """One rank per node. FSDP over ranks 0 and 1 (nodes a and b), each the other's buddy: b is
+    SIGKILLed and c takes rank 1 from a's copy of it. Then a job over 3 nodes loses a and b at
+    once: rank 1 held rank 0's snapshot, so only the restart is left, and the sentence says so."""
+    one = ("--nproc-per-node", "1", "--max-restarts", "1")
+    a, b, c = _start(cluster, "fsdp", ["a", "b", "c"], flags=one)
+    wait_for(lambda: "event snapshot_committed" in a.output(), 120, "a committed snapshot")
+    b.kill_with_workers()
+    for agent in (a, c):
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    assert _finals(a, c) == _reference("fsdp", nproc=2), "every shard must end as in an uninterrupted run"
+    assert "'rolled_back_to': " in a.output() and "'sends_to': [1]" in a.output(), a.output()[-3000:]
+    assert "event joined" in c.output() and "Traceback" not in a.output() + c.output()
+
+    cluster.job_id += "-together"
+    e, f, g, h, i = _start(cluster, "fsdp", ["e", "f", "g", "h", "i"], flags=one, nnodes=3)
+    wait_for(lambda: "event snapshot_committed" in g.output(), 120, "a committed snapshot")
+    e.kill_with_workers()
+    f.kill_with_workers()
+    for agent in (g, h, i):
+        agent.wait(300)
+    together = "rank 0 and rank 1, which held its snapshot, were lost together"
+    assert "event replacement_refused" in g.output() and together in g.output(), g.output()[-3000:]
+    refused = "no live move: a live replacement of ranks [0, 1] would diverge silently: rank 0"
+    assert any(refused in x.output() and together in x.output() for x in (g, h, i)), "the restart's reason says why"
+    assert "Traceback" not in g.output()
+    # the restart starts over from step 0 (the script keeps no checkpoint) and ends as the reference
+    assert _finals(g, h, i) == _reference("fsdp", nproc=3)
 
 
 def test_fsdp_drains_of_both_nodes_move_every_uneven_shard_bit_identically(cluster: Cluster) -> None:

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,7 @@ def test_events_count_migrations_recoveries_and_findings() -> None:
     for kind in ("worker_hung", "gpu_fault", "straggler", "node_dead", "node_dead"):
         m.on_event(event(kind))
     m.on_event(event("node_state", 3, state="running", previous="restarting"))
+    m.on_event(event("snapshot_committed", 3, rank=1, step=40, bytes=1 << 20, copy_s=0.01, exchange_s=0.2))
     m.on_event(event("switched", 4))  # malformed: logged, not raised
     assert value(m, "rlaunch_migrations_total", node="b", role="survivor") == 1
     assert value(m, "rlaunch_recoveries_total", node="b", role="survivor") == 1
@@ -118,6 +120,10 @@ def test_events_count_migrations_recoveries_and_findings() -> None:
     assert value(m, "rlaunch_detector_findings_total", node="b", detector="node_loss") == 2
     assert value(m, "rlaunch_detector_findings_total", node="b", detector="hang") == 1
     assert value(m, "rlaunch_node_state", node="b", rlaunch_node_state="running") == 1
+    assert value(m, "rlaunch_rank_snapshot_bytes", node="b", rank="1") == 1 << 20
+    assert value(m, "rlaunch_rank_snapshot_seconds", node="b", rank="1", phase="exchange") == 0.2
+    assert value(m, "rlaunch_rank_snapshot_step", node="b", rank="1") == 40
+    assert time.time() - value(m, "rlaunch_rank_snapshot_committed_timestamp_seconds", node="b", rank="1") < 60
 
 
 def test_a_restart_counts_and_its_downtime_runs_until_the_new_workers_step() -> None:

@@ -81,6 +81,9 @@ def test_the_job_takes_the_weakest_node_and_the_first_reason() -> None:
     assert combine([(BOTH, ""), (UNKNOWN, "")]) == (UNKNOWN, ""), "not known until every node reported"
     assert combine([(BOTH, ""), (DRAIN, "a"), (REPL, "b")]) == (NONE, "a")
     assert combine([(DRAIN, "a"), (DRAIN, "b")]) == (DRAIN, "a")
+    rollback = "a fault rolls back to the last host snapshot (every 20 steps: up to 20 steps redone), since x"
+    assert combine([(BOTH, ""), (BOTH, rollback)]) == (BOTH, rollback), "how a fault is recovered, where a rank said"
+    assert combine([(BOTH, rollback), (DRAIN, "a")]) == (DRAIN, "a"), "what lacks comes first"
 
 
 def test_the_summary_reads_as_a_sentence() -> None:
@@ -88,6 +91,7 @@ def test_the_summary_reads_as_a_sentence() -> None:
     assert sentence(BOTH, "") == "drain and replacement"
     assert sentence(DRAIN, NO_REPLICA) == f"drain only: {NO_REPLICA}"
     assert sentence(NONE, "x") == "none: x"
+    assert sentence(BOTH, "a fault rolls back") == "drain and replacement: a fault rolls back"
 
 
 def test_the_node_publishes_a_summary_when_first_known_and_when_it_changes() -> None:
