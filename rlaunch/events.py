@@ -1,7 +1,9 @@
 """The structured event stream: state transitions for people, dashboards and tests.
 
 Each event goes to the Python log, to ``events/`` in etcd (under a one-day lease so the stream
-is bounded) and, when ``--log-dir`` is set, to ``<log_dir>/<job>/events.jsonl``. Writes to etcd
+is bounded) and, when ``--log-dir`` is set, to ``<log_dir>/<job>/events.jsonl``. A *local*
+event (:meth:`EventLog.note`: one that recurs while the job trains, such as a committed host
+snapshot) skips etcd, which sees no traffic per step. Writes to etcd
 and to the file happen on background tasks, each in order (the file's on a thread, and never
 behind etcd); emitting never blocks nor fails the caller.
 """
@@ -55,14 +57,22 @@ class EventLog:
         if self._jsonl is not None:
             self._file_task = asyncio.get_running_loop().create_task(self._file_writer())
 
+    def note(self, kind: str, generation: int, **data: Any) -> None:
+        """A local event: the log, events.jsonl and the observers (metrics), not etcd."""
+        self._record(kind, generation, data, to_etcd=False)
+
     def emit(self, kind: str, generation: int, **data: Any) -> None:
+        self._record(kind, generation, data, to_etcd=True)
+
+    def _record(self, kind: str, generation: int, data: dict[str, Any], to_etcd: bool) -> None:
         # Two events in one tick of the clock (time.time() moves in 238 ns steps today) would share an
         # etcd key, the later overwriting the earlier (a progress batch right after the event it rides on).
         now = self._clock()
         self._last = now if now > self._last else math.nextafter(self._last, math.inf)
         event = Event(time=self._last, node_id=self._node_id, kind=kind, generation=generation, data=data)
         log.info("[%s] event %s (generation %d) %s", self._node_id, kind, generation, data)
-        self._queue.put_nowait(event)
+        if to_etcd:
+            self._queue.put_nowait(event)
         if self._jsonl is not None:
             self._lines.put_nowait(event)
         for observe in self.observers:

@@ -127,7 +127,9 @@ class Agent:
         self.events.observers.append(progress.observe)  # any other event carries the held samples along
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
-        self.link = WorkerLink(self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set)
+        self.link = WorkerLink(
+            self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set, self.events.note
+        )
         self.link.node_id = self.node_id
         self.link.sandbox_steps = self.cfg.sandbox_steps
         self.link.hangs.floor_s = self.cfg.hang_timeout

@@ -21,7 +21,7 @@
   that restarts the node in place.
 - ``snapshot``: a host snapshot every rank holds was committed (layouts without a replica; see
   :mod:`rlaunch.runtime.snapshots`): this rank's bytes and what copying and exchanging it took
-  (a ``snapshot_committed`` event).
+  (a ``snapshot_committed`` event, local: the log, events.jsonl and the metrics, not etcd).
 - ``done``: the worker's ``rt.steps()`` ended; it says what comparing replicas cost it over the
   job (a ``verification`` event: seconds spent, comparisons, steps and the median step).
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.metrics import AgentMetrics
-from rlaunch.agent.reports import MovesReport, ReportError, SdcReport
+from rlaunch.agent.reports import MovesReport, ReportError, SdcReport, require
 from rlaunch.detectors.hang import HangDetector
 from rlaunch.errors import StoreError
 from rlaunch.plans import Hello, MigratePlan, Plan, ReplacePlan, Role, StartRole, plan_to_json
@@ -94,11 +94,13 @@ class WorkerLink:
         lease: Callable[[], int],
         emit: Callable[..., None],
         wake: Callable[[], None],
+        note: Callable[..., None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self._lease = lease
         self._emit = emit
+        self._note = note or emit  # local events (not written to etcd)
         self._wake = wake
         self.state = LinkState()
         self.role = StartRole.ACTIVE
@@ -283,10 +285,13 @@ class WorkerLink:
         return {}
 
     async def _snapshot(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A host snapshot every rank holds was committed (see rlaunch.runtime.snapshots): this rank's part."""
-        self._emit("snapshot_committed", self.generation.number if self.generation else 0, rank=int(req["rank"]),
-                   step=int(req["step"]), bytes=int(req["bytes"]), copy_s=round(float(req["copy_s"]), 4),
-                   exchange_s=round(float(req["exchange_s"]), 4))  # fmt: skip
+        """A host snapshot every rank holds was committed (see rlaunch.runtime.snapshots): this rank's
+        part, as a local event (it recurs every few steps: not written to etcd)."""
+        self._note("snapshot_committed", self.generation.number if self.generation else 0,
+                   rank=require(req, "snapshot", "rank", int), step=require(req, "snapshot", "step", int),
+                   bytes=require(req, "snapshot", "bytes", int),
+                   copy_s=round(require(req, "snapshot", "copy_s", float), 4),
+                   exchange_s=round(require(req, "snapshot", "exchange_s", float), 4))  # fmt: skip
         return {}
 
     async def _phases(self, req: dict[str, Any]) -> dict[str, Any]:

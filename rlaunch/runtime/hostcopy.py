@@ -9,11 +9,16 @@ copy held for another rank is sent to that rank's joiner with the joiner's own :
 
 The CPU tensors are allocated once and reused by every later copy of the same shapes: a rank's
 own copy and the copy it holds for its source are all the host memory snapshots take.
+
+Between buddies a copy may be paced (:func:`send` with ``rate``): it then crosses in pieces of
+:data:`PIECE_BYTES`, and the sender waits between pieces so that it never runs ahead of the rate,
+leaving the link (and, on a machine with few cores, the CPU) to training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -99,17 +104,41 @@ def seal(copy: HostCopy) -> None:
     copy.digests = _digests(copy)
 
 
-def send(channel: ProcessGroup, copy: HostCopy, knowledge: dict[str, Any] | None = None) -> int:
-    """Send ``copy`` to rank 1 of ``channel`` as a move's stream; return the bytes sent.
+#: the pieces a paced copy crosses in (the rate is kept between pieces)
+PIECE_BYTES = 8 << 20
 
-    ``knowledge``: what the runtime knows now (a joiner learns it; see ``Moves.knowledge``).
+
+def _pieces(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``t`` (a contiguous host buffer) as consecutive views of at most ``size`` bytes."""
+    flat = t.view(-1)
+    n = max(1, size // max(1, t.element_size()))
+    return [flat[i : i + n] for i in range(0, flat.numel(), n)] or [flat]
+
+
+def send(channel: ProcessGroup, copy: HostCopy, knowledge: dict[str, Any] | None = None, rate: float = 0.0) -> int:
+    """Send ``copy`` to rank 1 of ``channel``; return the bytes sent.
+
+    Without ``rate`` it goes as a move's stream, every tensor posted at once (what a joiner's
+    ``recv_state`` reads); with ``rate`` (bytes per second, to a buddy's :func:`receive`) in paced
+    pieces. ``knowledge``: what the runtime knows now (a joiner learns it; see ``Moves.knowledge``).
     """
-    transfer.send_json(channel, {**copy.header, "runtime": knowledge or {}})
+    size = PIECE_BYTES if rate else 0
+    transfer.send_json(channel, {**copy.header, "runtime": knowledge or {}, "pieces": size})
     if copy.blob.numel():
         transfer.send_host(channel, copy.blob)
-    works = [channel.send([t], 1, transfer.TAG) for t in copy.tensors]  # posted at once: the wire never idles
-    for work in works:
-        work.wait()
+    if rate:
+        began, sent = time.monotonic(), 0
+        for t in copy.tensors:
+            for piece in _pieces(t, size):
+                channel.send([piece], 1, transfer.TAG).wait()
+                sent += piece.nbytes
+                ahead = sent / rate - (time.monotonic() - began)
+                if ahead > 0:
+                    time.sleep(ahead)
+    else:
+        works = [channel.send([t], 1, transfer.TAG) for t in copy.tensors]  # posted at once: the wire never idles
+        for work in works:
+            work.wait()
     transfer.send_json(channel, {"digests": copy.digests})
     return copy.nbytes
 
@@ -131,7 +160,10 @@ def receive(channel: ProcessGroup, into: HostCopy | None = None) -> HostCopy:
     if blob.numel():
         transfer.recv_host(channel, blob)
     tensors = _buffers(entries, into)
-    works = [channel.recv([t], 0, transfer.TAG) for t in tensors]
+    size = header.pop("pieces", 0)  # the sender's piece size (0: whole tensors)
+    if not isinstance(size, int) or size < 0:
+        raise transfer.TransferError(f"A snapshot announces pieces of {size!r} bytes; is the sender another version?")
+    works = [channel.recv([p], 0, transfer.TAG) for t in tensors for p in (_pieces(t, size) if size else [t])]
     for work in works:
         work.wait()
     copy = HostCopy({**header, "runtime": {}}, blob, tensors)
@@ -157,6 +189,10 @@ def restore(copy: HostCopy, tracked: dict[str, Any], rank: int) -> None:
     targets = transfer.live_targets(tracked, header)
     values = transfer.load_blob(copy.blob.numpy().tobytes()) if copy.blob.numel() else {}
     transfer.load_values(tracked, header, values)
+    for obj in tracked.values():
+        if isinstance(obj, torch.amp.GradScaler):
+            # the failed step may have unscaled gradients (clipping): forget that, as update() would
+            obj._per_optimizer_states.clear()
     with torch.no_grad():
         for t, held in zip(targets, copy.tensors, strict=True):
             t.copy_(held)

@@ -104,8 +104,9 @@ class Moves:
             every = self._snapshot_every()
             if every and self.needs_snapshots:  # a fault rolls back live: the replacement is possible
                 note = (
-                    f"a fault rolls back to the last host snapshot (every {every} steps: up to {every} steps redone), "
-                    f"since {replace}"
+                    f"a fault rolls back to the last committed host snapshot (one every {every} steps: about "
+                    f"{every} steps redone at most; before the first and while one is taken, a fault restarts the "
+                    f"job), since {replace}"
                 )
                 s.link.call("moves", drain=True, replace=True, reason=note, rank=s.rank)
             else:
@@ -125,6 +126,7 @@ class Moves:
             "verify": self._voting.verifier.knowledge(),
             "partitions": dict(self._voting.partitions),
             "declared": [list(m) for m in declared.sets] if declared is not None else None,
+            "snapshots": self._s.snapshots_wanted,
         }
 
     def learn(self, known: dict[str, Any]) -> None:
@@ -142,3 +144,4 @@ class Moves:
         self._s.vote.learn(known["vote"])
         self._voting.verifier.learn(known["verify"])
         self._voting.partitions = {str(k): str(v) for k, v in known["partitions"].items()}
+        self._s.snapshots_wanted = bool(known.get("snapshots"))

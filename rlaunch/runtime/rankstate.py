@@ -61,5 +61,8 @@ class RankState:
     #: the move whose first step in the new generation is under way: that step ends it, reporting
     #: the move's phases (and a survivor's downtime)
     after_move: MovePhases | None = None
+    #: the last vote said some rank has no replica to serve it: the job takes host snapshots
+    #: (a joiner learns it with its state; see rlaunch.runtime.snapshots)
+    snapshots_wanted: bool = False
     #: rt.steps() has ended: no more plans are taken
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)

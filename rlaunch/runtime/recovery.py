@@ -12,8 +12,10 @@ restarted workers) receives its state from a data-parallel replica, at the end o
 replicated dimension, per-rank state, parameters that differ by rank) rolls back instead, where
 the job takes host snapshots: every survivor puts its own copy of the last committed snapshot
 back, the lost rank's buddy sends the copy it holds to the joiner, and the steps since are redone
-(:mod:`rlaunch.runtime.snapshots`). Without a snapshot that can serve, it is refused before
-anything is written, with a sentence the agent puts on the node's failure, and the job restarts.
+(:mod:`rlaunch.runtime.snapshots`). Without a snapshot that can serve, it is refused with a
+sentence the agent puts on the node's failure, and the job restarts: before anything is written
+where the job takes no snapshots, else once the survivors' reports say no snapshot can serve
+(every survivor decides from the same reports, so all decide alike).
 
 Two faults a few seconds apart give two plans; a survivor recovers to the newest one it holds, and
 one that began the exchange of an older plan moves to the newer one as soon as it arrives (the
@@ -85,10 +87,12 @@ class Recovery:
         sources: Callable[[ReplacePlan, list[int]], tuple[dict[int, int], str]],
         knowledge: Callable[[], dict[str, Any]],
         learn: Callable[[dict[str, Any]], None],
-        snapshots: HostSnapshots,
+        undrainable: Callable[[], str],
+        host: HostSnapshots,
     ) -> None:
         self._s = state
-        self._snapshots = snapshots
+        self._undrainable = undrainable  # why no move at all could place this rank ("" when one can)
+        self._host = host
         self._refusal = refusal
         self._sources = sources
         self._knowledge = knowledge
@@ -152,18 +156,18 @@ class Recovery:
         self.active = True
         s.link.call("recovering", step=s.step)
         plan = self._take_plan()
-        self._snapshots.stop()  # what it holds no longer changes: it is reported next
+        self._host.stop()  # what it holds no longer changes: it is reported next
         deadline = time.monotonic() + s.timeout.total_seconds()
         while True:
             gen, moved = plan.generation, set(plan.moved_ranks)
             refused = self._refusal()
-            if refused and not self._snapshots.enabled:
+            if refused and not self._host.enabled:
                 self._give_up(plan, self._diverges(sorted(moved), refused))
             survivors = [r for r in range(s.world_size) if r not in moved]
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
             report = {
                 "rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge(),
-                "snapshot": self._snapshots.report(),
+                "refused": refused, "undrainable": self._undrainable(), "snapshot": self._host.report(),
             }  # fmt: skip
             s.store.set(f"g{gen}/recover/{s.rank}", json.dumps(report))
             try:
@@ -183,8 +187,10 @@ class Recovery:
                         f"rank {s.rank}: the survivors of generation {gen} did not all report within "
                         f"{s.timeout.total_seconds():.0f} s; the recovery cannot go on, so this worker stops."
                     ) from None
-        reports = [json.loads(v) for v in values]
+        reports = sorted((json.loads(v) for v in values), key=lambda r: int(r["rank"]))
         agreed, rolled = commit_point(s.applied, s.step, [int(r["applied"]) for r in reports])
+        # Every survivor decides from the same reports: the first refusal any of them gave stands.
+        refused = next((str(r["refused"]) for r in reports if r["refused"]), "")
         sources, why = self._sources(plan, survivors) if not refused else ({}, refused)
         back = self._roll_back_to(plan, reports, why) if why else None
         if back is None and rolled:
@@ -221,9 +227,15 @@ class Recovery:
 
     def _roll_back_to(self, plan: ReplacePlan, reports: list[dict[str, Any]], why: str) -> Rollback:
         """The snapshot every survivor rolls back to, when no replica can serve the replaced ranks (``why``);
-        else the replacement is refused (every survivor decides alike, from the same reports)."""
+        else the replacement is refused (every survivor decides alike, from the same reports).
+
+        A rank no move could place (a group torch made, a sampler part a joiner could not know)
+        is refused here too: a rollback would move it as a drain does."""
         moved = sorted(plan.moved_ranks)
-        found = rollback(reports, moved, self._snapshots.holder_of) if self._snapshots.enabled else "no snapshots"
+        undrainable = next((str(r["undrainable"]) for r in reports if r["undrainable"]), "")
+        if undrainable:
+            self._give_up(plan, f"{self._diverges(moved, why)}, and no move can place it: {undrainable}")
+        found = rollback(reports, moved, self._host.holder_of) if self._host.enabled else "no snapshots are taken"
         if isinstance(found, str):
             self._give_up(plan, f"{self._diverges(moved, why)}, and no host snapshot can serve instead: {found}")
         assert isinstance(found, Rollback)
@@ -247,7 +259,7 @@ class Recovery:
         sent = 0
         for moved, channel in channels.items():
             if back is not None:  # the copy of the lost rank's state this rank holds, at the snapshot's step
-                sent += self._snapshots.send_to(channel, moved, self._knowledge())
+                sent += self._host.send_to(channel, moved, back.step, self._knowledge())
             else:
                 with s.vote.buffers_of(moved, next_step, s.tracked, s.rank):
                     sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())

@@ -126,6 +126,7 @@ class Runtime:
         self._host = HostSnapshots(
             self._s, snapshots.interval(os.environ.get(snapshots.ENV, "auto")) if link is not None else 0,
             int(os.environ.get("LOCAL_WORLD_SIZE", "1")), lambda: self._moves.needs_snapshots,
+            snapshots.rate(os.environ.get(snapshots.RATE_ENV, "0")),
         )  # fmt: skip
         self._voting = Voting(
             self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,
@@ -134,7 +135,7 @@ class Runtime:
         self._moves = Moves(self._s, self._voting, lambda: self._host.every)
         self._recovery = Recovery(  # live replacement after a fault
             self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
-            self._moves.knowledge, self._moves.learn, self._host,
+            self._moves.knowledge, self._moves.learn, self._moves.drain_refusal, self._host,
         )  # fmt: skip
         # planned moves: phase 1 in the background, then the switch
         self._migration = Migration(
@@ -386,7 +387,7 @@ class Runtime:
                 step, s.resume_at = s.resume_at, None
                 if self._recovery.rollback is not None:
                     # Back to the committed host snapshot, before its copies are sent to the joiners.
-                    self._host.restore()
+                    self._host.restore(step)
                     self._voting.verifier.forget_witness()
                 elif step == s.step and s.start is not None:
                     # The step is redone: as if never run. Before the replicas are sent, so that a

@@ -7,11 +7,14 @@ back to) and sends that copy to its *buddy*, the rank ``nproc`` ranks further on
 is on the next machine, and receives in turn the copy of the rank whose buddy it is. The copy
 to the buddy runs on a thread of its own, over a gloo pair of its own, while training goes on.
 No GPU memory is used, and each machine holds twice its own ranks' state at most: its ranks'
-copies and those it holds for the previous machine.
+copies and those it holds for the previous machine. ``RLAUNCH_SNAPSHOT_MBPS`` bounds the
+exchange's bandwidth (:func:`rlaunch.runtime.hostcopy.send`).
 
 A snapshot counts once every rank holds both its parts: each step's vote carries "I hold
 snapshot S" (:data:`SECTION`), and the vote in which every rank says so commits it, as a vote
-commits a step. The schedule (which step is snapshot S) is the same on every rank.
+commits a step. The schedule (which step is snapshot S) is the same on every rank, and so is the
+choice to take them at all: the vote also carries "no replica can serve me", and the job takes
+snapshots from the vote after any rank said so (a joiner learns it with the state it receives).
 
 After a fault that no replica can serve, the survivors agree on the snapshot to roll back to
 (:func:`rollback`, from every survivor's :meth:`HostSnapshots.report`), put their own copy back in
@@ -33,8 +36,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlaunch.errors import UsageError
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import hostcopy, rng
+from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.hostcopy import HostCopy
 from rlaunch.runtime.rankstate import RankState
@@ -43,13 +48,16 @@ log = logging.getLogger(__name__)
 
 #: the environment variable that sets the interval: a number of steps, ``auto`` or 0 (off)
 ENV = "RLAUNCH_SNAPSHOT_EVERY"
+#: the environment variable that bounds each rank's exchange with its buddy, in MB/s (0: unbounded)
+RATE_ENV = "RLAUNCH_SNAPSHOT_MBPS"
 #: the interval of ``auto``, in steps (see the README's sizing of snapshots)
 AUTO_EVERY = 20
-#: the vote section: the snapshot each rank holds both parts of, and its square (see HostSnapshots.terms)
+#: the vote section: the snapshot each rank holds both parts of, its square, and whether the rank
+#: needs snapshots (see HostSnapshots.terms)
 SECTION = "snapshot"
 #: the vote carries a snapshot's step modulo this (+1): its square times the world size stays exact
-#: in float64, and the ranks are never that many steps apart
-VOTE_MOD = 1 << 20
+#: in float64 up to 2 million ranks, and the ranks are never that many steps apart
+VOTE_MOD = 1 << 16
 #: how long a snapshot's start waits for the previous generation's exchange to end once its pairs
 #: are cut (an exchange of this generation still running is not waited for: the snapshot is skipped)
 JOIN_WAIT_S = 1.0
@@ -65,10 +73,24 @@ def interval(value: str) -> int:
         return AUTO_EVERY
     if text.isascii() and text.isdigit():
         return int(text)
-    raise ValueError(
+    raise UsageError(
         f"{ENV}={value!r} is not valid: give a number of steps between host snapshots (such as 20), auto "
         f"(every {AUTO_EVERY} steps) or 0 (off)."
     )
+
+
+def rate(value: str) -> float:
+    """``RLAUNCH_SNAPSHOT_MBPS`` as bytes per second (0: unbounded)."""
+    try:
+        mbps = float(value)
+    except ValueError:
+        mbps = -1.0
+    if not mbps >= 0 or mbps == float("inf"):
+        raise UsageError(
+            f"{RATE_ENV}={value!r} is not valid: give the most MB/s each rank's snapshot exchange may take "
+            "(such as 500), or 0 (unbounded, the default)."
+        )
+    return mbps * 1e6
 
 
 def buddy(rank: int, world: int, per_node: int) -> int:
@@ -125,12 +147,22 @@ def rollback(
 class HostSnapshots:
     """One rank's host snapshots: the schedule, its own copy, the copy it holds, and the exchange.
 
-    ``needed`` says whether the job's layout lacks a replica (the replica path, which loses no
-    steps, is kept otherwise); ``per_node`` is the number of ranks on each machine.
+    ``needed`` says whether no replica can serve this rank (the replica path, which loses no
+    steps, is kept otherwise); ``per_node`` is the number of ranks on each machine; ``rate`` bounds
+    the exchange (bytes per second, 0: unbounded).
+
+    The main thread takes copies, votes and restores; the snapshot thread (one exchange at a time)
+    builds the generation's pairs and exchanges copies. They share the pairs under a lock: a pair
+    built after its generation was cut is released at once, and a generation whose pairs failed
+    takes no more snapshots (its peers may still hold their ends: a rebuild under the same name
+    could meet a stale end).
     """
 
-    def __init__(self, state: RankState, every: int, per_node: int, needed: Callable[[], bool]) -> None:
+    def __init__(
+        self, state: RankState, every: int, per_node: int, needed: Callable[[], bool], rate: float = 0.0
+    ) -> None:
         self._s = state
+        self._rate = rate
         self.every = every if state.world_size > per_node else 0  # one machine: no other host to hold it
         self._per_node = per_node
         self._needed = needed
@@ -139,7 +171,10 @@ class HostSnapshots:
         self.pending = -1  # the step of the snapshot being taken (or the last one)
         self.committed = -1  # the step of the last snapshot every rank held
         self._gen: int | None = None  # the generation of the last snapshot
+        self._lock = threading.Lock()
         self._pairs: tuple[int, Any, Any] | None = None  # (generation, send pair, receive pair)
+        self._cut_below = -1  # pairs of generations up to this one are cut: none is kept
+        self._broken: int | None = None  # a generation whose pairs failed
         self._thread: threading.Thread | None = None
         #: what the last snapshot cost: seconds on the main thread, seconds of the exchange, bytes
         self.last: dict[str, float] = {}
@@ -150,10 +185,11 @@ class HostSnapshots:
         return self.every > 0
 
     def due(self, step: int) -> bool:
-        """Whether ``step``'s start takes a snapshot: every ``every`` steps, and at the first step of a
-        new generation (a move changed who holds what)."""
+        """Whether ``step``'s start takes a snapshot: when the job takes them (a vote said some rank
+        needs them), every ``every`` steps and at the first step of a new generation (a move changed
+        who holds what)."""
         s = self._s
-        if not self.enabled or s.standby or not self._needed():
+        if not self.enabled or s.standby or not s.snapshots_wanted or self._broken == s.generation:
             return False
         return step % self.every == 0 or self._gen != s.generation
 
@@ -163,10 +199,13 @@ class HostSnapshots:
         began = time.perf_counter()
         moved = self._gen != s.generation
         if moved:
-            self._cut()  # the old generation's pairs: a moved rank may be in them
+            self._cut(s.generation - 1)  # the old generations' pairs: a moved rank may be in them
         if not self._join(JOIN_WAIT_S if moved else 0.0):
             # Not this turn: this rank holds no copy of ``step``, so its vote keeps it from committing.
-            log.warning("rank %d: the previous snapshot's exchange still runs; step %d takes none", s.rank, step)
+            log.warning(
+                "rank %d (generation %d): the previous snapshot's exchange still runs; step %d takes none",
+                s.rank, s.generation, step,
+            )  # fmt: skip
             self.pending, self._gen = step, s.generation
             return
         state = rng.capture()
@@ -183,16 +222,34 @@ class HostSnapshots:
         """(snapshot thread) Send this rank's copy to its buddy and receive its source's copy."""
         s = self._s
         began = time.perf_counter()
+        hostcopy.seal(own)  # first: a rollback to this copy needs its digests, pairs or not
+        failed: list[BaseException] = []
+
+        def send(pair: Any) -> None:
+            try:
+                hostcopy.send(pair, own, None, self._rate)
+            except Exception as exc:  # noqa: BLE001 - reported by the exchange below
+                failed.append(exc)
+
+        sender: threading.Thread | None = None
         try:
             send_pair, recv_pair = self._pair_channels(gen)
-            hostcopy.seal(own)
-            sender = threading.Thread(target=hostcopy.send, args=(send_pair, own), name="rlaunch-snapshot-send")
+            sender = threading.Thread(target=send, args=(send_pair,), name="rlaunch-snapshot-send", daemon=True)
             sender.start()
             self.held = hostcopy.receive(recv_pair, self.held)
             sender.join()
+            if failed:
+                raise failed[0]
         except Exception as exc:  # noqa: BLE001 - a peer gone, a cut pair: this snapshot is not held
-            log.warning("rank %d: the snapshot of step %d was not exchanged: %s", s.rank, own.step, exc)
+            log.warning(
+                "rank %d (generation %d): the snapshot of step %d was not exchanged (%s); this generation takes "
+                "no more snapshots", s.rank, gen, own.step, (str(exc) or type(exc).__name__).splitlines()[0],
+            )  # fmt: skip
             self.held = None
+            self._broken = gen
+            self._cut(gen)  # the other end must not stay in step with a stream this end left
+            if sender is not None:
+                sender.join(JOIN_WAIT_S)
             return
         self.last["exchange_s"] = time.perf_counter() - began
 
@@ -202,40 +259,51 @@ class HostSnapshots:
         Built in the order of their sender's rank on every rank, so that the rendezvous of one
         never waits on a peer building another (with two ranks each is the other's buddy).
         """
-        if self._pairs is not None and self._pairs[0] == gen:
-            return self._pairs[1], self._pairs[2]
+        with self._lock:
+            if self._pairs is not None and self._pairs[0] == gen:
+                return self._pairs[1], self._pairs[2]
         s = self._s
         assert s.store is not None
         mine, theirs = s.rank, source(s.rank, s.world_size, self._per_node)
-        built = {}
-        for sender in sorted({mine, theirs}):
-            for side in ([0] if sender == mine else []) + ([1] if sender == theirs else []):
-                built[side] = backends.build(
-                    s.store, f"g{gen}/snapshot/{sender}/", side, 2, min(s.timeout, PAIR_TIMEOUT),
-                    backends.Backend.GLOO, None,
-                )  # fmt: skip
-        self._pairs = (gen, built[0], built[1])
-        return built[0], built[1]
+        built: dict[int, Any] = {}
+        try:
+            for sender in sorted({mine, theirs}):
+                for side in ([0] if sender == mine else []) + ([1] if sender == theirs else []):
+                    built[side] = backends.build(
+                        s.store, f"g{gen}/snapshot/{sender}/", side, 2, min(s.timeout, PAIR_TIMEOUT),
+                        backends.Backend.GLOO, None,
+                    )  # fmt: skip
+            with self._lock:
+                if gen > self._cut_below:
+                    self._pairs = (gen, built[0], built[1])
+                    return built[0], built[1]
+        except BaseException:
+            _release(built.values())
+            raise
+        _release(built.values())  # cut while it was being built (a fault, a move)
+        raise RuntimeError(f"the snapshot pairs of generation {gen} were cut while they were built")
 
-    def _cut(self) -> None:
-        """End an exchange in flight: its pairs' connections are shut down, so its operations fail."""
-        if self._pairs is None:
-            return
-        _, send_pair, recv_pair = self._pairs
-        self._pairs = None
-        for pair in (send_pair, recv_pair):
-            backends.cut(id(pair))
-            retire(pair)
+    def _cut(self, upto: int) -> None:
+        """End an exchange in flight: its pairs' connections are shut down, so its operations fail; a
+        pair of generation ``upto`` or an older one still being built is released once built."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, None
+            self._cut_below = max(self._cut_below, upto)
+        if pairs is not None:
+            for pair in pairs[1:]:
+                backends.cut(id(pair))
+                retire(pair)
 
     def close(self) -> None:
         """At exit: end an exchange in flight and release the pairs now (a gloo group left to
         interpreter teardown can abort the process)."""
-        pairs, self._pairs = self._pairs, None
+        with self._lock:
+            pairs, self._pairs = self._pairs, None
+            self._cut_below = max(self._cut_below, self._s.generation)
         for pair in pairs[1:] if pairs is not None else ():
             backends.cut(id(pair))
         self._join(5.0)
-        for pair in pairs[1:] if pairs is not None else ():
-            backends.current().release(pair)
+        _release(pairs[1:] if pairs is not None else ())
 
     def _join(self, timeout: float) -> bool:
         thread = self._thread
@@ -249,59 +317,80 @@ class HostSnapshots:
 
     def holds(self) -> bool:
         """This rank holds both parts of the snapshot being taken (its vote term)."""
-        return (
-            (self._thread is None or not self._thread.is_alive())
-            and self.own is not None
-            and self.held is not None
-            and self.own.step == self.pending == self.held.step
-        )
+        own, held = self.own, self.held
+        idle = self._thread is None or not self._thread.is_alive()
+        return idle and own is not None and held is not None and own.step == self.pending == held.step
 
     def terms(self) -> list[float]:
-        """This rank's vote section: which snapshot it holds whole (0: none) and its square."""
+        """This rank's vote section: which snapshot it holds whole (0: none), its square, and 1 if no
+        replica can serve this rank (the job then takes snapshots)."""
         v = float(self.pending % VOTE_MOD + 1) if self.holds() else 0.0
-        return [v, v * v]
+        return [v, v * v, 1.0 if self._needed() else 0.0]
 
     def commit(self, summed: Sequence[float]) -> None:
         """Read the vote's sums of every rank's :meth:`terms`: when every rank holds the snapshot this
-        rank is taking (all values equal, and not 0), it is committed."""
-        world = self._s.world_size
+        rank is taking (all values equal, and not 0), it is committed; when some rank needs
+        snapshots, the job takes them from the next step on."""
+        s = self._s
+        s.snapshots_wanted = round(summed[2]) > 0
         total, squares = round(summed[0]), round(summed[1])
         mine = self.pending % VOTE_MOD + 1
-        if total == world * mine and world * squares == total * total and self.pending > self.committed:
+        if total == s.world_size * mine and s.world_size * squares == total * total and self.pending > self.committed:
             self.committed = self.pending
-            link = self._s.link
-            if link is not None:
-                link.call(
-                    "snapshot", rank=self._s.rank, step=self.committed, bytes=int(self.last.get("bytes", 0)),
-                    copy_s=self.last.get("copy_s", 0.0), exchange_s=self.last.get("exchange_s", 0.0),
-                )  # fmt: skip
+            if s.link is not None:
+                try:
+                    s.link.call(
+                        "snapshot", rank=s.rank, step=self.committed, bytes=int(self.last.get("bytes", 0)),
+                        copy_s=float(self.last.get("copy_s", 0.0)), exchange_s=float(self.last.get("exchange_s", 0.0)),
+                    )  # fmt: skip
+                except AgentLinkError as exc:
+                    log.warning("rank %d: the agent was not told of snapshot %d: %s", s.rank, self.committed, exc)
 
     def stop(self) -> None:
         """(recovery) End the exchange in flight, before this rank reports what it holds."""
-        self._cut()
+        self._cut(self._s.generation)
         if not self._join(2.0):  # one still building a pair with a lost peer: it reports no copy held
             log.warning("rank %d: the snapshot exchange did not end after its pairs were cut", self._s.rank)
 
     def report(self) -> dict[str, Any]:
-        """What this rank holds, for the survivors' agreement (:func:`rollback`)."""
+        """What this rank holds, for the survivors' agreement (:func:`rollback`): a copy counts once
+        digested (its own) or landed whole and checked (the one it holds)."""
         s = self._s
         exchanging = self._thread is not None and self._thread.is_alive()
+        own, held = self.own, self.held
         return {
             "committed": self.committed,
-            "own": self.own.step if self.own is not None else -1,
-            "held": self.held.step if self.held is not None and not exchanging else -1,
+            "own": own.step if own is not None and own.digests else -1,
+            "held": held.step if held is not None and not exchanging else -1,
             "source": source(s.rank, s.world_size, self._per_node),
         }
 
     def holder_of(self, rank: int) -> int:
         return buddy(rank, self._s.world_size, self._per_node)
 
-    def restore(self) -> None:
-        """Roll this rank back to its own copy (the committed snapshot)."""
-        assert self.own is not None
-        hostcopy.restore(self.own, self._s.tracked, self._s.rank)
+    def restore(self, step: int) -> None:
+        """Roll this rank back to its own copy, which must be of the agreed ``step``."""
+        own = self.own
+        if own is None or own.step != step or not own.digests:
+            raise RuntimeError(
+                f"rank {self._s.rank}: the survivors agreed to roll back to step {step}, but this rank's own copy is "
+                f"{'missing' if own is None else f'of step {own.step}'}; this worker stops rather than train on it."
+            )
+        hostcopy.restore(own, self._s.tracked, self._s.rank)
 
-    def send_to(self, channel: Any, lost: int, knowledge: dict[str, Any]) -> int:
-        """Send the copy this rank holds of ``lost`` to its joiner; return the bytes sent."""
-        assert self.held is not None and source(self._s.rank, self._s.world_size, self._per_node) == lost
-        return hostcopy.send(channel, self.held, knowledge)
+    def send_to(self, channel: Any, lost: int, step: int, knowledge: dict[str, Any]) -> int:
+        """Send the copy this rank holds of ``lost`` (of the agreed ``step``) to its joiner; return the bytes sent."""
+        held = self.held
+        s = self._s
+        if held is None or held.step != step or source(s.rank, s.world_size, self._per_node) != lost:
+            raise RuntimeError(
+                f"rank {s.rank}: the survivors agreed that it sends rank {lost} its copy of step {step}, but it does "
+                "not hold it; this worker stops so that the job restarts."
+            )
+        return hostcopy.send(channel, held, knowledge)
+
+
+def _release(pairs: Any) -> None:
+    for pair in pairs:
+        backends.cut(id(pair))
+        backends.current().release(pair)

@@ -58,7 +58,7 @@ class Voting:
         ready: Callable[[], int],
         agree: Callable[[int], None],
         step_s: Callable[[], float],
-        snapshots: HostSnapshots,
+        host: HostSnapshots,
     ) -> None:
         self._s = state
         self._group = group
@@ -66,7 +66,7 @@ class Voting:
         self._ready = ready
         self._agree = agree
         self._step_s = step_s
-        self._snapshots = snapshots
+        self._host = host
         #: rt.epochs loaders with a sampler, by name, and the partition rule found for each
         self.samplers: dict[str, Any] = {}
         self.partitions: dict[str, str] = {}  # loader name -> rule ("": no candidate rule holds)
@@ -116,9 +116,9 @@ class Voting:
                 for r in rules
             ]
             sections.append((partition.SECTION, torch.tensor(bits, dtype=torch.float64)))
-        snapshots = checking and self._snapshots.enabled
+        snapshots = checking and self._host.enabled
         if snapshots:
-            sections.append((SNAPSHOT, torch.tensor(self._snapshots.terms(), dtype=torch.float64)))
+            sections.append((SNAPSHOT, torch.tensor(self._host.terms(), dtype=torch.float64)))
         vote, layout = s.vote.tensor(
             ready=self._ready(), group_rank=self._group.group_rank, start=s.start, tracked=s.tracked,
             per_rank=s.per_rank, seeded=s.seed is not None, sections=sections,
@@ -151,7 +151,7 @@ class Voting:
         s.verify_due = False
         s.vote.accept(vote, layout, s.step, s.tracked, s.rank)
         if snapshots:
-            self._snapshots.commit(layout.section(vote, SNAPSHOT).tolist())
+            self._host.commit(layout.section(vote, SNAPSHOT).tolist())
         s.applied = s.step
         ready = s.vote.ready_for(vote)
         if ready:

@@ -43,3 +43,33 @@ def test_events_jsonl_is_written_whatever_etcd_does(tmp_path: Path) -> None:
     asyncio.run(run())
     kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
     assert kinds == ["node_joined", "generation", "workers_succeeded"]
+
+
+class _CountingEtcd:
+    def __init__(self) -> None:
+        self.puts: list[str] = []
+
+    async def grant_lease(self, ttl: int) -> int:
+        return 1
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        self.puts.append(key)
+
+
+def test_a_local_event_reaches_the_file_and_the_observers_but_not_etcd(tmp_path: Path) -> None:
+    path = tmp_path / "job" / "events.jsonl"
+    etcd = _CountingEtcd()
+    seen: list[Any] = []
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=JobKeys("job"), node_id="n1", jsonl=path)  # type: ignore[arg-type]
+        log.observers.append(seen.append)
+        log.start()
+        log.note("snapshot_committed", 1, rank=0, step=20)
+        log.emit("generation", 2)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    assert kinds == ["snapshot_committed", "generation"] and [e.kind for e in seen] == kinds
+    assert len(etcd.puts) == 1, "only the generation event is written to etcd"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import copy as copy_module
 import threading
+import time
+import types
 from typing import Any
 
 import pytest
 import torch
 
+from rlaunch.errors import UsageError
 from rlaunch.runtime import hostcopy, rng, snapshots
 from rlaunch.runtime.snapshots import Rollback, rollback
 from rlaunch.runtime.transfer import TransferError, recv_state
@@ -81,6 +84,23 @@ def test_a_copy_held_for_another_rank_lands_on_its_joiner_as_a_move() -> None:
     assert landed.step == 40 and _same(_state(joiner), expected)
 
 
+def test_a_paced_copy_crosses_in_pieces_no_faster_than_its_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "PIECE_BYTES", 4096)  # the model's weights cross in several pieces
+    objs = _objects(1, width=512)
+    copy = hostcopy.capture(objs, 40, rng.capture())
+    hostcopy.seal(copy)
+    ch0, ch1 = _pair()
+    held: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
+    t.start()
+    began = time.monotonic()
+    hostcopy.send(ch0, copy, rate=sum(t.nbytes for t in copy.tensors) / 0.5)  # half a second at this rate
+    t.join(30)
+    assert time.monotonic() - began >= 0.45, "the sender waits between pieces"
+    assert held["copy"].digests == copy.digests
+    assert all(torch.equal(a, b) for a, b in zip(held["copy"].tensors, copy.tensors, strict=True))
+
+
 def test_a_copy_that_differs_from_its_digests_is_not_held() -> None:
     copy = hostcopy.capture(_objects(1), 40, rng.capture())
     hostcopy.seal(copy)
@@ -131,5 +151,48 @@ def test_a_rank_lost_with_the_rank_that_holds_its_snapshot_cannot_roll_back() ->
 def test_the_interval_reads_steps_auto_or_off_and_refuses_anything_else() -> None:
     assert snapshots.interval("auto") == snapshots.AUTO_EVERY and snapshots.interval("7") == 7
     assert snapshots.interval("0") == 0
-    with pytest.raises(ValueError, match="RLAUNCH_SNAPSHOT_EVERY='-3' is not valid"):
+    with pytest.raises(UsageError, match="RLAUNCH_SNAPSHOT_EVERY='-3' is not valid"):
         snapshots.interval("-3")
+    assert snapshots.rate("0") == 0 and snapshots.rate("250") == 250e6
+    for bad in ("fast", "-1", "nan", "inf"):
+        with pytest.raises(UsageError, match=f"RLAUNCH_SNAPSHOT_MBPS='{bad}' is not valid"):
+            snapshots.rate(bad)
+
+
+def _keeper(rank: int, held_step: int | None, pending: int, needs: bool = True) -> snapshots.HostSnapshots:
+    state = types.SimpleNamespace(rank=rank, world_size=2, link=None, snapshots_wanted=False, generation=1)
+    keeper = snapshots.HostSnapshots(state, 20, 1, lambda: needs)  # type: ignore[arg-type]
+    blob = torch.empty(0, dtype=torch.uint8)
+    keeper.pending = pending
+    keeper.own = hostcopy.HostCopy({"step": pending}, blob, [])
+    keeper.held = hostcopy.HostCopy({"step": held_step}, blob, []) if held_step is not None else None
+    return keeper
+
+
+def _vote(*keepers: snapshots.HostSnapshots) -> None:
+    summed = [sum(k.terms()[i] for k in keepers) for i in range(3)]
+    for k in keepers:
+        k.commit(summed)
+
+
+def test_a_snapshot_commits_only_when_every_rank_holds_the_same_one() -> None:
+    a, b = _keeper(0, 40, 40), _keeper(1, None, 40)  # rank 1's copy of rank 0 has not landed
+    _vote(a, b)
+    assert a.committed == b.committed == -1
+    # rank 1 skipped snapshot 60 (its exchange of 40 still ran): its 40 must not pass for 60
+    a, b = _keeper(0, 60, 60), _keeper(1, 40, 40)
+    b.pending = 60
+    _vote(a, b)
+    assert a.committed == b.committed == -1
+    a, b = _keeper(0, 60, 60), _keeper(1, 60, 60)
+    _vote(a, b)
+    assert a.committed == b.committed == 60
+
+
+def test_the_job_takes_snapshots_once_any_rank_said_no_replica_serves_it() -> None:
+    a, b = _keeper(0, None, -1, needs=False), _keeper(1, None, -1, needs=True)
+    _vote(a, b)
+    assert a._s.snapshots_wanted and b._s.snapshots_wanted, "both ranks take them: the same schedule everywhere"
+    a, b = _keeper(0, None, -1, needs=False), _keeper(1, None, -1, needs=False)
+    _vote(a, b)
+    assert not a._s.snapshots_wanted and not b._s.snapshots_wanted
