@@ -268,6 +268,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.last_issue = 0.0
         #: guard collectives (under rlaunch); without an agent to recover, errors reach the caller
         self.guarded = guarded
+        #: a replacement is planned: until the recovery ends, collectives return at once, un-issued
+        #: (a peer already in recovery would never issue its side; see Recovery.on_replace)
+        self.paused = False
         #: operations in flight: their future (None: one its caller waits for), inputs, and "ended"
         #: in flight: each operation's future (None: its caller waits for it), inputs, "ended", and
         #: the inner work of one its caller waits for (whether it is still running)
@@ -282,6 +285,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             old, self.comm, self.version = self.comm, comm, version
             self.failed = ""
+            self.paused = False
         backends.current().forget(id(old))  # from now on its fds may be reused: never cut them
         retire(old)
 
@@ -317,6 +321,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
             if not abandoned:
                 self._pending[key] = (outer, tensors, ended, work if outer is None else None)
+            # paused since the caller checked (a replacement plan came): the peers may never issue it
+            overtaken = self.paused and not abandoned
         if abandoned and outer is not None:
             outer.set_result(tensors)
 
@@ -343,9 +349,13 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 outer.set_result(value)
 
         if inner is None or outer is None:
-            return _CallerWaits(work, tensors, finished) if not abandoned else _done(tensors)
-        inner.add_done_callback(lambda f: finished(f.value))
-        return torch._C._distributed_c10d._create_work_from_future(outer)
+            waits = _CallerWaits(work, tensors, finished) if not abandoned else _done(tensors)
+        else:
+            inner.add_done_callback(lambda f: finished(f.value))
+            waits = torch._C._distributed_c10d._create_work_from_future(outer)
+        if overtaken:
+            self.abandon("a replacement was planned while its collective was in flight")
+        return waits
 
     def rank(self) -> int:
         return self.group_rank
@@ -400,7 +410,7 @@ _UNGUARDED = ("send", "recv")
 
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
-        if self.failed:
+        if self.failed or self.paused:
             return _done(_flat(args))
         comm = self.comm
         try:

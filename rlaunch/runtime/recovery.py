@@ -110,12 +110,24 @@ class Recovery:
         return not self._plans.empty()
 
     def on_replace(self, plan: ReplacePlan) -> None:
-        """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan."""
+        """(listener thread) Ranks are being replaced: drop what waits on them, hand over the plan.
+
+        Every group of this rank pauses first: a collective issued from now on returns at once,
+        un-issued, since a peer that reached its recovery never issues its side (a tensor-parallel
+        peer in the vote while this rank is still in backward). Then the groups that contain a
+        replaced rank, and those with a collective in flight (which such a peer may never match),
+        are abandoned: they are rebuilt, the others kept and resumed when the recovery ends.
+        """
         moved = set(plan.moved_ranks)
         why = f"ranks {sorted(moved)} are being replaced (generation {plan.generation})"
-        for group in self._s.groups.mine():
+        mine = self._s.groups.mine()
+        for group in mine:
+            group.paused = True
+        for group in mine:
             if moved & set(group.members):
                 group.abandon(why)
+            elif group.busy:
+                group.abandon(f"{why}, and one of its collectives was in flight")
         self._plans.put(plan)
 
     def _take_plan(self) -> ReplacePlan:
@@ -208,6 +220,8 @@ class Recovery:
         kind = s.groups["world"].backend
         self._sends = {m: s.groups.channel(gen, 0, m, kind) for m in mine}
         s.groups.swap(comms, gen)
+        for group in s.groups.mine():
+            group.paused = False  # the kept groups: every member stopped at the same collective
         s.generation = gen
         resume = back.step if back is not None else agreed + 1
         if back is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -222,10 +223,12 @@ class HostSnapshots:
         """(snapshot thread) Send this rank's copy to its buddy and receive its source's copy."""
         s = self._s
         began = time.perf_counter()
+        _yield_to_training()
         hostcopy.seal(own)  # first: a rollback to this copy needs its digests, pairs or not
         failed: list[BaseException] = []
 
         def send(pair: Any) -> None:
+            _yield_to_training()
             try:
                 hostcopy.send(pair, own, None, self._rate)
             except Exception as exc:  # noqa: BLE001 - reported by the exchange below
@@ -388,6 +391,15 @@ class HostSnapshots:
                 "not hold it; this worker stops so that the job restarts."
             )
         return hostcopy.send(channel, held, knowledge)
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's priority (Linux nice values are per thread): where training keeps every
+    core busy, the snapshot's digests and copies take what it leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 def _release(pairs: Any) -> None:

@@ -70,3 +70,59 @@ def test_an_abandon_during_or_before_the_wait_ends_it_at_once() -> None:
         assert issued_busy, "issued and not completed: in flight (the heartbeat says the rank waits on peers)"
         assert failed == "a peer is gone" and not busy, got_mode
         assert waited < 5.0, f"{mode}: the wait took {waited:.1f} s; the abandon must end it at once"
+
+
+def _planned(rank: int, port: int, results: Any) -> None:
+    """Rank 0 is in a tensor-parallel allreduce that rank 1 (already in its recovery) never issues;
+    a replacement plan of another rank arrives: the collective ends, its group is rebuilt, and
+    later collectives of any group return at once until the recovery ends."""
+    from rlaunch.plans import ReplacePlan, Role
+    from rlaunch.runtime.grouptable import GroupTable
+    from rlaunch.runtime.rankstate import RankState
+    from rlaunch.runtime.recovery import Recovery
+    from rlaunch.runtime.snapshots import HostSnapshots
+    from rlaunch.runtime.vote import StepVote
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
+    tp = SwitchableGroup("tp", [0, 1], rank, backends.build(store, "g1/tp/", rank, 2, TIMEOUT), 1)
+    idle = SwitchableGroup("idle", [0, 1], rank, backends.build(store, "g1/idle/", rank, 2, TIMEOUT), 1)
+    if rank == 1:
+        time.sleep(8)
+        return
+    state = RankState(
+        rank=0, world_size=3, generation=1, standby=False, link=None, store=None, timeout=TIMEOUT,
+        groups=GroupTable(None, TIMEOUT), vote=StepVote(3),
+    )  # fmt: skip
+    for group in (tp, idle):
+        state.groups.add(group)
+    recovery = Recovery(state, str, lambda p, a: ({}, ""), dict, lambda k: None, str, HostSnapshots(state, 0, 1, bool))
+    plan = ReplacePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(2,), world_size=3, sources={})
+    t = torch.ones(4)
+    work = tp.allreduce([t])
+    threading.Timer(1.0, recovery.on_replace, args=(plan,)).start()
+    began = time.monotonic()
+    work.wait()
+    waited = time.monotonic() - began
+    later = torch.ones(2)
+    idle.allreduce([later]).wait()  # paused: returns at once, un-issued
+    results.put((waited, tp.failed, idle.failed, idle.paused, later.tolist(), recovery.planned))
+
+
+def test_a_plan_ends_a_collective_a_recovering_peer_never_issues_and_pauses_the_rest() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_planned, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        waited, tp_failed, idle_failed, idle_paused, later, planned = results.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    assert waited < 5.0, f"the in-flight collective waited {waited:.1f} s for a peer that never issues it"
+    assert "one of its collectives was in flight" in tp_failed, "abandoned: rebuilt by the recovery"
+    assert idle_failed == "" and idle_paused, "a group with nothing in flight is kept, paused"
+    assert later == [1.0, 1.0] and planned
