@@ -254,6 +254,7 @@ text-align: left; vertical-align: top; }} th {{ background: #f5f5f5; }}
 <h1>rlaunch report: job {job}</h1>
 <div class="sub">{span} · {count} events · made by rlaunch {version}{note}</div>
 <div class="cards" id="rlaunch-summary">{cards}</div>
+<div class="sub" id="rlaunch-live-moves">{moves}</div>
 <h2>Timeline</h2>
 <div class="sub">Each node's state over time; dotted lines mark generations; shaded bands are drains (purple),
 straggler moves (indigo), recoveries (red) and restarts (orange), labelled with their downtime;
@@ -301,4 +302,5 @@ def render_html(tl: Timeline, note: str = "") -> str:
         job=html.escape(tl.job), span=f"{when(tl.start)} → {when(tl.end)}", count=len(tl.events),
         version=__version__, note=html.escape(note), cards=_cards(tl), timeline=timeline, steps=steps,
         incidents=incidents, generations=generations,
+        moves=html.escape(f"Live moves: {tl.live_moves}" if tl.live_moves else "Live moves: not reported"),
     )  # fmt: skip

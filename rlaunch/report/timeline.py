@@ -23,7 +23,10 @@ import dataclasses
 import statistics
 from typing import Any
 
-from rlaunch.store.records import Event
+from rlaunch.agent.moves import combine, sentence
+from rlaunch.store.records import Event, LiveMoves
+
+LIVE_MOVES = {m.value for m in LiveMoves}
 
 #: Node state -> the role it means, for the legend and the CSV.
 ROLES = {
@@ -144,6 +147,20 @@ class Timeline:
                 seen.setdefault(ev.node_id, None)
         return list(seen)
 
+    @property
+    def live_moves(self) -> str:
+        """What a drain and a fault would do at the end, as ``rlaunch status`` says it: the weakest of
+        the last generation's nodes' latest ``live_moves`` (with how a fault is recovered, such as a
+        rollback to host snapshots and the steps it redoes); "" when no node said."""
+        holding = set(self.generations[-1].assignment) if self.generations else set()
+        latest: dict[str, tuple[LiveMoves, str]] = {}
+        for ev in self.events:
+            if ev.kind == "live_moves" and ev.node_id in holding and ev.data.get("moves") in LIVE_MOVES:
+                latest[ev.node_id] = (LiveMoves(ev.data["moves"]), str(ev.data.get("reason", "")))
+        if not latest:
+            return ""
+        return sentence(*combine(latest[n] for n in sorted(latest)))
+
     def summary(self) -> dict[str, Any]:
         """Figures for the page's header and the reader in a hurry."""
         downtimes = [i.downtime_s for i in self.incidents if i.downtime_s is not None]
@@ -167,6 +184,7 @@ class Timeline:
             "median_downtime_s": statistics.median(downtimes) if downtimes else None,
             "median_step_s": statistics.median(step_times) if step_times else None,
             "goodput": statistics.fmean(last.values()) if last else None,
+            "live_moves": self.live_moves,
         }
 
 
@@ -312,6 +330,10 @@ def _incident(kind: str, g: GenerationMark, mine: list[Event], before: list[Even
             detail += f"{', '.join(joiners)} restarted in place while the others kept their processes"
         else:
             detail += f"{', '.join(joiners) or '?'} took the ranks of {', '.join(leavers) or '?'} live"
+        back = [e.data for e in mine if e.kind == "recovered" and e.data.get("rolled_back_to") is not None]
+        if back:  # no replica: the survivors rolled back to a host snapshot
+            redone = max(int(d.get("steps_redone", 0)) for d in back)
+            detail += f", rolled back to the host snapshot of step {back[0]['rolled_back_to']} ({redone} steps redone)"
         return Incident(
             kind, g.number, start, end, tuple(sorted(set(leavers) | set(joiners))), downtime, measured, detail
         )

@@ -380,3 +380,27 @@ def test_silent_data_corruption_is_a_finding_and_names_the_recovery_it_caused() 
     assert recovery.detail == "silent data corruption suspected on b; c took the ranks of b live"
     header, rows = export.rows(tl)["events"]
     assert any(r[4] == "sdc_suspected" and sentence in r[-1] for r in rows), "the events table lists it"
+
+
+def test_a_rollback_to_a_host_snapshot_and_the_fault_path_are_in_the_report() -> None:
+    how = "a fault rolls back to the last committed host snapshot (one every 20 steps: about 20 steps redone at most)"
+    events = [
+        ev(0.0, "a", "generation", 1, plan="restart", status="running", reason="2 node(s) joined",
+           assignment={"a": 0, "b": 1}, restart_count=0),
+        ev(5.0, "a", "live_moves", 1, moves="drain and replacement", reason=how, previous="unknown"),
+        ev(5.1, "b", "live_moves", 1, moves="drain and replacement", reason=how, previous="unknown"),
+        ev(10.0, "a", "recovering", 1, local_rank=0, step=30),
+        ev(10.5, "a", "generation", 2, plan="replace", status="running", reason="b (lost) replaced by c",
+           assignment={"a": 0, "c": 1}, restart_count=0),
+        ev(10.5, "a", "replacement_offered", 2, role="survivor", leavers=["b"], joiners=["c"]),
+        ev(11.0, "a", "recovered", 2, seconds=0.6, rank=0, step=30, resume_at=20, rolled_back_to=20, steps_redone=10),
+        ev(11.1, "c", "joined", 2, local_rank=0, seconds=0.7),
+        ev(12.0, "c", "live_moves", 2, moves="drain and replacement", reason=how, previous="unknown"),
+    ]  # fmt: skip
+    tl = timeline.build("j", events)
+    (recovery,) = tl.incidents
+    assert recovery.detail.endswith(
+        "c took the ranks of b live, rolled back to the host snapshot of step 20 (10 steps redone)"
+    )
+    assert tl.live_moves == f"drain and replacement: {how}", "the nodes of the last generation: a and c"
+    assert f"Live moves: drain and replacement: {how}" in render.render_html(tl)
