@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,24 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+#: a committed host snapshot in an agent's log: the rank and the step (rlaunch.runtime.snapshots)
+SNAPSHOT_COMMITTED = re.compile(r"event snapshot_committed \(generation \d+\) \{'rank': (\d+), 'step': (\d+),")
+
+
+def after_a_scheduled_snapshot(agent: AgentProc, every: int = 20, timeout: float = 120) -> int:
+    """Wait until ``agent`` logs a new committed snapshot of a scheduled step (a multiple of ``every``)
+    and return its step: a fault right after it comes long before the next snapshot starts, outside
+    the window in which a fault can only restart the job (see the README's host snapshots)."""
+
+    def scheduled() -> set[int]:
+        return {int(m.group(2)) for m in SNAPSHOT_COMMITTED.finditer(agent.output()) if int(m.group(2)) % every == 0}
+
+    seen = scheduled()
+    return int(
+        wait_for(lambda: max(scheduled() - seen, default=0), timeout, f"a new scheduled snapshot on {agent.name}")
+    )
 
 
 def reap_zombies() -> None:
