@@ -59,9 +59,7 @@ def _buffers(entries: list[dict[str, Any]], into: HostCopy | None) -> list[torch
     pin = torch.cuda.is_available()
     out = []
     for e in entries:
-        dtype = getattr(torch, str(e["dtype"]).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise transfer.TransferError(f"The snapshot's {e['name']} has dtype {e['dtype']!r}, which is not known.")
+        dtype = transfer.dtype_of(e, f"The snapshot's {e['name']}")
         out.append(torch.empty(tuple(e["shape"]), dtype=dtype, pin_memory=pin))
     return out
 

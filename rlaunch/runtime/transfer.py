@@ -380,6 +380,14 @@ def _drop_unsent_state(
             del state[key]
 
 
+def dtype_of(entry: dict[str, Any], what: str) -> torch.dtype:
+    """The torch dtype a header entry names ("torch.float32"); ``what`` names the tensor in the refusal."""
+    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"{what} has dtype {entry['dtype']!r}, which this rank does not know.")
+    return dtype
+
+
 def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> torch.Tensor:
     name = entry["name"]
     obj_name, _, rest = name.partition(".state.")
@@ -388,9 +396,7 @@ def _create_optimizer_state(tracked: dict[str, Any], entry: dict[str, Any]) -> t
         raise TransferError(f"The joiner has no {name} to receive into; both must track the same objects.")
     index, key = rest.split(".", 1)
     params = [p for g in opt.param_groups for p in g["params"]]
-    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"The sender's {name} has dtype {entry['dtype']!r}, which this joiner does not know.")
+    dtype = dtype_of(entry, f"The sender's {name}")
     param = params[int(index)]
     # the moments live where the parameter does (a GPU for a CUDA model)
     t = torch.empty(tuple(entry["shape"]), dtype=dtype, device=shards.local(param).device)
