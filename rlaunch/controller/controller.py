@@ -3,7 +3,9 @@
 Exactly one agent of a job leads at a time: leadership is the ``leader`` key, created only
 if absent and attached to the leader's node lease, so it vanishes with a dead leader. Every
 generation write is a transaction guarded by the generation key's revision (the view it was
-planned from) and by the leader key still naming this node (fencing).
+planned from) and by the leader key still being the one this controller created (fencing: its
+create revision, the election's term, not its value, which a restarted agent of the same node id
+would write again).
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ class Controller:
         self._slow_reported: set[str] = set()
         self._pruned_below = 1  # kv/g<n>/ of every generation below this one has been deleted
         self._nodes = RecordCache()  # decoded node records, reused while unchanged
-        self.leading = False
+        self._term = 0  # the create revision of the leader key this controller made (0: not leading)
+
+    @property
+    def leading(self) -> bool:
+        return self._term > 0
 
     @property
     def node_id(self) -> str:
@@ -86,7 +92,7 @@ class Controller:
             if work:
                 try:
                     if not self.leading:
-                        self.leading = await self._store.create(
+                        self._term = await self._store.create(
                             self._keys.leader, self.node_id.encode(), lease=self._lease_id
                         )
                         if self.leading:
@@ -159,9 +165,12 @@ class Controller:
                 self._reported.add(problem)
                 log.error("[%s] %s", self.node_id, problem)
                 self._events.emit("malformed_record", 0, message=problem)
-        if snap.leader != self.node_id:
-            self.leading = False
-            log.warning("[%s] lost controller leadership to %s", self.node_id, snap.leader)
+        if snap.leader_revision != self._term:
+            self._term = 0
+            log.warning(
+                "[%s] lost controller leadership to %s (the leader key was created again since this controller "
+                "was elected)", self.node_id, snap.leader,
+            )  # fmt: skip
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
@@ -186,7 +195,7 @@ class Controller:
             self._keys.generation,
             encode(new),
             snap.generation_revision,
-            also=(self._keys.leader, self.node_id.encode()),
+            fence=(self._keys.leader, self._term),
         )
         if written:
             self._events.emit(

@@ -21,6 +21,9 @@ class JobSnapshot:
     #: mod revision of the generation key (0 when absent): the fencing token for the next write
     generation_revision: int
     leader: str | None
+    #: create revision of the leader key (0 when absent): which election made the leader, so a
+    #: stale controller and a restarted agent of the same node id are told apart
+    leader_revision: int
     nodes: dict[str, NodeView]
     node_leases: dict[str, int]
     #: one sentence per malformed record found (they are skipped, never fatal)
@@ -109,6 +112,7 @@ async def read_snapshot(
             gen_bad = True
     kv = await store.get(keys.leader)
     leader = kv.value.decode(errors="replace") if kv is not None else None
+    leader_rev = kv.create_revision if kv is not None else 0
     nodes: dict[str, NodeView] = {}
     leases: dict[str, int] = {}
     kvs, _ = await store.get_prefix(keys.nodes_prefix)
@@ -121,7 +125,7 @@ async def read_snapshot(
     drained = {m.node_id: m for m in await _records(store, keys.drained_prefix, DrainedMark, problems)}
     marks = await _records(store, keys.suspects_prefix, SuspectMark, problems) if suspects else []
     return JobSnapshot(
-        spec, generation, gen_rev, leader, nodes, leases, problems, gen_bad, drains, drained,
+        spec, generation, gen_rev, leader, leader_rev, nodes, leases, problems, gen_bad, drains, drained,
         {m.node_id: m for m in marks},
     )  # fmt: skip
 

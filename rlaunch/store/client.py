@@ -473,8 +473,12 @@ class Store:
     async def delete_prefix(self, prefix: str) -> None:
         await self._call(lambda c: c.delete_prefix(prefix.encode()))
 
-    async def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
-        """Create ``key`` only if it does not exist; return whether it was created."""
+    async def create(self, key: str, value: bytes, lease: int | None = None) -> int:
+        """Create ``key`` only if it does not exist; return its create revision (0: not created).
+
+        The revision names this one creation: a key deleted and created again, with the same value
+        or not, has another (the controller's election term).
+        """
 
         async def txn(c: aetcd.Client) -> bool:
             ok, _ = await c.transaction(
@@ -484,7 +488,11 @@ class Store:
             )
             return bool(ok)
 
-        return await self._call(txn)
+        if not await self._call(txn):
+            return 0
+        kv = await self.get(key)
+        # gone again (its lease expired meanwhile) or made by another lease: not this creation
+        return kv.create_revision if kv is not None and kv.value == value and kv.lease == (lease or 0) else 0
 
     async def create_all(
         self, items: list[tuple[str, bytes, int | None]], guard: tuple[str, int] | None = None
@@ -512,19 +520,20 @@ class Store:
         value: bytes,
         mod_revision: int,
         lease: int | None = None,
-        also: tuple[str, bytes] | None = None,
+        fence: tuple[str, int] | None = None,
     ) -> bool:
         """Put ``key`` only if it is unchanged since ``mod_revision`` (0: absent).
 
-        ``also=(key2, value2)`` adds the fencing condition that ``key2`` still holds ``value2``
-        (the controller's leadership). Returns whether the write happened.
+        ``fence=(key2, create_revision)`` adds the condition that ``key2`` is still the one created
+        at that revision (the controller's leadership, from :meth:`create`: a key
+        re-created since, even with the same value, fails it). Returns whether the write happened.
         """
 
         async def txn(c: aetcd.Client) -> bool:
             t = c.transactions
             compare = [t.mod(key.encode()) == mod_revision]
-            if also is not None:
-                compare.append(t.value(also[0].encode()) == also[1])
+            if fence is not None:
+                compare.append(t.create(fence[0].encode()) == fence[1])
             ok, _ = await c.transaction(compare=compare, success=[t.put(key.encode(), value, lease=lease)], failure=[])
             return bool(ok)
 

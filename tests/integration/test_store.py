@@ -22,19 +22,26 @@ def test_create_is_exclusive_and_guarded_put_fences(endpoint: str) -> None:
     p = prefix()
 
     async def go(store: Store) -> None:
-        assert await store.create(p + "leader", b"a")
+        term = await store.create(p + "leader", b"a")
+        assert term > 0
         assert not await store.create(p + "leader", b"b"), "a second controller must not be elected"
         assert not await store.put_guarded(p + "gen", b"1", mod_revision=5), "absent key: only revision 0 matches"
-        assert await store.put_guarded(p + "gen", b"1", mod_revision=0, also=(p + "leader", b"a"))
+        assert await store.put_guarded(p + "gen", b"1", mod_revision=0, fence=(p + "leader", term))
         kv = await store.get(p + "gen")
         assert kv is not None and kv.value == b"1"
-        # a stale writer (old revision) and a deposed leader are both refused
-        assert await store.put_guarded(p + "gen", b"2", kv.mod_revision, also=(p + "leader", b"a"))
-        assert not await store.put_guarded(p + "gen", b"3", kv.mod_revision, also=(p + "leader", b"a"))
+        # a stale writer (old revision) is refused
+        assert await store.put_guarded(p + "gen", b"2", kv.mod_revision, fence=(p + "leader", term))
+        assert not await store.put_guarded(p + "gen", b"3", kv.mod_revision, fence=(p + "leader", term))
+        # the leader key made again with the same value (a restarted agent of the same node id):
+        # the old term no longer passes, the new one does
         kv2 = await store.get(p + "gen")
         assert kv2 is not None
-        assert not await store.put_guarded(p + "gen", b"4", kv2.mod_revision, also=(p + "leader", b"b"))
+        await store.delete(p + "leader")
+        term2 = await store.create(p + "leader", b"a")
+        assert term2 > term
+        assert not await store.put_guarded(p + "gen", b"4", kv2.mod_revision, fence=(p + "leader", term))
         assert (await store.get(p + "gen")).value == b"2"  # type: ignore[union-attr]
+        assert await store.put_guarded(p + "gen", b"5", kv2.mod_revision, fence=(p + "leader", term2))
 
     run_store(endpoint, go)
 

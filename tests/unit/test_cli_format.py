@@ -88,7 +88,7 @@ def test_event_values_are_rounded_for_people_and_exact_in_json() -> None:
 
 def snapshot(*records: NodeRecord, assignment: dict[str, int], suspects: dict[str, SuspectMark] | None = None) -> Any:
     nodes = {r.node_id: NodeView(r, join_revision=i) for i, r in enumerate(records)}
-    return JobSnapshot(None, gen(2, assignment), 1, "a", nodes, {}, [], suspects=suspects or {})
+    return JobSnapshot(None, gen(2, assignment), 1, "a", 7, nodes, {}, [], suspects=suspects or {})
 
 
 def moving(node: str, moves: LiveMoves, reason: str = "") -> NodeRecord:
