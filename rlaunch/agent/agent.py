@@ -31,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlaunch.addresses import route_addr
 from rlaunch.agent import states as st
-from rlaunch.agent.config import LaunchConfig, Std, route_addr
+from rlaunch.agent.config import LaunchConfig, Std
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.faults import Faults
 from rlaunch.agent.generations import GenerationWatch
@@ -98,6 +99,7 @@ class Agent:
         self.moves = NodeMoves(cfg.nproc_per_node)  # which live moves the node's ranks allow, as published
         self._signal: int | None = None
         self._fenced: str | None = None
+        self._keeper: LeaseKeeper | None = None  # while the lease is kept: how long etcd has been silent
         self._log_root: Path | None = cfg.log_dir
         if self._log_root is None and any(v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())):
             self._log_root = Path(tempfile.mkdtemp(prefix="rlaunch_logs_"))
@@ -115,7 +117,7 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         become_subreaper()
         await self.store.connect(self.cfg.rdzv_timeout)
-        self.addr = self.cfg.local_addr or route_addr(self.store.endpoint)
+        self.addr = self.cfg.local_addr or route_addr(self.store.endpoint.host, self.store.endpoint.port)
         jsonl = self._log_root / self.cfg.job_id / "events.jsonl" if self._log_root else None
         self.events = EventLog(self.store, self.keys, self.node_id, jsonl, self._clock)
         self.events.start()
@@ -135,7 +137,7 @@ class Agent:
         self.link.hangs.floor_s = self.cfg.hang_timeout
         self.link.metrics = self.metrics
         self.workers = Supervisor(
-            self.cfg, self.link, self.events.emit, self.control.path, self._python, self._log_root,
+            self.cfg, self.link, self.events.emit, self.control.path, self.addr, self._python, self._log_root,
             self._keep_pids, self._monotonic,
         )  # fmt: skip
         self.records = RecordPublisher(
@@ -217,6 +219,11 @@ class Agent:
                 return await self._decide(st.Signalled(signal.Signals(self._signal).name))
             if self._fenced is not None:
                 return await self._decide(st.Fenced(self._fenced))
+            lost = self._etcd_lost()
+            if lost is not None:
+                code = await self._carry_out(decide(self.node, lost))
+                if code is not None:
+                    return code
             try:
                 await self.records.resend()
                 await self.faults.resend()
@@ -237,6 +244,14 @@ class Agent:
             timeout = self.cfg.monitor_interval if self.workers.running else 1.0
             await wait_event(self._wake, timeout)
             self._wake.clear()
+
+    def _etcd_lost(self) -> st.EtcdLost | None:
+        """etcd silent for ``--rdzv-timeout`` or longer (the state machine decides what that ends)."""
+        silent = self._keeper.unreachable_s() if self._keeper is not None else 0.0
+        if silent < self.cfg.rdzv_timeout:
+            return None
+        record = self.records.record
+        return st.EtcdLost(silent, self.cfg.rdzv_timeout, record.state if record is not None else None)
 
     async def _look(self) -> int | None:
         """Bring this node in line with the current generation; an int means: exit with it."""
@@ -387,13 +402,14 @@ class Agent:
     async def _keepalive(self) -> None:
         """Keep the lease alive; fence this node only when etcd answers that the lease is gone."""
         store = keepalive_store(self.store)
-        keeper = LeaseKeeper(
+        keeper = self._keeper = LeaseKeeper(
             store, self._lease, self.cfg.lease_ttl, self.node_id,
             sleep=lambda s: wait_event(self._stop, s), on_back=self._etcd_back,
         )  # fmt: skip
         try:
             why = await keeper.run()
         finally:
+            self._keeper = None
             await store.close()
         if why is not None:
             self._fenced = f"This agent stops its workers and exits because {why}."

@@ -2,7 +2,7 @@
 
 Pure functions: the CLI hands raw flag values to :func:`build_config`, which returns a frozen
 :class:`LaunchConfig` or raises :class:`~rlaunch.errors.UsageError` with a sentence naming the
-bad value. (:func:`route_addr` asks the kernel for a route to etcd; it sends no packet.)
+bad value.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 
 from rlaunch import __version__
+from rlaunch.addresses import host_port
 from rlaunch.agent.env import VERIFY_AUTO
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
@@ -55,7 +56,7 @@ class StaticRendezvous:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.master_addr}:{self.etcd_port}"
+        return host_port(self.master_addr, self.etcd_port)
 
     @property
     def hosts_etcd(self) -> bool:
@@ -465,13 +466,3 @@ def etcd_listen_host(master_addr: str) -> str:
     except ValueError:
         pass
     return "0.0.0.0"  # noqa: S104 - the other nodes reach node rank 0's etcd, as torchrun's store
-
-
-def route_addr(ep: Endpoint) -> str:
-    """The local address this machine uses to reach ``ep`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((ep.host, ep.port))
-            return str(s.getsockname()[0])
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())

@@ -56,6 +56,7 @@ def worker_env(
     job_id: str,
     max_restarts: int,
     agent_addr: str,
+    host_addr: str,
     role: str = ROLE_NAME,
     verify_every: int | None = None,
 ) -> dict[str, str]:
@@ -80,6 +81,7 @@ def worker_env(
         TORCHELASTIC_RUN_ID=job_id,
         TORCHELASTIC_USE_AGENT_STORE="False",
         RLAUNCH_AGENT_ADDR=agent_addr,
+        RLAUNCH_HOST_ADDR=host_addr,
         RLAUNCH_NODE_ID=node_id,
         RLAUNCH_ROLE="active",
         RLAUNCH_GENERATION=str(gen.number),
@@ -100,6 +102,7 @@ def standby_env(
     local_rank: int,
     job_id: str,
     agent_addr: str,
+    host_addr: str,
     role: str = ROLE_NAME,
     verify_every: int | None = None,
 ) -> dict[str, str]:
@@ -114,6 +117,7 @@ def standby_env(
         ROLE_NAME=role,
         TORCHELASTIC_RUN_ID=job_id,
         RLAUNCH_AGENT_ADDR=agent_addr,
+        RLAUNCH_HOST_ADDR=host_addr,
         RLAUNCH_NODE_ID=node_id,
         RLAUNCH_ROLE="standby",
         RLAUNCH_JOB_ID=job_id,

@@ -112,6 +112,10 @@ class LeaseKeeper:
         self._unreachable_since = 0.0
         self._said_at = 0.0
 
+    def unreachable_s(self) -> float:
+        """How long etcd has not answered (0 while it does)."""
+        return self._clock() - self._unreachable_since if self.state is LeaseState.UNREACHABLE else 0.0
+
     async def renew(self) -> Renewal:
         """One keepalive round. A keepalive's TTL of 0 is checked with a lease lookup before it counts."""
         try:

@@ -156,7 +156,17 @@ class Fenced:
     reason: str
 
 
-Observation = Look | WorkersExited | Settled | Signalled | Fenced
+@dataclasses.dataclass(frozen=True)
+class EtcdLost:
+    """No etcd member has answered for ``unreachable_s`` seconds, at least ``--rdzv-timeout``."""
+
+    unreachable_s: float
+    timeout: float
+    #: the state of this node's record as last published (or not yet taken by etcd); None: none
+    published: NodeState | None
+
+
+Observation = Look | WorkersExited | Settled | Signalled | Fenced | EtcdLost
 
 
 # -- actions --------------------------------------------------------------------------------------

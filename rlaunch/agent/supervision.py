@@ -39,6 +39,7 @@ class Supervisor:
         link: WorkerLink,
         emit: Callable[..., None],
         control_path: str,
+        host_addr: str,
         python: str,
         log_root: Path | None,
         keep_pids: Sequence[int] = (),
@@ -49,6 +50,7 @@ class Supervisor:
         self._link = link
         self._emit = emit
         self._control_path = control_path
+        self._host_addr = host_addr  # the address the agent advertises: its workers' gloo binds it
         self._python = python
         self._log_root = log_root
         self._keep_pids = tuple(keep_pids)
@@ -77,6 +79,7 @@ class Supervisor:
                 job_id=self.cfg.job_id,
                 max_restarts=self.cfg.max_restarts,
                 agent_addr=self._control_path,
+                host_addr=self._host_addr,
                 role=self.cfg.role,
                 verify_every=self.cfg.verify_every,
             )  # fmt: skip
@@ -100,6 +103,7 @@ class Supervisor:
                 local_rank=i,
                 job_id=self.cfg.job_id,
                 agent_addr=self._control_path,
+                host_addr=self._host_addr,
                 role=self.cfg.role,
                 verify_every=self.cfg.verify_every,
             )  # fmt: skip

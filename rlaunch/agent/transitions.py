@@ -10,7 +10,8 @@ runtime), it says so in ``Decision.need``; the agent reads and decides again wit
 
 Observations: ``Look`` (bring the node in line with the current generation; made on every loop
 round), ``WorkersExited``, ``Settled`` (a move's workers all joined or recovered), ``Signalled``,
-``Fenced``. An observation a state cannot take raises
+``Fenced``, ``EtcdLost`` (no etcd member answered for ``--rdzv-timeout``). An observation a state
+cannot take raises
 :class:`~rlaunch.agent.states.IllegalTransition`.
 
 ==============  =====================  ==================================================================
@@ -18,6 +19,8 @@ state           observation            next state (actions)
 ==============  =====================  ==================================================================
 any             Signalled              exited (stop with grace, record ``stopping``, exit 1)
 any             Fenced                 exited (kill at once, exit 1)
+training        EtcdLost               no change: training workers are never stopped for an outage alone
+other           EtcdLost               exited (stop a sandbox; exit 0 if its workers succeeded, else 1)
 any             Look: job ended        exited (stop, exit 0 or 1)
 any             Look: fault            idle (stop, record ``failed``): a GPU fault, or suspected SDC
 idle            Look: restart, ranks   starting (record ``restarting``, ack; then read every ack)
@@ -72,6 +75,7 @@ from rlaunch.agent.states import (
     AgentState,
     Decision,
     Emit,
+    EtcdLost,
     Exit,
     Fenced,
     ForgetWorkers,
@@ -148,6 +152,8 @@ def decide(node: Node, obs: Observation) -> Decision:
         return _on_signal(node, obs)
     if isinstance(obs, Fenced):
         return _on_fenced(node, obs)
+    if isinstance(obs, EtcdLost):
+        return _on_etcd_lost(node, obs)
     if isinstance(obs, Look):
         return _on_look(node, obs)
     if isinstance(obs, WorkersExited):
@@ -176,6 +182,34 @@ def _on_fenced(node: Node, obs: Fenced) -> Decision:
     p.stop(STALE_GRACE_S)
     p.set(state=AgentState.EXITED)
     p.do(Exit(EXIT_FAILED))
+    return p.decision()
+
+
+def _on_etcd_lost(node: Node, obs: EtcdLost) -> Decision:
+    """etcd gone for ``--rdzv-timeout``: a node with training workers waits on (they need no etcd);
+    one whose workers all exited, or a standby, has nothing left to do and ends with its own result."""
+    p = _Plan(node)
+    if node.state.workers_run and node.state is not AgentState.SANDBOX:
+        return p.decision()
+    succeeded = obs.published is NodeState.SUCCEEDED
+    code = 0 if succeeded else EXIT_FAILED
+    if succeeded:
+        mine = "this node's workers succeeded"
+    elif obs.published is NodeState.FAILED:
+        mine = "this node's workers failed"
+    else:
+        mine = "no worker of this node trains (it is a standby, or waits for a restart)"
+    p.stop()
+    p.set(state=AgentState.EXITED)
+    p.do(
+        Log(
+            logging.ERROR,
+            f"No etcd member has answered for {obs.unreachable_s:.0f} s (--rdzv-timeout {obs.timeout:.0f} s) and "
+            f"{mine}, so this agent exits {code}: the job's outcome could not be recorded in etcd. Read the other "
+            "nodes' logs for it, or run rlaunch status once etcd is back.",
+        ),
+        Exit(code),
+    )
     return p.decision()
 
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from rlaunch.addresses import host_port
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
@@ -124,7 +125,8 @@ class Controller:
         gone = await asyncio.gather(*(agent_gone(r.addr, r.probe_port) for r in records))
         dead = [n for n, g in zip(suspects, gone, strict=True) if g]
         for node in dead:
-            why = f"its agent no longer answers on {snap.nodes[node].record.addr}:{snap.nodes[node].record.probe_port}"
+            record = snap.nodes[node].record
+            why = f"its agent no longer answers on {host_port(record.addr, record.probe_port)}"
             log.warning("[%s] controller: node %s is lost: %s; revoking its lease", self.node_id, node, why)
             self._events.emit("node_dead", gen.number, node=node, reason=why)
             await self._store.revoke_lease(snap.node_leases[node])

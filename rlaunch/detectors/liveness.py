@@ -15,19 +15,40 @@ replacement, never a stale node training on.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 #: Longest wait for one probe's answer; a probe that times out counts as "alive or unknown".
 PROBE_TIMEOUT_S = 1.0
 
 
-async def serve(host: str = "0.0.0.0") -> tuple[asyncio.Server, int]:
-    """Start answering probes on a free port of ``host``; return the server and its port."""
+async def serve() -> tuple[asyncio.Server, int]:
+    """Start answering probes on a free port of every address of this machine, IPv4 and IPv6 alike
+    (one dual-stack socket, so the port is the same for both); return the server and its port."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.close()
 
-    server = await asyncio.start_server(answer, host, 0)
+    server = await asyncio.start_server(answer, sock=_listener())
     return server, int(server.sockets[0].getsockname()[1])
+
+
+def _listener() -> socket.socket:
+    """A listening TCP socket on a free port of every address: IPv6's wildcard taking IPv4 too, or
+    IPv4's alone on a machine without IPv6."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+        except OSError:
+            sock.close()
+            raise
+    except OSError:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("0.0.0.0", 0))  # noqa: S104 - the controller probes it from any host of the job
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
 
 
 async def agent_gone(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:

@@ -112,6 +112,23 @@ def cuda_device(env: Mapping[str, str]) -> torch.device:
     return torch.device("cuda", int(env.get("LOCAL_RANK", "0")) % count)
 
 
+#: torch's gloo interface choice (a comma-separated list of interface names), kept as under torchrun
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+#: the address the worker's agent advertises to the job (rlaunch.agent.env)
+HOST_ADDR_ENV = "RLAUNCH_HOST_ADDR"
+
+
+def gloo_bind_addr(env: Mapping[str, str]) -> str | None:
+    """The address a runtime communicator's gloo binds and tells its peers: the agent's advertised
+    address, which reaches the other hosts of the job (``--local-addr``, else the source address
+    of the route to etcd). None where ``GLOO_SOCKET_IFNAME`` names the interfaces (torch then
+    binds those) or no agent address is known (torch then binds what the host name resolves to,
+    which on many hosts is a loopback address that no other host can reach)."""
+    if env.get(GLOO_IFNAME_ENV):
+        return None
+    return env.get(HOST_ADDR_ENV) or None
+
+
 def _connected_inet_fds() -> set[int]:
     """File descriptors of this process's connected (not listening) TCP sockets."""
     found = set()
@@ -171,7 +188,14 @@ class Communicators:
         the sockets that appear meanwhile are its own (builds are serialized)."""
         with self._lock:
             before = _connected_inet_fds()
-            gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
+            addr = gloo_bind_addr(os.environ)
+            if addr is None:
+                gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
+            else:
+                options = ProcessGroupGloo._Options()
+                options._devices = [ProcessGroupGloo.create_device(hostname=addr)]
+                options._timeout = timeout
+                gloo = ProcessGroupGloo(store, rank, size, options)
             return gloo, _connected_inet_fds() - before
 
     def build(

@@ -38,6 +38,7 @@ import aetcd.watcher  # noqa: E402
 import grpc  # noqa: E402
 from prometheus_client import Histogram  # noqa: E402
 
+from rlaunch.addresses import host_port
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
@@ -74,7 +75,7 @@ class Endpoint:
     scheme: str = dataclasses.field(default="", compare=False)
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
 
 def parse_endpoints(text: str) -> list[Endpoint]:
@@ -150,11 +151,13 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             return
         if self._is_connecting:
             if not await wait_event(self._connected, self._connect_wait_timeout):
-                raise asyncio.TimeoutError(f"no connection to etcd at {self._host}:{self._port} within the wait")
+                raise asyncio.TimeoutError(
+                    f"no connection to etcd at {host_port(self._host, self._port)} within the wait"
+                )
             return
         try:
             self._is_connecting = True
-            target = f"{self._host}:{self._port}"
+            target = host_port(self._host, self._port)
             options = list(self._options.items())
             if self._credentials is not None:
                 self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlaunch.addresses import host_port
 from rlaunch.errors import EmbeddedEtcdError
 from rlaunch.store.janitor import start_time
 from rlaunch.store.security import EtcdSecurity
@@ -138,7 +139,7 @@ class EmbeddedEtcd:
     @property
     def endpoint(self) -> str:
         """``host:port`` of the client listener (``https://`` is implied when :attr:`secure`)."""
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -147,7 +148,7 @@ class EmbeddedEtcd:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.secure else 'http'}://{self.host}:{self.port}"
+        return f"{'https' if self.secure else 'http'}://{host_port(self.host, self.port)}"
 
     @property
     def security(self) -> EtcdSecurity:
@@ -164,8 +165,8 @@ class EmbeddedEtcd:
 
     def _command(self, binary: str) -> list[str]:
         scheme = "https" if self.secure else "http"
-        client = f"{scheme}://{self.host}:{self.port}"
-        peer = f"{scheme}://{self.host}:{self.peer_port}"
+        client = f"{scheme}://{host_port(self.host, self.port)}"
+        peer = f"{scheme}://{host_port(self.host, self.peer_port)}"
         cmd = [
             binary,
             "--name", self.name,

@@ -244,3 +244,27 @@ def test_a_worker_failure_during_an_outage_reaches_the_controller_when_etcd_is_b
         etcd.stop()
     left = kill_leftovers(tag)
     assert not left, f"processes left running after the test: {left}"
+
+
+def test_a_job_whose_etcd_is_gone_for_good_ends_with_each_nodes_own_result(
+    etcd_job: tuple[EtcdCluster, Cluster],
+) -> None:
+    """Every etcd member dies for good while the job trains: the workers finish untouched, and then
+    each agent (and the standby) ends --rdzv-timeout after etcd went silent, with a sentence and its
+    own workers' result, rather than retrying for ever (under Slurm: holding the allocation)."""
+    etcd, cluster = etcd_job
+    timeout_s = 8
+    flags = ("--rdzv-timeout", str(timeout_s))
+    a, b, c = cluster.agents_in_order(["a", "b", "c"], RESILIENT, "--steps", "400", "--step-time", "0.05", flags=flags)
+    wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
+    progress(a, 5, 60, "before the outage")
+    for member in etcd.members:
+        etcd.kill(member)
+    killed_at = time.monotonic()
+    assert a.wait(120) == 0 and b.wait(60) == 0, "the workers succeeded: that is each node's result"
+    assert c.wait(60) == 1, "a standby has no result of its own: the job's outcome is unknown to it"
+    assert time.monotonic() - killed_at >= timeout_s
+    for agent, mine in ((a, "this node's workers succeeded"), (b, "this node's workers succeeded"), (c, "standby")):
+        out = agent.output()
+        assert "the job's outcome could not be recorded in etcd" in out and mine in out, out[-3000:]
+    assert "rank 0 final: steps=400 " in a.output() and "workers_failed" not in a.output() + b.output()

@@ -17,6 +17,7 @@ from rlaunch.agent.states import (
     AgentState,
     Decision,
     Emit,
+    EtcdLost,
     Exit,
     Fenced,
     ForgetWorkers,
@@ -133,7 +134,8 @@ def _observations() -> list[Observation]:
     exits: list[Observation] = [
         WorkersExited(codes, 6, left) for codes, left in itertools.product(all_codes, (frozenset(), frozenset({0, 1})))
     ]
-    return [*looks, *exits, Settled(), Signalled("SIGTERM"), Fenced("etcd says its lease is gone")]
+    lost: list[Observation] = [EtcdLost(61.0, 60.0, state) for state in (None, *NodeState)]
+    return [*looks, *exits, *lost, Settled(), Signalled("SIGTERM"), Fenced("etcd says its lease is gone")]
 
 
 OBSERVATIONS = _observations()
@@ -195,6 +197,31 @@ def test_only_a_settling_node_settles(state: AgentState) -> None:
 
 
 # -- signals, fencing, the job's end -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.ACTIVE, S.SETTLING, S.LEAVING])
+def test_training_workers_are_never_stopped_for_an_etcd_outage_alone(state: AgentState) -> None:
+    d = decide(node(state, worker_gen=5), EtcdLost(3600.0, 60.0, NodeState.RUNNING))
+    assert d.node.state is state and not d.actions
+
+
+@pytest.mark.parametrize(
+    ("state", "published", "code", "says"),
+    [
+        (S.IDLE, NodeState.SUCCEEDED, 0, "this node's workers succeeded"),
+        (S.IDLE, NodeState.FAILED, EXIT_FAILED, "this node's workers failed"),
+        (S.SANDBOX, NodeState.STANDBY, EXIT_FAILED, "is a standby"),
+        (S.STARTING, NodeState.RESTARTING, EXIT_FAILED, "waits for a restart"),
+    ],
+)
+def test_with_no_training_workers_an_agent_ends_once_etcd_is_gone_for_the_rdzv_timeout(
+    state: AgentState, published: NodeState, code: int, says: str
+) -> None:
+    d = decide(node(state, worker_gen=5), EtcdLost(61.0, 60.0, published))
+    assert d.node.state is S.EXITED and d.exit_code == code
+    (line,) = of(d, Log)
+    assert says in line.message and "outcome could not be recorded" in line.message and "61 s" in line.message
+    assert of(d, StopWorkers) == [StopWorkers(SHUTDOWN_GRACE_S, 5)], "a standby's sandbox workers are stopped"
 
 
 @pytest.mark.parametrize("state", LIVE_STATES)

@@ -428,3 +428,9 @@ def test_a_transfer_waits_for_its_channels_setup_and_ends_only_once_the_gpu_is_d
         assert calls == ["ready"] * 3 + [moved, "synchronize"], calls
     finally:
         backends.use(previous)
+
+
+def test_gloo_binds_the_agents_advertised_address_unless_gloo_socket_ifname_names_interfaces() -> None:
+    assert backends.gloo_bind_addr({"RLAUNCH_HOST_ADDR": "fd00:7::2"}) == "fd00:7::2"
+    assert backends.gloo_bind_addr({"RLAUNCH_HOST_ADDR": "10.1.0.2", "GLOO_SOCKET_IFNAME": "eth1"}) is None
+    assert backends.gloo_bind_addr({}) is None, "no agent (a plain torchrun): torch's own choice"

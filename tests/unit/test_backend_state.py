@@ -54,7 +54,7 @@ def _gen() -> Generation:
 
 
 def test_workers_and_standbys_start_with_the_nccl_watchdog_settings_unless_the_user_set_them() -> None:
-    common = {"node_id": "n0", "local_rank": 0, "job_id": "j", "agent_addr": "127.0.0.1:1"}
+    common = {"node_id": "n0", "local_rank": 0, "job_id": "j", "agent_addr": "127.0.0.1:1", "host_addr": "10.0.0.2"}
     env = worker_env({}, _gen(), max_restarts=0, **common)
     assert {k: env[k] for k in NCCL_ENV} == NCCL_ENV
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_ENABLE_MONITORING"] == "0"

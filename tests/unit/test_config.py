@@ -147,7 +147,7 @@ def test_rdzv_conf_without_join_timeout_keeps_rdzv_timeout(script: Path) -> None
 def test_endpoints_are_parsed(script: Path) -> None:
     cfg = config(script, rdzv_endpoint="10.0.0.1:2379,http://etcd-b:2380, http://[::1]:2381")
     assert cfg.endpoints == [Endpoint("10.0.0.1", 2379), Endpoint("etcd-b", 2380), Endpoint("::1", 2381)]
-    assert [str(e) for e in cfg.endpoints] == ["10.0.0.1:2379", "etcd-b:2380", "::1:2381"]
+    assert [str(e) for e in cfg.endpoints] == ["10.0.0.1:2379", "etcd-b:2380", "[::1]:2381"]
     assert [e.scheme for e in cfg.endpoints] == ["", "http", "http"]
     assert not cfg.etcd_security.tls
 
@@ -314,6 +314,7 @@ def env_for(base: dict[str, str], local_rank: int = 1) -> dict[str, str]:
         job_id="job-7",
         max_restarts=5,
         agent_addr="/tmp/agent.sock",
+        host_addr="10.0.0.2",
     )
 
 
@@ -442,7 +443,9 @@ def test_a_bad_verify_every_is_a_usage_error_naming_the_value_and_the_choices(sc
 
 @pytest.mark.parametrize(("value", "shown"), [(None, "auto"), (0, "0"), (40, "40")])
 def test_verify_every_reaches_active_and_standby_workers(value: int | None, shown: str) -> None:
-    common: dict[str, Any] = dict(node_id="b", local_rank=0, job_id="j", agent_addr="/s", verify_every=value)
+    common: dict[str, Any] = dict(
+        node_id="b", local_rank=0, job_id="j", agent_addr="/s", host_addr="10.0.0.2", verify_every=value
+    )
     assert worker_env({}, generation(), max_restarts=0, **common)["RLAUNCH_VERIFY_EVERY"] == shown
     assert standby_env({"RLAUNCH_VERIFY_EVERY": "stale"}, generation(), **common)["RLAUNCH_VERIFY_EVERY"] == shown
 
@@ -460,7 +463,13 @@ def test_a_bad_verify_every_on_the_command_line_exits_non_zero_with_a_sentence(s
 
 def test_workers_never_inherit_the_agents_etcd_credentials() -> None:
     base = {"ETCDCTL_USER": "root:hunter2", "ETCDCTL_PASSWORD": "hunter2", "ETCDCTL_KEY": "/etc/k.pem", "PATH": "/bin"}
-    common = {"node_id": "b", "local_rank": 0, "job_id": "job-7", "agent_addr": "/tmp/agent.sock"}
+    common = {
+        "node_id": "b",
+        "local_rank": 0,
+        "job_id": "job-7",
+        "agent_addr": "/tmp/agent.sock",
+        "host_addr": "10.0.0.2",
+    }
     for env in (env_for(base), standby_env(base, generation(), **common)):
         assert env["PATH"] == "/bin" and not {"ETCDCTL_USER", "ETCDCTL_PASSWORD", "ETCDCTL_KEY"} & env.keys()
     assert base["ETCDCTL_PASSWORD"] == "hunter2", "the agent's own environment is untouched"

@@ -200,7 +200,7 @@ def test_role_name_reaches_the_workers() -> None:
         number=1, status=GenerationStatus.RUNNING, assignment={"a": 0}, nnodes=1, nproc_per_node=1,
         master_addr="h", master_port=1, restart_count=0, reason="", controller="a", created_at=0.0,
     )  # fmt: skip
-    common: dict[str, Any] = dict(node_id="a", local_rank=0, job_id="j", agent_addr="/s")
+    common: dict[str, Any] = dict(node_id="a", local_rank=0, job_id="j", agent_addr="/s", host_addr="10.0.0.2")
     assert worker_env({}, gen, max_restarts=0, **common)["ROLE_NAME"] == "default"
     assert worker_env({}, gen, max_restarts=0, role="trainer", **common)["ROLE_NAME"] == "trainer"
     assert standby_env({}, gen, role="trainer", **common)["ROLE_NAME"] == "trainer"
