@@ -174,9 +174,11 @@ class Cluster:
         nnodes: int = 2,
         flags: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        where: tuple[str, ...] = (),
     ) -> AgentProc:
+        """Start agent ``node_id``; ``where``: the command prefix that runs it on another host (netns)."""
         argv = [
-            sys.executable, "-m", "rlaunch",
+            *where, sys.executable, "-m", "rlaunch",
             "--nnodes", str(nnodes), "--nproc-per-node", "1",
             "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id,
             "--node-id", node_id, "--lease-ttl", "3", "--rdzv-timeout", "60",

@@ -1,4 +1,7 @@
-"""Test harness: a real 3-member etcd cluster on loopback whose members tests kill and restart.
+"""Test harness: a real 3-member etcd cluster whose members tests kill and restart.
+
+On loopback by default; on the hosts of a :class:`tests.netns.Hosts` when given ``places`` (each
+member's address and the command prefix that runs a process there).
 
 Each member is a real etcd process with its own data directory and free client and peer ports.
 A killed member is restarted on the same ports and data (as an operator would), so it rejoins
@@ -18,31 +21,36 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
+from rlaunch.addresses import host_port
 from rlaunch.store.embedded import find_etcd_binary, free_port
 
 HOST = "127.0.0.1"
 
 
 class Member:
-    """One etcd member: its name, ports, data directory and (while it runs) its process."""
+    """One etcd member: its name, address, ports, data directory and (while it runs) its process."""
 
-    def __init__(self, name: str, data_dir: Path, log_path: Path) -> None:
+    def __init__(self, name: str, data_dir: Path, log_path: Path, host: str = HOST, prefix: Sequence[str] = ()) -> None:
         self.name = name
-        self.client_port = free_port(HOST)
-        self.peer_port = free_port(HOST)
+        self.host = host
+        self.prefix = list(prefix)  # runs it where ``host`` is (empty: here)
+        # a host of its own (a network namespace) has every port free
+        self.client_port = free_port(HOST) if host == HOST else 2379
+        self.peer_port = free_port(HOST) if host == HOST else 2380
         self.data_dir = data_dir
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"{HOST}:{self.client_port}"
+        return host_port(self.host, self.client_port)
 
     @property
     def peer_url(self) -> str:
-        return f"http://{HOST}:{self.peer_port}"
+        return f"http://{host_port(self.host, self.peer_port)}"
 
     @property
     def running(self) -> bool:
@@ -71,11 +79,22 @@ class Member:
 
 
 class EtcdCluster:
-    """``size`` etcd members on loopback forming one cluster."""
+    """``size`` etcd members forming one cluster: on loopback, or at ``places`` (address, prefix) each."""
 
-    def __init__(self, tmp: Path, tag: str, size: int = 3, tag_var: str = "RLAUNCH_TEST_TAG") -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        tag: str,
+        size: int = 3,
+        tag_var: str = "RLAUNCH_TEST_TAG",
+        places: Sequence[tuple[str, Sequence[str]]] = (),
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="rlaunch-etcd-cluster-", dir=tmp))
-        self.members = [Member(f"m{i}", self.root / f"m{i}", self.root / f"m{i}.log") for i in range(size)]
+        where = list(places) or [(HOST, ())] * size
+        self.members = [
+            Member(f"m{i}", self.root / f"m{i}", self.root / f"m{i}.log", host, prefix)
+            for i, (host, prefix) in enumerate(where)
+        ]
         self.token = "rlaunch-test-" + uuid.uuid4().hex[:8]
         self._env = {**os.environ, tag_var: tag}
         self._binary = find_etcd_binary()
@@ -94,6 +113,7 @@ class EtcdCluster:
     def _spawn(self, member: Member) -> None:
         client = f"http://{member.endpoint}"
         cmd = [
+            *member.prefix,
             self._binary,
             "--name", member.name,
             "--data-dir", str(member.data_dir),

@@ -36,6 +36,7 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
         nodes.append({
             "node_id": rec.node_id,
             "host": rec.host,
+            "addr": rec.addr,
             "role": "active" if node_rank is not None else "standby",
             "state": rec.state.value,
             "node_rank": node_rank,
@@ -52,7 +53,7 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
     for mark in sorted(snap.drained.values(), key=lambda m: m.at):
         if mark.node_id not in snap.nodes:
             nodes.append({
-                "node_id": mark.node_id, "host": "", "role": "none", "state": "drained", "node_rank": None,
+                "node_id": mark.node_id, "host": "", "addr": "", "role": "none", "state": "drained", "node_rank": None,
                 "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": "",
                 "failure": "", "message": "", "live_moves": "unknown", "moves_reason": "",
                 "replaced_by": mark.replaced_by,
@@ -60,7 +61,7 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
     for suspect in sorted(snap.suspects.values(), key=lambda m: m.at):
         if suspect.node_id not in snap.nodes and suspect.node_id not in snap.drained:
             nodes.append({
-                "node_id": suspect.node_id, "host": "", "role": "none", "state": "failed", "node_rank": None,
+                "node_id": suspect.node_id, "host": "", "addr": "", "role": "none", "state": "failed", "node_rank": None,
                 "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": suspect.fault,
                 "failure": "fault", "message": "", "live_moves": "unknown", "moves_reason": "",
             })  # fmt: skip

@@ -1,0 +1,174 @@
+"""Several hosts for real: agents and a 3-member etcd in network namespaces (tests/netns.py).
+
+Two jobs, each exercising several things at once to keep the suite short:
+
+1. IPv4 with faults. Node a's host has two interfaces, its default route on a network that reaches
+   no peer: it advertises the address of its route to etcd, and gloo binds that address, not the
+   one its host name resolves to (loopback here). Node b is cut from etcd alone for a while
+   shorter than its lease: it trains on, and nobody replaces or fences it. Then b's link goes
+   down: its lease expires, the standby c takes its rank live, and when the link comes back b
+   hears that its lease is gone and is fenced; its workers never train again.
+2. IPv6 only (the hosts have no IPv4 address but loopback): join, train, a live drain, and a live
+   replacement of a SIGKILLed node, bit-identical to an uninterrupted run.
+
+In both, "no two live holders of one rank": the old holder's last step (its agent's progress
+samples) is never past the step at which the survivors resumed with its replacement.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import AgentProc, Cluster, kill_leftovers, reap_zombies, wait_for
+from tests.etcd_cluster import EtcdCluster
+from tests.integration.test_migration import RESILIENT, _reference, assert_identical, finals, warm
+from tests.netns import Hosts
+
+STEPS = 400
+ARGS = ("--steps", str(STEPS), "--step-time", "0.1", "--log-every", "5")
+#: long enough that a cut from etcd of a few seconds ends well inside it (a renewal that finds no
+#: member tries each of the three in turn, one second each)
+TTL = 15
+
+
+class Job:
+    """Hosts, etcd on the first three, and a job whose agents run on the others."""
+
+    def __init__(self, tmp: Path, hosts: Hosts, family: int) -> None:
+        self.hosts, self.family = hosts, family
+        self.tag = uuid.uuid4().hex
+        places = [(h.addr(family), hosts.argv(h, [])) for h in hosts.hosts[:3]]
+        self.etcd = EtcdCluster(tmp, self.tag, places=places)
+        self.cluster = Cluster(self.etcd.endpoints, tmp, self.tag)
+
+    def agent(self, name: str, host: int, flags: tuple[str, ...] = ()) -> AgentProc:
+        """Start agent ``name`` on host ``host`` and wait until it registered (join order is node order)."""
+        agent = self.cluster.agent(
+            name, RESILIENT, *ARGS, flags=("--lease-ttl", str(TTL), *flags),
+            where=tuple(self.hosts.argv(self.hosts[host], [])),
+        )  # fmt: skip
+        wait_for(lambda: self.cluster.node(name), 60, f"node {name} to register")
+        return agent
+
+    def close(self) -> None:
+        self.cluster.close()
+        self.etcd.stop()
+
+
+@pytest.fixture
+def job_on_hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Job]:
+    family = request.param
+    hosts = Hosts(7, ipv4=family == 4)
+    job = None
+    try:
+        hosts.start()
+        job = Job(tmp_path, hosts, family)
+        job.etcd.start()
+        yield job
+    finally:
+        if job is not None:
+            job.close()
+        killed = hosts.close()
+        reap_zombies()
+        left = kill_leftovers(job.tag) if job is not None else []
+        assert not left and not killed, f"processes left running after the test: {left} {killed}"
+
+
+def step(agent: AgentProc) -> int:
+    """The last step rank 0 printed (only rank 0 prints them)."""
+    return max((int(s) for s in re.findall(r"\] step (\d+)/", agent.output())), default=0)
+
+
+def progress(agent: AgentProc, by: int, timeout: float, what: str) -> None:
+    start = step(agent)
+    wait_for(lambda: step(agent) >= start + by, timeout, f"{by} steps {what}")
+
+
+def last_trained(agent: AgentProc) -> int:
+    """The last step a node's workers reached, from its agent's progress samples."""
+    return max((int(s) for s in re.findall(r"'steps': (\d+)", agent.output())), default=0)
+
+
+def resumed_at(survivor: AgentProc) -> int:
+    """The step at which a survivor resumed after a live replacement."""
+    return int(re.findall(r"event recovered .*'resume_at': (\d+)", survivor.output())[-1])
+
+
+@pytest.mark.parametrize("job_on_hosts", [4], indirect=True)
+def test_across_hosts_an_etcd_cut_is_ridden_out_and_a_pulled_link_is_replaced_live_and_fenced(
+    job_on_hosts: Job,
+) -> None:
+    job, hosts = job_on_hosts, job_on_hosts.hosts
+    dead_end = hosts.add_interface(hosts[3])  # a's host: its default route reaches nobody
+    a = job.agent("a", 3)
+    b = job.agent("b", 4)
+    c = job.agent("c", 5)
+    wait_for(lambda: warm(job.cluster, "c"), 120, "standby c to be warm")
+    addrs = {n["node_id"]: n["addr"] for n in job.cluster.status()["nodes"]}
+    assert addrs == {"a": hosts[3].v4, "b": hosts[4].v4, "c": hosts[5].v4}, (addrs, dead_end)
+    progress(a, 5, 60, "across hosts")
+
+    # b cut from etcd alone, for less than its lease: it trains on; nobody replaces or fences it.
+    etcd_addrs = [m.host for m in job.etcd.members]
+    hosts.cut(hosts[4], etcd_addrs)
+    wait_for(lambda: "etcd is unreachable" in b.output(), 30, "b to find etcd unreachable")
+    progress(a, 10, 30, "while b is cut from etcd (every step needs b)")
+    hosts.heal(hosts[4])
+    wait_for(lambda: "etcd answers again" in b.output(), 30, "b to reach etcd again")
+    progress(a, 5, 60, "after the cut healed")
+    nodes = {n["node_id"]: n for n in job.cluster.status()["nodes"]}
+    assert (nodes["b"]["role"], nodes["c"]["role"]) == ("active", "standby"), nodes
+    assert "event fenced" not in b.output() and "'plan': 'replace'" not in a.output()
+
+    # b's link goes down: its lease expires, c takes rank 1 live; b is fenced once its link is back.
+    hosts.link_down(hosts[4])
+    cut_at = time.monotonic()
+    wait_for(
+        lambda: (n := job.cluster.node("c")) and n["role"] == "active" and n["state"] == "running",
+        90, "standby c to take b's rank",
+    )  # fmt: skip
+    progress(a, 10, 60, "after the replacement")
+    hosts.link_up(hosts[4])
+    assert b.wait(60) == 1, b.output()[-3000:]
+    assert "its lease" in b.output() and "event fenced" in b.output()
+    assert time.monotonic() - cut_at >= TTL - 1, "replaced only once the lease was gone"
+    assert a.wait(180) == 0 and c.wait(60) == 0, (a.output()[-2000:], c.output()[-2000:])
+    assert 0 < last_trained(b) <= resumed_at(a), "the old holder of rank 1 never trained past the switch"
+    assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
+    got = finals(a, c)
+    assert sorted(got) == [0, 1] and got[0][:2] == got[1][:2], "the replicas agree at the end"
+
+
+@pytest.mark.parametrize("job_on_hosts", [6], indirect=True)
+def test_an_ipv6_only_job_joins_trains_drains_and_replaces_a_lost_node_live(job_on_hosts: Job) -> None:
+    job, hosts = job_on_hosts, job_on_hosts.hosts
+    assert all(":" in m.host for m in job.etcd.members)
+    a = job.agent("a", 3)
+    b = job.agent("b", 4)
+    c = job.agent("c", 5)
+    d = job.agent("d", 6)
+    wait_for(lambda: warm(job.cluster, "d"), 120, "standby d to be warm")
+    addrs = {n["node_id"]: n["addr"] for n in job.cluster.status()["nodes"]}
+    assert addrs == {"a": hosts[3].v6, "b": hosts[4].v6, "c": hosts[5].v6, "d": hosts[6].v6}, addrs
+    progress(a, 5, 60, "over IPv6")
+    res = job.cluster.cli("drain", "b", "--rdzv-endpoint", job.cluster.endpoint, "--rdzv-id", job.cluster.job_id,
+                          timeout=120)  # fmt: skip
+    assert res.returncode == 0 and "node b drained" in res.stdout, (res.stdout, res.stderr)
+    assert b.wait(60) == 0
+    progress(a, 5, 60, "after the drain")
+    wait_for(lambda: warm(job.cluster, "d"), 60, "standby d to be warm still")
+    c.kill_with_workers()  # c took rank 1 from b; d takes it from c
+    wait_for(
+        lambda: (n := job.cluster.node("d")) and n["role"] == "active" and n["state"] == "running",
+        90, "standby d to replace c live",
+    )  # fmt: skip
+    assert a.wait(180) == 0 and d.wait(60) == 0, (a.output()[-2000:], d.output()[-2000:])
+    assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
+    assert resumed_at(a) > 0
+    assert_identical(finals(a, d), _reference(2, ("--steps", str(STEPS))))
