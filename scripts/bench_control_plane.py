@@ -49,15 +49,18 @@ from typing import Any
 
 import psutil
 
-from rlaunch.controller.controller import Controller
-from rlaunch.controller.planner import PlannerConfig
-from rlaunch.errors import StoreError
-from rlaunch.events import EventLog
-from rlaunch.store.client import Store, parse_endpoints
-from rlaunch.store.embedded import EmbeddedEtcd, free_port
-from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import Ack, Event, Generation, JobSpec, NodeRecord, NodeState, decode, encode
-from rlaunch.waiting import wait_event
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlaunch.controller.controller import Controller  # noqa: E402
+from rlaunch.controller.planner import PlannerConfig  # noqa: E402
+from rlaunch.errors import StoreError  # noqa: E402
+from rlaunch.events import EventLog  # noqa: E402
+from rlaunch.store.client import Store, parse_endpoints  # noqa: E402
+from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from rlaunch.store.keys import JobKeys  # noqa: E402
+from rlaunch.store.records import Ack, Event, Generation, JobSpec, NodeRecord, NodeState, decode, encode  # noqa: E402
+from rlaunch.waiting import wait_event  # noqa: E402
+from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 
 LEASE_TTL = 3
 #: Simulated nodes' lease TTL: renewed every third of it, as agents do; long enough that a
@@ -351,7 +354,8 @@ def real(endpoint: str, n: int, tmp: Path) -> dict[str, Any]:
             "--lease-ttl", str(LEASE_TTL), "--rdzv-timeout", "600", str(script),
         ]  # fmt: skip
         log = (tmp / f"{keys.job_id}-{node_id}.log").open("wb")
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent)  # fmt: skip
 
     try:
         return asyncio.run(_real(endpoint, n, keys, agent, procs))
@@ -496,6 +500,7 @@ def main() -> None:
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    end_on_sigterm()
     if args.controller_of:
         asyncio.run(controller_process(args.endpoint, args.controller_of, args.profile))
         return

@@ -90,6 +90,7 @@ from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.errors import RlaunchError  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
 from scripts import bench_migration  # noqa: E402
+from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 
 WORKER = REPO / "scripts" / "bench_train.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -186,7 +187,7 @@ class Procs:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         out = (self.work / f"{name}.log").open("wb")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=ENV,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
         self.procs[name] = proc
         return proc
 
@@ -497,6 +498,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument("--analyze", default="", help="only compute the JSON again from an earlier run's log directory")
     args = ap.parse_args()
+    end_on_sigterm()
     if args.analyze:
         root = Path(args.analyze)
     else:

@@ -103,6 +103,7 @@ from scripts.bench_migration import (  # noqa: E402
     steps_done,
     wait_until,
 )
+from scripts.ending import end_on_sigterm  # noqa: E402
 
 Row = tuple[int, float, float, str]
 #: the interval the runs with host snapshots use (the environment's, as the agents would read it)
@@ -370,6 +371,7 @@ def main() -> None:
                     help="fsdp: interleaved no-event runs with and without host snapshots")  # fmt: skip
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args()
+    end_on_sigterm()
     began = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="rlaunch-bench-failure-"))
     log(f"logs in {root}")

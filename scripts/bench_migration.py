@@ -85,7 +85,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,8 @@ sys.path.insert(0, str(REPO))
 from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.runtime.phases import breakdown  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
+from tests.netns import Hosts, rate_bytes  # noqa: E402
 
 WORKER = REPO / "scripts" / "bench_train.py"
 WIDTH, DEPTH = 2048, 6  # bench_train.py's defaults
@@ -209,7 +211,8 @@ class Procs:
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         out = (self.work / f"{name}.log").open("wb")
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                preexec_fn=die_with_parent)  # fmt: skip
         self.procs[name] = proc
         return proc
 
@@ -234,9 +237,12 @@ class Procs:
 def run_rlaunch(
     root: Path, etcd: str, name: str, steps: int, events: Sequence[int] | None, sandbox_steps: int,
     train_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+    where: Callable[[int], list[str]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One rlaunch job: nodes a and b active, one standby per event; at each step of ``events``
     the node holding rank 1 is drained onto a standby (so rank 0's timeline sees every event).
+    ``where(i)``: the command prefix that runs the i-th node (a, b, then the standbys) on a host of
+    its own (``--hosts netns``); None: all on this one.
     All standbys start with the job, and the active ranks begin step 0 once all are warm (three
     warming standbys would otherwise compete with the steps for the CPUs).
     """
@@ -251,9 +257,10 @@ def run_rlaunch(
     drained: list[dict[str, Any]] = []
     start = ["--start-file", str(work / "start")] if events else []
     try:
-        for node in nodes:
+        for i, node in enumerate(nodes):
             procs.start(node, [
-                sys.executable, "-m", "rlaunch", "--nnodes", "2", "--rdzv-endpoint", etcd, "--rdzv-id", job,
+                *(where(i) if where else []), sys.executable, "-m", "rlaunch", "--nnodes", "2",
+                "--rdzv-endpoint", etcd, "--rdzv-id", job,
                 "--node-id", node, "--sandbox-steps", str(sandbox_steps), str(WORKER), "--mode", "rlaunch",
                 "--steps", str(steps), "--timeline", str(timeline), *start, *train_args,
             ])  # fmt: skip
@@ -361,9 +368,12 @@ BANDWIDTH = textwrap.dedent("""
     import datetime, sys, time, torch
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
-    rank, port, mib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    pg = ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+    rank, port, mib, master, me = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    store = TCPStore(master, port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=me)]
+    options._timeout = datetime.timedelta(seconds=60)
+    pg = ProcessGroupGloo(store, rank, 2, options)
     t = torch.ones(mib * 2**18)
     best = 0.0
     for _ in range(3):
@@ -377,11 +387,16 @@ BANDWIDTH = textwrap.dedent("""
 """)
 
 
-def loopback_bandwidth(mib: int = 256) -> float:
-    """Bytes per second of a gloo send/recv between two processes on loopback (best of 3)."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", BANDWIDTH, str(r), str(port), str(mib)], stdout=subprocess.PIPE,
-                              text=True, env=ENV) for r in (0, 1)]  # fmt: skip
+def loopback_bandwidth(mib: int = 256, ends: Sequence[tuple[str, list[str]]] = ()) -> float:
+    """Bytes per second of a gloo send/recv between two processes (best of 3): on loopback, or
+    between ``ends`` (each: its address and the command prefix that runs a process there)."""
+    port = free_port() if not ends else 29400
+    (addr0, where0), (addr1, where1) = ends or (("127.0.0.1", []), ("127.0.0.1", []))
+    procs = [
+        subprocess.Popen([*where, sys.executable, "-c", BANDWIDTH, str(r), str(port), str(mib), addr0, me],
+                         stdout=subprocess.PIPE, text=True, env=ENV)
+        for r, (me, where) in enumerate(((addr0, where0), (addr1, where1)))
+    ]  # fmt: skip
     outs = [p.communicate(timeout=120)[0] for p in procs]
     return float(outs[1].strip())
 
@@ -650,6 +665,42 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     return out
 
 
+def measure_links(root: Path, args: Any, rates: Sequence[str]) -> dict[str, Any]:
+    """``--hosts netns``: drains of the DDP layout with each node on a host of its own (a network
+    namespace of tests/netns.py, etcd in the root namespace on the hosts' bridge) and every host's
+    link limited to each of ``rates`` by tbf, both ways; downtime against that link's transfer bound."""
+    events = [args.event_at + i * args.event_every for i in range(args.repeats)]
+    out: dict[str, Any] = {}
+    for rate in rates:
+        hosts = Hosts(2 + len(events))
+        try:
+            hosts.start()
+            shaped = [hosts.shape(h, rate) for h in hosts.hosts][0]
+            ends = [(h.v4, hosts.argv(h, [])) for h in hosts.hosts[:2]]
+            measured = loopback_bandwidth(ends=ends)
+            with EmbeddedEtcd(host=hosts.root_v4) as etcd:
+                log(f"links: {rate}: {len(events)} drains onto warm standbys at steps {events}, a host per node")
+                warm = run_rlaunch(root, etcd.endpoint, f"link-{rate}", args.steps, events, 3, (),
+                                   where=lambda i, hs=hosts: hs.argv(hs[i], []))  # fmt: skip
+        finally:
+            hosts.close()
+        down, _, med = event_downtimes(warm)
+        state_bytes = int(_events_bytes(warm))
+        bound = state_bytes / rate_bytes(rate)
+        entry: dict[str, Any] = {
+            "shaped": f"every host's veth, both ends: tc qdisc {shaped}; no latency added (no netem here)",
+            "measured_bytes_per_s": round(measured),
+            "state_bytes": state_bytes,
+            "transfer_bound_s": round(bound, 4),
+            "median_step_s": round(med, 4),
+        }
+        with_spread(entry, "rlaunch_downtime_s", down)
+        entry["phases"] = phase_report(warm, med)
+        entry["targets"] = {"downtime_le_2x_bound_plus_step": entry["rlaunch_downtime_s"] <= 2 * bound + med}
+        out[rate] = entry
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--steps", type=int, default=60)
@@ -660,12 +711,26 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument(
         "--layouts", default="ddp,fsdp",
-        help="comma-separated: ddp (the top-level keys) and fsdp (FSDP2 over both ranks, under layouts.fsdp)",
+        help="comma-separated: ddp (the top-level keys) and fsdp (FSDP2 over both ranks, under layouts.fsdp); "
+        "empty with --hosts netns: the links alone",
     )  # fmt: skip
+    ap.add_argument(
+        "--hosts", choices=("loopback", "netns"), default="loopback",
+        help="netns: also drain with a network namespace per node, links shaped to each of --links (root only)",
+    )  # fmt: skip
+    ap.add_argument("--links", default="10gbit,1gbit", help="with --hosts netns: tbf rates, comma-separated")
     args = ap.parse_args()
+    end_on_sigterm()
+    rates = [r for r in args.links.split(",") if r]
+    for rate in rates:
+        try:
+            rate_bytes(rate)
+        except ValueError as exc:
+            ap.error(str(exc))
     layouts = [x for x in args.layouts.split(",") if x]
-    if not layouts or any(x not in ("ddp", "fsdp") for x in layouts):
-        ap.error(f"--layouts {args.layouts!r} must name ddp, fsdp or both, separated by commas.")
+    if (not layouts and args.hosts != "netns") or any(x not in ("ddp", "fsdp") for x in layouts):
+        ap.error(f"--layouts {args.layouts!r} must name ddp, fsdp or both, separated by commas "
+                 "(or nothing, with --hosts netns: the links alone).")  # fmt: skip
     last = args.event_at + (args.repeats - 1) * args.event_every
     if args.steady_repeats < 1:
         ap.error(f"--steady-repeats {args.steady_repeats} must be at least 1.")
@@ -691,6 +756,7 @@ def main() -> None:
         "loopback_bytes_per_s": round(bandwidth),
         **ddp,
         "layouts": {"fsdp": fsdp} if fsdp is not None else {},
+        "links": measure_links(root, args, rates) if args.hosts == "netns" else {},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }

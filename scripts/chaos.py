@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd  # noqa: E402
 from scripts.bench_migration import wait_until  # noqa: E402
+from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 
 TRAIN = REPO / "scripts" / "chaos_train.py"
 KINDS = ("worker_kill", "node_kill", "worker_stop", "xid", "controller_kill")
@@ -117,7 +118,7 @@ class Trial:
         ]  # fmt: skip
         out = (self.work / f"{node}.log").open("wb")
         self.procs[node] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # fmt: skip
+                                            start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         return asyncio.run(fetch_status(self.endpoint, self.job, 5.0)) or {}
@@ -244,6 +245,7 @@ def main() -> None:
     ap.add_argument("--trial-timeout", type=float, default=150.0)
     ap.add_argument("--work", default="", help="keep each trial's logs under this directory (default: a temporary one)")
     args = ap.parse_args()
+    end_on_sigterm()
     rng = random.Random(args.seed)
     kinds, moments = deal(rng, KINDS, args.trials), deal(rng, MOMENTS, args.trials)
     began = time.monotonic()

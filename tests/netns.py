@@ -40,6 +40,14 @@ def _run(*argv: str) -> str:
     return out.stdout
 
 
+def rate_bytes(rate: str) -> float:
+    """Bytes per second of a tc rate such as ``10gbit`` or ``500mbit``."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale / 8
+    raise ValueError(f"The link rate {rate!r} is not valid: write it as tc does, for example 10gbit or 500mbit.")
+
+
 class Host:
     """One namespace: its name, its interface and its addresses."""
 
@@ -146,8 +154,12 @@ class Hosts:
                 _run("ip", "netns", "exec", host.name, tool, "-F", chain)
 
     def shape(self, host: Host, rate: str) -> str:
-        """Limit ``host``'s link to ``rate`` (tc's notation: ``1gbit``) both ways; the qdisc used."""
-        qdisc = ("tbf", "rate", rate, "burst", "1mb", "latency", "50ms")
+        """Limit ``host``'s link to ``rate`` (tc's notation: ``1gbit``) both ways; the qdisc used.
+
+        The bucket holds 10 ms at the rate (tbf cannot reach a rate whose bucket is smaller than
+        what one kernel tick lets through)."""
+        burst = max(64 * 1024, int(rate_bytes(rate) / 100))
+        qdisc = ("tbf", "rate", rate, "burst", str(burst), "latency", "50ms")
         _run("ip", "link", "set", host.veth, "txqueuelen", "10000")
         _run("tc", "qdisc", "replace", "dev", host.veth, "root", *qdisc)
         _run("ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev", "eth0", "root", *qdisc)

@@ -61,9 +61,9 @@ def build_status(snap: JobSnapshot, job_id: str, ttls: dict[str, tuple[int, int]
     for suspect in sorted(snap.suspects.values(), key=lambda m: m.at):
         if suspect.node_id not in snap.nodes and suspect.node_id not in snap.drained:
             nodes.append({
-                "node_id": suspect.node_id, "host": "", "addr": "", "role": "none", "state": "failed", "node_rank": None,
-                "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False, "fault": suspect.fault,
-                "failure": "fault", "message": "", "live_moves": "unknown", "moves_reason": "",
+                "node_id": suspect.node_id, "host": "", "addr": "", "role": "none", "state": "failed",
+                "node_rank": None, "ranks": [], "restarts": 0, "last_seen_s": None, "runtime": False,
+                "fault": suspect.fault, "failure": "fault", "message": "", "live_moves": "unknown", "moves_reason": "",
             })  # fmt: skip
     moves, moves_reason = job_moves(snap)
     return {

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import pytest
-
 from rlaunch.addresses import host_port, is_ipv6, route_addr
-from rlaunch.detectors import liveness
 from rlaunch.store.client import parse_endpoints
 
 
@@ -23,17 +18,3 @@ def test_ipv6_literals_are_bracketed_and_parse_back() -> None:
 def test_the_route_source_address_is_of_the_targets_family() -> None:
     assert route_addr("127.0.0.1", 2379) == "127.0.0.1"
     assert route_addr("::1", 2379) == "::1"
-
-
-@pytest.mark.parametrize("target", ["127.0.0.1", "::1"])
-def test_the_liveness_probe_answers_on_ipv4_and_ipv6_alike(target: str) -> None:
-    async def go() -> tuple[bool, bool]:
-        server, port = await liveness.serve()
-        gone_while_up = await liveness.agent_gone(target, port)
-        server.close()
-        await server.wait_closed()
-        return gone_while_up, await liveness.agent_gone(target, port)
-
-    gone_while_up, gone_after = asyncio.run(go())
-    assert not gone_while_up, f"a live agent's probe port must answer on {target}"
-    assert gone_after, "once the agent is gone the port refuses"
