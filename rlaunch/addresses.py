@@ -19,14 +19,27 @@ def is_ipv6(host: str) -> bool:
         return False
 
 
+def family_of(host: str) -> socket.AddressFamily:
+    """The socket family of an address literal (IPv4 for a name: resolve it first where that matters)."""
+    return socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+
+
 def route_addr(host: str, port: int) -> str:
     """The local address this machine uses to reach ``host:port``: the source address of the
     kernel's route there, in the family ``host`` resolves to (no packet is sent). Falls back to
     the address the host name resolves to when no route is known."""
     try:
-        family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(target)
-            return str(s.getsockname()[0])
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except OSError:
+        found = []
+    for family, _, _, _, target in found:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    try:
         return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from rlaunch import __version__
-from rlaunch.addresses import host_port
+from rlaunch.addresses import host_port, is_ipv6
 from rlaunch.agent.env import VERIFY_AUTO
 from rlaunch.errors import UsageError
 from rlaunch.store.client import Endpoint, parse_endpoints
@@ -465,4 +465,5 @@ def etcd_listen_host(master_addr: str) -> str:
             return master_addr
     except ValueError:
         pass
-    return "0.0.0.0"  # noqa: S104 - the other nodes reach node rank 0's etcd, as torchrun's store
+    # the other nodes reach node rank 0's etcd, as torchrun's store
+    return "::" if is_ipv6(master_addr) else "0.0.0.0"  # noqa: S104

@@ -20,7 +20,8 @@ state           observation            next state (actions)
 any             Signalled              exited (stop with grace, record ``stopping``, exit 1)
 any             Fenced                 exited (kill at once, exit 1)
 training        EtcdLost               no change: training workers are never stopped for an outage alone
-other           EtcdLost               exited (stop a sandbox; exit 0 if its workers succeeded, else 1)
+other           EtcdLost               exited (stop a sandbox; exit 0 if its workers succeeded or handed
+                                       their ranks over, else 1)
 any             Look: job ended        exited (stop, exit 0 or 1)
 any             Look: fault            idle (stop, record ``failed``): a GPU fault, or suspected SDC
 idle            Look: restart, ranks   starting (record ``restarting``, ack; then read every ack)
@@ -191,12 +192,13 @@ def _on_etcd_lost(node: Node, obs: EtcdLost) -> Decision:
     p = _Plan(node)
     if node.state.workers_run and node.state is not AgentState.SANDBOX:
         return p.decision()
-    succeeded = obs.published is NodeState.SUCCEEDED
-    code = 0 if succeeded else EXIT_FAILED
-    if succeeded:
-        mine = "this node's workers succeeded"
-    elif obs.published is NodeState.FAILED:
+    code = EXIT_FAILED
+    if obs.published is NodeState.FAILED:
         mine = "this node's workers failed"
+    elif obs.published is NodeState.SUCCEEDED:
+        code, mine = 0, "this node's workers succeeded"
+    elif node.state is AgentState.LEAVING_DONE:
+        code, mine = 0, "this node's workers handed their ranks over (a drain) or finished"
     else:
         mine = "no worker of this node trains (it is a standby, or waits for a restart)"
     p.stop()

@@ -23,6 +23,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from rlaunch.addresses import family_of
 from rlaunch.agent.agent import Agent
 from rlaunch.agent.config import LaunchConfig, etcd_listen_host
 from rlaunch.controller.view import read_snapshot
@@ -123,7 +124,7 @@ async def _run(cfg: LaunchConfig, keep_pids: tuple[int, ...]) -> int:
 
 
 def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(family_of(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as etcd binds: TIME_WAIT is no obstacle
         try:
             s.bind((host, port))

@@ -90,25 +90,38 @@ class Controller:
         """
         work = True
         while not stop.is_set():
+            failed = False
             if work:
                 try:
-                    if not self.leading:
-                        self._term = await self._store.create(
-                            self._keys.leader, self.node_id.encode(), lease=self._lease_id
-                        )
-                        if self.leading:
-                            self._events.emit("controller_elected", 0, controller=self.node_id)
+                    if not self.leading and await self.campaign():
+                        self._events.emit("controller_elected", 0, controller=self.node_id)
                     if self.leading:
                         await self.tick()
                 except StoreError as exc:
                     log.warning("[%s] controller tick failed: %s", self.node_id, exc)
+                    failed = True  # tried again at the next round: no change may come to wake it
             # Non-leaders campaign when the leader key changes (it vanishes with its lease). The
             # wait is bounded so that ``stop`` is seen even if a wake-up is lost; a wake-up by
             # timeout alone sends nothing to etcd unless a deadline is pending.
             deadline = self.leading and self._deadline_pending
             woken = await wait_event(wake, DEADLINE_TICK_S if deadline else STOP_CHECK_S)
             wake.clear()
-            work = woken or deadline
+            work = woken or deadline or failed
+
+    async def campaign(self) -> bool:
+        """Try to become the leader; whether this controller leads now.
+
+        The leader key is created only if absent. A key that already exists on this agent's own
+        lease is this controller's election whose answer was lost (the creation happened, its
+        reply or the read after it did not arrive): it is adopted, or no controller would run
+        until the lease ends.
+        """
+        self._term = await self._store.create(self._keys.leader, self.node_id.encode(), lease=self._lease_id)
+        if not self._term:
+            kv = await self._store.get(self._keys.leader)
+            if kv is not None and kv.lease == self._lease_id and kv.value == self.node_id.encode():
+                self._term = kv.create_revision
+        return self.leading
 
     async def _revoke_dead(self, snap: JobSnapshot) -> bool:
         """A worker saw a peer fail: probe the generation's agents; revoke the leases of dead ones."""

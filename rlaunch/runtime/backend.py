@@ -129,6 +129,27 @@ def gloo_bind_addr(env: Mapping[str, str]) -> str | None:
     return env.get(HOST_ADDR_ENV) or None
 
 
+def _gloo_device(addr: str) -> Any:
+    """A gloo device bound to ``addr``; torch's default device, said once, where ``addr`` is not an
+    address of this machine (a NAT or public ``--local-addr``: advertised, but never local)."""
+    global _unbindable
+    if _unbindable != addr:
+        try:
+            return ProcessGroupGloo.create_device(hostname=addr)
+        except RuntimeError as exc:
+            log.warning(
+                "gloo cannot bind the advertised address %s (%s); it binds what torch picks instead "
+                "(GLOO_SOCKET_IFNAME, else the host name's address): set GLOO_SOCKET_IFNAME to the interface "
+                "that reaches the other hosts", addr, exc,
+            )  # fmt: skip
+            _unbindable = addr
+    return ProcessGroupGloo.create_default_device()
+
+
+#: the advertised address gloo could not bind (tried once, then torch's default device is used)
+_unbindable = ""
+
+
 def _connected_inet_fds() -> set[int]:
     """File descriptors of this process's connected (not listening) TCP sockets."""
     found = set()
@@ -193,7 +214,7 @@ class Communicators:
                 gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
             else:
                 options = ProcessGroupGloo._Options()
-                options._devices = [ProcessGroupGloo.create_device(hostname=addr)]
+                options._devices = [_gloo_device(addr)]
                 options._timeout = timeout
                 gloo = ProcessGroupGloo(store, rank, size, options)
             return gloo, _connected_inet_fds() - before

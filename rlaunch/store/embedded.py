@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlaunch.addresses import host_port
+from rlaunch.addresses import family_of, host_port
 from rlaunch.errors import EmbeddedEtcdError
 from rlaunch.store.janitor import start_time
 from rlaunch.store.security import EtcdSecurity
@@ -71,13 +71,13 @@ def _is_native(path: str) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(family_of(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def _port_open(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(family_of(host), socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex((host, port)) == 0
 

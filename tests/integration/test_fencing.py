@@ -67,9 +67,20 @@ def test_a_stale_controller_is_deposed_when_its_node_id_is_elected_again(endpoin
         stop.set()
         await campaign
         assert stale.leading, "the stale controller still believes it leads (it heard nothing)"
+        old_term = stale._term
+        assert not await store.put_guarded(keys.generation, b"{}", 0, fence=(keys.leader, old_term)), (
+            "etcd refuses a write fenced by the old election"
+        )
         await stale.tick()
         assert not stale.leading, "the leader key names node a again, but it is another election"
         assert fresh.leading
+        # An election whose answer was lost (the key exists on the controller's own lease) is adopted.
+        lease = await store.grant_lease(30)
+        lost_reply = controller(lease)
+        await store.delete(keys.leader)
+        made = await store.create(keys.leader, b"a", lease=lease)
+        assert await lost_reply.campaign() and lost_reply._term == made
+        assert not await controller(await store.grant_lease(30)).campaign(), "another lease's key is not adopted"
 
     run_store(endpoint, go)
 

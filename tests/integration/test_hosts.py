@@ -72,10 +72,12 @@ def job_on_hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Job
         job.etcd.start()
         yield job
     finally:
-        if job is not None:
-            job.close()
-        killed = hosts.close()
-        reap_zombies()
+        try:
+            if job is not None:
+                job.close()
+        finally:
+            killed = hosts.close()
+            reap_zombies()
         left = kill_leftovers(job.tag) if job is not None else []
         assert not left and not killed, f"processes left running after the test: {left} {killed}"
 
@@ -133,11 +135,11 @@ def test_across_hosts_an_etcd_cut_is_ridden_out_and_a_pulled_link_is_replaced_li
         lambda: (n := job.cluster.node("c")) and n["role"] == "active" and n["state"] == "running",
         90, "standby c to take b's rank",
     )  # fmt: skip
+    assert time.monotonic() - cut_at >= TTL - 1, "replaced only once the lease was gone"
     progress(a, 10, 60, "after the replacement")
     hosts.link_up(hosts[4])
     assert b.wait(60) == 1, b.output()[-3000:]
     assert "its lease" in b.output() and "event fenced" in b.output()
-    assert time.monotonic() - cut_at >= TTL - 1, "replaced only once the lease was gone"
     assert a.wait(180) == 0 and c.wait(60) == 0, (a.output()[-2000:], c.output()[-2000:])
     assert 0 < last_trained(b) <= resumed_at(a), "the old holder of rank 1 never trained past the switch"
     assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"

@@ -229,7 +229,7 @@ def test_the_leader_prunes_the_store_prefixes_of_settled_generations(endpoint: s
             for k in ("g1/world/0/0", "g2/recover/0", "g3/world/0/0", "g10/world/0/0", "other"):
                 await store.put(keys.kv(k), b"v")
             ctl = Controller(store, keys, spec, PlannerConfig("a", 60.0), lease, events)
-            assert await store.create(keys.leader, b"a", lease=lease)
+            assert await ctl.campaign()
             await ctl.tick()
             assert await store.count_prefix(keys.kv("")) == 5, "b is still setting up generation 3: nothing goes"
             await store.put(keys.node("b"), record("b", NodeState.RUNNING, 3), lease=lease)

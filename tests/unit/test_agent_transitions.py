@@ -212,6 +212,8 @@ def test_training_workers_are_never_stopped_for_an_etcd_outage_alone(state: Agen
         (S.IDLE, NodeState.FAILED, EXIT_FAILED, "this node's workers failed"),
         (S.SANDBOX, NodeState.STANDBY, EXIT_FAILED, "is a standby"),
         (S.STARTING, NodeState.RESTARTING, EXIT_FAILED, "waits for a restart"),
+        (S.LEAVING_DONE, NodeState.DRAINING, 0, "handed their ranks over"),
+        (S.LEAVING_DONE, NodeState.FAILED, EXIT_FAILED, "this node's workers failed"),
     ],
 )
 def test_with_no_training_workers_an_agent_ends_once_etcd_is_gone_for_the_rdzv_timeout(

@@ -434,3 +434,13 @@ def test_gloo_binds_the_agents_advertised_address_unless_gloo_socket_ifname_name
     assert backends.gloo_bind_addr({"RLAUNCH_HOST_ADDR": "fd00:7::2"}) == "fd00:7::2"
     assert backends.gloo_bind_addr({"RLAUNCH_HOST_ADDR": "10.1.0.2", "GLOO_SOCKET_IFNAME": "eth1"}) is None
     assert backends.gloo_bind_addr({}) is None, "no agent (a plain torchrun): torch's own choice"
+
+
+def test_an_advertised_address_gloo_cannot_bind_falls_back_to_torchs_choice_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING"):
+        assert backends._gloo_device("203.0.113.7") is not None  # TEST-NET-3: never a local address
+        assert backends._gloo_device("203.0.113.7") is not None
+    said = [r for r in caplog.records if "cannot bind the advertised address 203.0.113.7" in r.message]
+    assert len(said) == 1 and "GLOO_SOCKET_IFNAME" in said[0].message

@@ -151,6 +151,7 @@ def test_etcd_listens_on_a_loopback_master_or_on_every_interface() -> None:
     assert etcd_listen_host("127.0.0.5") == "127.0.0.5"
     assert etcd_listen_host("10.1.2.3") == "0.0.0.0"
     assert etcd_listen_host("head-node") == "0.0.0.0", "a name may resolve to 127.0.1.1 on its own host"
+    assert etcd_listen_host("fd00::7") == "::" and etcd_listen_host("::1") == "::1"
 
 
 def test_flags_without_effect_are_named() -> None:
