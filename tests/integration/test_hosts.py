@@ -171,6 +171,7 @@ def test_an_ipv6_only_job_joins_trains_drains_and_replaces_a_lost_node_live(job_
         90, "standby d to replace c live",
     )  # fmt: skip
     assert a.wait(180) == 0 and d.wait(60) == 0, (a.output()[-2000:], d.output()[-2000:])
+    assert "event node_dead" in a.output(), "the controller's probe over IPv6 found c's agent gone (no TTL wait)"
     assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
     assert resumed_at(a) > 0
     assert_identical(finals(a, d), _reference(2, ("--steps", str(STEPS))))

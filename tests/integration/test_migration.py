@@ -145,19 +145,28 @@ def test_two_drains_the_second_onto_the_undrained_first_leaver(
     assert_identical(finals(agents["a"], back), ref)
 
 
-def test_drain_with_subgroups_rebuilds_only_the_touched_ones(cluster: Cluster) -> None:
-    # 2 active nodes x 2 ranks: draining b moves ranks 2 and 3. sub0 = {0, 1} lies on node a
-    # only and must be kept; sub1 = {1, 2} touches the leaver and must be rebuilt.
+def test_a_drain_and_a_replacement_with_subgroups_rebuild_only_the_touched_ones(cluster: Cluster) -> None:
+    # 2 active nodes x 2 ranks: draining b moves ranks 2 and 3 to c. sub0 = {0, 1} lies on node a
+    # only and must be kept; sub1 = {1, 2} touches the leaver and must be rebuilt. Then c's rank 3
+    # is killed and d takes ranks 2 and 3 live: sub0 kept again, sub1 rebuilt again, and rank 0,
+    # which is not in sub1, is not held up by it.
     extra = ("--subgroup", "0,1", "--subgroup", "1,2")
-    agents = start(cluster, ["a", "b", "c"], *extra, flags=("--nproc-per-node", "2"))
+    agents = start(cluster, ["a", "b", "c", "d"], *extra, flags=("--nproc-per-node", "2", "--max-restarts", "1"))
+    wait_for(lambda: warm(cluster, "c"), 90, "standby c to be warm")
     wait_for(lambda: "step 10/" in agents["a"].output(), 90, "training to make progress")
     drain(cluster, "b")
-    assert [agents[n].wait(180) for n in "abc"] == [0, 0, 0]
-    got = finals(agents["a"], agents["c"])
+    joiner = next(n["node_id"] for n in cluster.status()["nodes"] if n["node_rank"] == 1)
+    spare = ({"c", "d"} - {joiner}).pop()
+    wait_for(lambda: "event joined" in agents[joiner].output(), 60, f"{joiner} to take b's ranks")
+    wait_for(lambda: warm(cluster, spare), 60, f"standby {spare} to be warm still")
+    agents[joiner].workers()[1].kill()
+    assert [agents[n].wait(180) for n in ("a", "b", spare)] == [0, 0, 0]
+    got = finals(agents["a"], agents[spare])
     assert_identical(got, _reference(4, extra))
-    assert got[0][2] == {"world": 2, "sub0": 1, "sub1": 1}, "rank 0 is in sub0 only: kept"
-    assert got[1][2] == {"world": 2, "sub0": 1, "sub1": 2}, "sub0 kept, sub1 rebuilt"
-    assert got[2][2]["world"] == 2 and got[2][2]["sub1"] == 2
+    assert got[0][2] == {"world": 3, "sub0": 1, "sub1": 1}, "rank 0 is in sub0 only: kept twice"
+    assert got[1][2] == {"world": 3, "sub0": 1, "sub1": 3}, "sub0 kept, sub1 rebuilt at each move"
+    assert got[2][2]["world"] == 3 and got[2][2]["sub1"] == 3
+    assert agents["a"].output().count("event workers_started") == 1, "a kept its processes through both"
 
 
 def test_the_resilient_script_runs_under_plain_torchrun(reference: dict[int, tuple[str, str]]) -> None:
