@@ -105,6 +105,10 @@ def _planned(rank: int, port: int, results: Any) -> None:
     waited = time.monotonic() - began
     later = torch.ones(2)
     idle.allreduce([later]).wait()  # paused: returns at once, un-issued
+    # the plan is handed over right after the abandon that ended the wait (the listener's thread)
+    handed = time.monotonic() + 5.0
+    while not recovery.planned and time.monotonic() < handed:
+        time.sleep(0.05)
     results.put((waited, tp.failed, idle.failed, idle.paused, later.tolist(), recovery.planned))
 
 
