@@ -15,6 +15,17 @@ each step's start like any tracked object:
 - a joiner loads the position: its sampler takes the joiner's rank, its loader resumes at the
   same sample. Creating the resumed iterator must not draw from the global RNG (an
   uninterrupted run did not draw there), so the draw is undone.
+
+A read may draw from the global generators: an iterator created at an epoch's start draws its
+workers' base seed, a sampler without a generator of its own (torch's or torchdata's
+``RandomSampler``, and Lightning's ``DistributedSamplerWrapper`` over one) draws its order, and a
+dataset read in this process may draw for its random transforms. So each read remembers the
+generators' states before and after it: a redone step that gets the batch again takes the same
+draw. A sampler that draws its order from a generator at each epoch's start (``order_rng``: the
+global torch generator, for a ``RandomSampler`` without one of its own, or the generator that
+Accelerate shares between ranks) needs one thing more: the position then holds that generator's
+state at the epoch's start, and a joiner's resumed iterator is created from it, so the joiner reads
+the same order as the rank it replaces.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import fingerprint_value
@@ -33,8 +46,8 @@ HISTORY = 256
 
 @dataclass(frozen=True)
 class _Read:
-    """One batch, the loader positions before and after it, and the RNG draw it made (an iterator
-    created at an epoch start draws its base seed from the global generator)."""
+    """One batch, the loader positions before and after it, and the RNG draw it made (see the module
+    docstring): the fingerprint of the generators' states before the read and their states after it."""
 
     rank: int  # read for this rank (a sandbox reads for rank -1: never given to a joiner)
     before: dict[str, Any]
@@ -47,17 +60,24 @@ class _Read:
 class EpochLoader:
     """The batches of the current step from a ``StatefulDataLoader``, across epochs (see the module doc)."""
 
-    def __init__(self, loader: Any, sampler: Any, rank: Callable[[], int]) -> None:
+    def __init__(
+        self, loader: Any, sampler: Any, rank: Callable[[], int], order_rng: torch.Generator | None = None
+    ) -> None:
         if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
             raise TypeError(
                 f"rt.epochs() needs a loader that saves its position (torchdata's StatefulDataLoader); got "
                 f"{type(loader).__name__}, which a joiner could not resume at the same sample."
             )
         self._loader, self._sampler, self._rank = loader, sampler, rank
+        self._order_rng = order_rng
         self.epoch = 0
         self._it: Any = None
         self._resumed = False  # the next iterator resumes a loaded position (not an epoch start)
-        self._position: dict[str, Any] = {"epoch": 0, "loader": loader.state_dict()}
+        self._epoch_rng: torch.Tensor | None = None  # order_rng's state at the epoch's start
+        # The start: an empty loader state (asking a fresh StatefulDataLoader for its state would create
+        # its first iterator now, drawing its base seed from the global generator earlier than a loader
+        # that is only iterated does).
+        self._position: dict[str, Any] = {"epoch": 0, "loader": {}}
         self._reader = rank()  # the rank the position was read for (the sampler's partition)
         self._history: deque[_Read] = deque(maxlen=HISTORY)
         self._again: deque[_Read] = deque()  # a redone step's batches, to give again
@@ -78,33 +98,46 @@ class EpochLoader:
             self._history.append(read)
             return read.batch
         before = self._position
-        draw = None
+        drawn_from = rng.fingerprint(rng.capture())
         while True:
             if self._it is None:
-                draw = self._start_iterator()
+                self._start_iterator()
             try:
                 item = next(self._it)
                 break
             except StopIteration:
                 self._it = None
                 self.epoch += 1
+        after = rng.capture()
+        draw = (drawn_from, after) if rng.fingerprint(after) != drawn_from else None
         self._position = {"epoch": self.epoch, "loader": self._loader.state_dict()}
+        if self._epoch_rng is not None:
+            self._position["rng"] = self._epoch_rng
         self._reader = self._rank()
         self._history.append(_Read(self._reader, before, fingerprint_value(before), item, self._position, draw))
         return item
 
-    def _start_iterator(self) -> tuple[int, rng.RngState] | None:
+    def _start_iterator(self) -> None:
         if self._sampler is not None:
             self._sampler.set_epoch(self.epoch)
         if self._resumed:
+            # The sender's iterator was created at its epoch's start: so is this one, from the same
+            # state of the generator its order comes from; the global streams are left as they were.
             self._resumed = False
             kept = rng.capture()
+            if self._order_rng is not None and self._epoch_rng is not None:
+                self._order_rng.set_state(self._epoch_rng)
             self._it = iter(self._loader)
             rng.restore(kept)
-            return None
-        before = rng.fingerprint(rng.capture())
+            return
+        if self._order_rng is not None:
+            self._epoch_rng = self._order_rng.get_state()
         self._it = iter(self._loader)
-        return before, rng.capture()
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """Where the loader stands (what :meth:`state_dict` gives, without letting older batches go)."""
+        return self._position
 
     def state_dict(self) -> dict[str, Any]:
         """The position (the runtime takes it at each step's start: older batches are let go)."""
@@ -130,5 +163,6 @@ class EpochLoader:
         self._it, self._again = None, deque()
         self._history.clear()
         self._loader.load_state_dict(state["loader"])
+        self._epoch_rng = state.get("rng")
         self._resumed = True
         self._position, self._reader = state, self._rank()

@@ -38,6 +38,8 @@ class Moves:
     def drain_refusal(self) -> str:
         """Why this rank's state cannot be moved live by a drain ("" when it can)."""
         s = self._s
+        if s.refused:
+            return s.refused
         if not s.tracked:
             return "rt.track() was never called, so this rank has no state to hand over"
         foreign = registry.foreign_groups()
@@ -90,7 +92,7 @@ class Moves:
         s = self._s
         v = self._voting
         seen = (
-            s.generation, s.rank, len(s.tracked), len(s.per_rank), s.declared, tuple(sorted(s.vote.differs)),
+            s.generation, s.rank, len(s.tracked), len(s.per_rank), s.refused, s.declared, tuple(sorted(s.vote.differs)),
             tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())), registry.known_groups(),
         )  # fmt: skip
         if s.link is None or seen == self._seen:

@@ -64,5 +64,7 @@ class RankState:
     #: the last vote said some rank has no replica to serve it: the job takes host snapshots
     #: (a joiner learns it with its state; see rlaunch.runtime.snapshots)
     snapshots_wanted: bool = False
+    #: why this rank's state must not move live, as the script said (rt.refuse_moves); "" when it may
+    refused: str = ""
     #: rt.steps() has ended: no more plans are taken
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)

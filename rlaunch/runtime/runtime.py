@@ -38,6 +38,7 @@ are compared for silent data corruption, whose suspect is taken out of the job l
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -63,6 +64,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
+from rlaunch.runtime.driven import DrivenSteps
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
 from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
@@ -217,6 +219,41 @@ class Runtime:
         self.track(**objects)
         self._s.per_rank.update(objects)
 
+    def track_if_same(self, **objects: Any) -> None:
+        """Register state that is the same on every rank as long as the script keeps it so, and may not be.
+
+        A framework's bookkeeping is such state: a checkpoint callback's best score is the same on
+        every rank when the metric it watches is synced across ranks, and differs when it is not.
+        While every rank holds the same state it moves as with :meth:`track`; once the vote finds
+        it differs, it is remembered instead of refused: a drain still moves it, and a live
+        replacement is refused with a sentence naming it (a replica would hand over another rank's).
+        """
+        self.track(**objects)
+        self._s.vote.lenient.update(objects)
+
+    def refuse_moves(self, reason: str) -> None:
+        """Say that this rank's state cannot be moved live, and why (a sentence, shown by ``rlaunch status``).
+
+        For what the runtime cannot see: a framework feature an integration does not carry. Training
+        goes on as under torchrun; a drain of this rank's node is refused (the controller restarts
+        the job without it) and a fault restarts the job rather than replace a rank live. Called
+        again, the first reason stands.
+        """
+        if not self._s.refused:
+            self._s.refused = reason
+            if self._s.link is not None and not self.standby:
+                log.warning("rank %d: live moves are refused: %s", self.rank, reason)
+
+    def drive(self) -> DrivenSteps:
+        """Steps for a loop this script does not own (a framework's), begun and redone from its hooks.
+
+        See :class:`rlaunch.runtime.driven.DrivenSteps`. Such a loop can redo its current step, not
+        steps it has left behind, so the job takes no host snapshots to roll back to: where no replica
+        can serve a lost rank, a live replacement is refused and the job restarts.
+        """
+        self._host.every = 0
+        return DrivenSteps(self)
+
     def declare_replicas(self, sets: Sequence[Sequence[int]]) -> None:
         """Say which ranks hold equal copies of the tracked parameters, when it is not DDP or a mesh.
 
@@ -239,7 +276,10 @@ class Runtime:
                 )
         self._s.declared = declared
 
-    def epochs(self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False) -> EpochLoader:
+    def epochs(
+        self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False,
+        order_rng: torch.Generator | None = None,
+    ) -> EpochLoader:  # fmt: skip
         """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
 
         ``data.batch()`` (or ``next(data)``) returns the next batch, moving to the next epoch (with
@@ -253,8 +293,14 @@ class Runtime:
         torch generator at each epoch's start: with a seed per rank (``rt.seed(per_rank=True)``
         included) it differs by rank and the vote refuses it, so pass ``per_rank=True``: it is
         then tracked with :meth:`track_per_rank` (a drain moves it, a live replacement is refused).
+
+        ``order_rng`` is for a sampler that draws its order from a generator at each epoch's start
+        (``torch.default_generator`` for a ``RandomSampler`` without one of its own, as Lightning's
+        ``DistributedSamplerWrapper`` holds it): the position then holds that generator's state at
+        the epoch's start, so a joiner draws the same order (the generator must be the same on every
+        rank there, as such a sampler's order must be).
         """
-        data = EpochLoader(loader, sampler, lambda: self._voting.part(name))
+        data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng)
         if partition.has_partition(sampler):
             self._voting.samplers[name] = sampler
         if per_rank:
@@ -376,33 +422,42 @@ class Runtime:
             yield from self._sandbox(min(self._sandbox_iterations(), total))
             step = self._join()
         last = time.perf_counter()
-        while step < total:
-            s.step = step
-            self._begin_step(step)
-            self._step_began = last
-            yield step
-            now = time.perf_counter()
-            self._after_step(now - last)
-            if s.resume_at is not None:
-                step, s.resume_at = s.resume_at, None
-                if self._recovery.rollback is not None:
-                    # Back to the committed host snapshot, before its copies are sent to the joiners.
-                    self._host.restore(step)
-                    self._voting.verifier.forget_witness()
-                elif step == s.step and s.start is not None:
-                    # The step is redone: as if never run. Before the replicas are sent, so that a
-                    # replacement starts from the same step start as the survivors.
-                    self._snapshots.restore(s.start, s.tracked)
-                self._recovery.send_replicas(step)
+        try:
+            while step < total:
+                s.step = step
+                self._begin_step(step)
+                self._step_began = last
+                yield step
+                now = time.perf_counter()
+                self._after_step(now - last)
+                if s.resume_at is not None:
+                    step, s.resume_at = s.resume_at, None
+                    if self._recovery.rollback is not None:
+                        # Back to the committed host snapshot, before its copies are sent to the joiners.
+                        self._host.restore(step)
+                        self._voting.verifier.forget_witness()
+                    elif step == s.step and s.start is not None:
+                        # The step is redone: as if never run. Before the replicas are sent, so that a
+                        # replacement starts from the same step start as the survivors.
+                        self._snapshots.restore(s.start, s.tracked)
+                    self._recovery.send_replicas(step)
+                    last = time.perf_counter()
+                    continue
                 last = time.perf_counter()
-                continue
-            last = time.perf_counter()
-            if self._migration.due:  # its time counts in the next step's: that step's excess is the downtime
-                self._migration.switch(step + 1)
-            step += 1
-        if s.link is not None:
-            # Done stepping: take no more plans, and what follows (saving, teardown) is not a
-            # hang, however long it takes.
+                if self._migration.due:  # its time counts in the next step's: that step's excess is the downtime
+                    self._migration.switch(step + 1)
+                step += 1
+        except GeneratorExit:  # the loop left early (a break, or a framework's loop ended): done stepping too
+            with contextlib.suppress(OSError, AgentLinkError):  # the agent may be gone (at exit)
+                self._done_stepping()
+            raise
+        self._done_stepping()
+
+    def _done_stepping(self) -> None:
+        """Take no more plans, and tell the agent that what follows (saving, teardown) is not a hang,
+        however long it takes."""
+        s = self._s
+        if s.link is not None and not s.stopped.is_set():
             s.stopped.set()
             verifier = self._voting.verifier
             s.link.call(
@@ -665,7 +720,7 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _report_refusals_as_sentences() -> None:
+def report_errors_as_sentences() -> None:
     """An uncaught rlaunch error ends the worker with its sentence, not a traceback through the
     script: it names the object at fault and what to do, and the script's frames add nothing."""
     previous = sys.excepthook
@@ -681,7 +736,7 @@ def _report_refusals_as_sentences() -> None:
 
 def init(timeout_s: float = 300.0) -> Runtime:
     """Start the runtime in this worker (instead of ``init_process_group``)."""
-    _report_refusals_as_sentences()
+    report_errors_as_sentences()
     timeout = datetime.timedelta(seconds=timeout_s)
     addr = os.environ.get("RLAUNCH_AGENT_ADDR")
     kind = backends.default_backend(os.environ, backends.visible_gpus())

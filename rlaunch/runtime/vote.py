@@ -10,10 +10,12 @@ The vote is one float64 allreduce after gradient sync, laid out as :class:`Layou
 - for each fingerprint (each random generator unless ``rt.seed(per_rank=True)`` derives them;
   each tracked object not declared per rank) its value and its square: the sums tell whether
   every rank holds the same value (a replica can then stand in for a lost rank). A tracked
-  object that differs is refused at once. A generator that differs matters only once a step
-  draws from it (Python's ``random`` is seeded per process at import, and many scripts never
-  use it), so each generator also carries "this step drew from it"; one that differs and is
-  used is remembered, and a later live replacement is refused;
+  object that differs is refused at once, unless it was tracked with ``rt.track_if_same``: then
+  it is remembered, like the module buffers, and a later live replacement is refused. A
+  generator that differs matters only once a step draws from it (Python's ``random`` is seeded
+  per process at import, and many scripts never use it), so each generator also carries "this
+  step drew from it"; one that differs and is used is remembered, and a later live replacement
+  is refused;
 - named sections other modules fill and read: replica fingerprints (:mod:`rlaunch.runtime.verify`),
   the group catalog (:mod:`rlaunch.runtime.contract`), a sampler's partition (:mod:`rlaunch.runtime.partition`);
 - every rank's module buffers, one row per rank (each rank fills its own, the sum is all of
@@ -107,6 +109,8 @@ class StepVote:
         self._carried: tuple[int, torch.Tensor] | None = None
         self._used: set[str] = set()  # generators some step drew from
         self._differing: dict[str, int] = {}  # generators whose state differed by rank (first step seen)
+        #: tracked objects that may differ by rank (rt.track_if_same): remembered in ``differs``, not refused
+        self.lenient: set[str] = set()
 
     def carried_buffers(self, tracked: dict[str, Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The module buffers the vote carries (none above CARRY_LIMIT)."""
@@ -207,11 +211,11 @@ class StepVote:
         for name, same in zip(layout.checked[layout.generators :], equal[layout.generators :], strict=True):
             if same:
                 continue
-            if name == BUFFERS:
+            if name == BUFFERS or name in self.lenient:
                 if name not in self.differs:
                     self.differs[name] = step
                     log.info(
-                        "rank %d: %s differ from rank to rank at step %d; a drain moves them, but a live "
+                        "rank %d: %s differ(s) from rank to rank at step %d; a drain moves it, but a live "
                         "replacement will be refused (see the README's loop patterns).", rank, name, step,
                     )  # fmt: skip
                 continue

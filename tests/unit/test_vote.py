@@ -85,6 +85,25 @@ def test_a_tracked_object_that_differs_by_rank_is_refused_by_name() -> None:
     assert votes[0].refusal(set(), seeded=False) == "", "same seeds, same state: a replica can stand in"
 
 
+def test_state_tracked_if_same_that_differs_is_remembered_and_refuses_only_a_replacement() -> None:
+    """rt.track_if_same: a checkpoint callback's scores from an unsynced metric differ by rank; the job
+    goes on, a drain still moves them, and a live replacement is refused naming them."""
+    ranks = [_rank(0, 1), _rank(0, 2)]
+    votes, total, layout = _votes(ranks)
+    for vote in votes:
+        vote.lenient.add("pos")
+    votes[0].accept(total, layout, 5, ranks[0], 0)  # not refused
+    assert votes[0].differs == {"pos": 5}
+    assert "these differ from rank to rank and no replica holds them: pos since step 5" in votes[0].refusal(
+        set(), seeded=False
+    )
+    ranks = [_rank(0, 3), _rank(0, 3)]
+    votes, total, layout = _votes(ranks)
+    votes[0].lenient.add("pos")
+    votes[0].accept(total, layout, 5, ranks[0], 0)
+    assert votes[0].differs == {} and votes[0].refusal(set(), seeded=False) == "", "the same: a replica holds it"
+
+
 def test_a_script_generator_seeded_per_rank_is_refused_under_the_name_and_type_the_script_gave() -> None:
     ranks = [_rank(0, 1), _rank(0, 1)]
     for seed, tracked in enumerate(ranks):
