@@ -1,0 +1,83 @@
+"""Where a Trainer's fit loop stands at a step's start: what a joiner takes to continue in its place.
+
+A standby runs the user's script through Lightning's real loop (its sandbox steps are real
+Lightning batches), so when it joins it is inside the fit loop at its own sandbox position. Both
+the rank it replaces and the joiner are then at the same point of Lightning's code: inside the
+fetch of a step's first batch, before it is read (see ``rlaunch.lightning.strategy``). What tells
+Lightning where it is there lives in the fit loop's progress objects (epochs, batches, optimizer
+steps, scheduler steps, validation batches), the epoch loop's ``_batches_that_stepped`` and the
+data fetcher's ``fetched`` count; all are the same on every rank, so a replica holds them as well
+as the leaver. :class:`LoopPosition` reads them at each step's start and writes them into a
+joiner's loop. These are private attributes of Lightning: ``rlaunch.frameworks`` pins the
+versions they were read from.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pytorch_lightning.loops import _Loop
+from pytorch_lightning.loops.progress import _BaseProgress
+
+
+def progress_of(loop: _Loop, prefix: str = "") -> dict[str, _BaseProgress]:
+    """Every progress object of ``loop`` and of its child loops, by attribute path (as Lightning's
+    own ``_Loop.state_dict`` walks them)."""
+    found: dict[str, _BaseProgress] = {}
+    for name, value in vars(loop).items():
+        if isinstance(value, _BaseProgress):
+            found[prefix + name] = value
+        elif isinstance(value, _Loop):
+            found.update(progress_of(value, f"{prefix}{name}."))
+    return found
+
+
+class LoopPosition:
+    """The fit loop's position at the last step's start (a tracked object: see the module docstring).
+
+    :meth:`capture` reads it where a step begins; :meth:`state_dict` gives what was captured (the
+    runtime takes it at the step's start and sends it to a joiner, and a replica sends it after
+    the step was redone, when the live loop is past it); :meth:`load_state_dict` only holds what
+    was received, and :meth:`apply` writes it into the loop of a rank that just joined.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._held: dict[str, Any] = {}
+
+    def capture(self) -> None:
+        fit = self._trainer.fit_loop
+        fetcher = fit._data_fetcher
+        self._held = {
+            "progress": {path: p.state_dict() for path, p in progress_of(fit).items()},
+            "batches_that_stepped": int(fit.epoch_loop._batches_that_stepped),
+            "fetched": int(fetcher.fetched) if fetcher is not None else 0,
+            "should_stop": bool(self._trainer.should_stop),
+            "skip_next_val": bool(fit.epoch_loop._skip_next_val),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._held
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._held = copy.deepcopy(state)
+
+    def apply(self) -> None:
+        """Put the held position into the live fit loop (a joiner, inside its first step's fetch)."""
+        fit = self._trainer.fit_loop
+        held = self._held
+        live = progress_of(fit)
+        missing = sorted(set(held["progress"]) ^ set(live))
+        if missing:
+            raise RuntimeError(
+                f"The fit loop's progress received from the rank this one replaces names {missing}, which this "
+                "rank's loop does not have (or the reverse): both must run the same Lightning version."
+            )
+        for path, state in held["progress"].items():
+            live[path].load_state_dict(copy.deepcopy(state))
+        fit.epoch_loop._batches_that_stepped = held["batches_that_stepped"]
+        if fit._data_fetcher is not None:
+            fit._data_fetcher.fetched = held["fetched"]
+        self._trainer.should_stop = held["should_stop"]
+        fit.epoch_loop._skip_next_val = held["skip_next_val"]

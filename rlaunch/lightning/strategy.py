@@ -1,0 +1,386 @@
+"""``rlaunch.lightning.Strategy``: live drains and replacements for a PyTorch Lightning ``Trainer``.
+
+A user adds one argument, ``Trainer(strategy=rlaunch.lightning.Strategy())``, and launches the
+script with ``rlaunch`` (or ``torchrun``: the strategy then trains as Lightning's DDP does). It
+is Lightning's ``DDPStrategy`` with these hook points (the loop stays Lightning's):
+
+- the process group and ranks are the runtime's (``rlaunch.init()``, ``rt.group``), and DDP is
+  built on ``rt.group``, so a move swaps its communicator in place;
+- ``setup`` tracks the model, the optimizers, the LR schedulers, a ``GradScaler``, the fit loop's
+  position (:mod:`rlaunch.lightning.position`) and the callbacks' states;
+- ``process_dataloader`` wraps the train loader (:mod:`rlaunch.lightning.data`): each step begins
+  (``rt.drive()``) right before its first batch is read, where a leaver hands its state over and
+  a standby joins and takes the loop position it received;
+- ``optimizer_step`` runs Lightning's closure itself (forward and backward), then the per-step
+  vote; a step the vote discards is redone inside that call: the earlier micro-batches of a
+  gradient-accumulation window are run again from their own batches and random states, then the
+  closure, so Lightning's loop never sees the redo. What the discarded attempt logged
+  (``self.log``) and did to the callbacks is put back first;
+- with manual optimization the vote is in the ``training_step``'s ``optimizer.step()`` and a
+  discarded step reruns the whole ``training_step``.
+
+What it cannot carry is named at ``fit`` time (:mod:`rlaunch.lightning.checks`): the job then
+trains as under Lightning's DDP and takes the restart path on a fault or drain.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.loops.utilities import _block_parallel_sync_behavior
+from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
+
+from rlaunch.errors import UsageError
+from rlaunch.frameworks import require
+from rlaunch.lightning import checks
+from rlaunch.lightning.data import TrainData, train_data
+from rlaunch.lightning.environment import RuntimeEnvironment
+from rlaunch.lightning.position import LoopPosition
+from rlaunch.runtime import rng
+from rlaunch.runtime.driven import DrivenSteps
+from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
+
+
+@dataclass
+class _MicroBatch:
+    """One ``training_step`` call of the current step: what is needed to run it again."""
+
+    args: tuple[Any, ...]
+    rng: rng.RngState  # the generators as the call found them
+    batch_idx: int
+
+
+class CallbackStates:
+    """The ``state_dict()`` of every callback that has one (a tracked object: a checkpoint callback's
+    best scores, early stopping's patience), by the callback's ``state_key``."""
+
+    def __init__(self, callbacks: list[Any]) -> None:
+        self._callbacks = callbacks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {c.state_key: c.state_dict() for c in self._callbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for callback in self._callbacks:
+            held = copy.deepcopy(state[callback.state_key])
+            if isinstance(callback, ModelCheckpoint):
+                callback.dirpath = held.get("dirpath", callback.dirpath)  # its load keeps scores only in the same dir
+            callback.load_state_dict(held)
+
+
+class Strategy(DDPStrategy):  # type: ignore[misc]
+    """Lightning's DDP on the rlaunch runtime, with live drains and replacements (see the module docstring).
+
+    ``rt``: a runtime the script started itself (``rlaunch.init()``); by default the strategy starts
+    one where Lightning would call ``init_process_group``, with ``timeout_s`` for group set-up and
+    collectives. Other keyword arguments go to ``DistributedDataParallel`` (``find_unused_parameters``...).
+    """
+
+    strategy_name = "rlaunch"
+
+    def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
+        report_errors_as_sentences()
+        require("pytorch-lightning", "rlaunch.lightning.Strategy")
+        super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
+        self._rt = rt
+        self._timeout_s = timeout_s
+        self._trainer: Any = None
+        self._driver: DrivenSteps | None = None  # while a fit drives the runtime's steps
+        self._fitted = False  # a fit has driven the runtime's steps in this process (once per process)
+        self._position: LoopPosition | None = None
+        self._callbacks: CallbackStates | None = None
+        self._data: TrainData | None = None
+        self._stepping = ""  # why the optimizer step is left to Lightning (no vote)
+        self._window: list[_MicroBatch] = []  # the training_step calls of the current step
+        self._reads = 0  # batches the current step read
+        self._kept: tuple[Any, Any] | None = None  # logged results and callback states at the last call's start
+        self._redoing = False  # a discarded step is being run again: record nothing
+        self._stepped = 0  # manual optimization: optimizer steps in this training_step
+        self._discarded = False  # manual optimization: the vote discarded this training_step's step
+
+    # -- the runtime, ranks and the process group --------------------------------------------
+
+    def _runtime(self) -> Runtime:
+        if self._rt is None:
+            import rlaunch
+
+            self._rt = rlaunch.init(self._timeout_s)
+        return self._rt
+
+    def setup_distributed(self) -> None:
+        """Instead of ``init_process_group``: the runtime's group (under plain torchrun, torch's)."""
+        reset_seed()
+        rt = self._runtime()
+        self.set_world_ranks()
+        self._process_group_backend = rt.group.backend.value
+        expected = self.num_nodes * self.num_processes
+        if expected != rt.world_size:
+            raise UsageError(
+                f"Trainer(devices={self.num_processes}, num_nodes={self.num_nodes}) asks for {expected} processes, "
+                f"but the job has {rt.world_size}; give devices= the processes per node and num_nodes= the nodes."
+            )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # A standby's sandbox has rank -1, which DistributedSampler refuses: it reads rank 0's part
+        # until it joins, when rt.epochs gives the sampler the rank it took.
+        rt = self._runtime()
+        return {"num_replicas": rt.world_size, "rank": max(rt.rank, 0)}
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(
+            module=model, device_ids=self.determine_ddp_device_ids(), process_group=self._runtime().group,
+            **self._ddp_kwargs,
+        )  # fmt: skip
+
+    # -- what is tracked, and the train data ---------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._trainer = trainer
+        if self._fitted:
+            self._refuse(
+                "trainer.fit() ran a second time in this process, and the runtime's steps are driven by one fit "
+                "only; run one fit per process"
+            )
+            return
+        self._fitted = True
+        rt = self._runtime()
+        self._stepping = checks.stepping(trainer, self.precision_plugin, self.optimizers)
+        for why in ([self._stepping] if self._stepping else []) + checks.refusals(trainer, self):
+            self._refuse(why)
+        tracked: dict[str, Any] = {"model": self.model}
+        for i, opt in enumerate(self.optimizers):
+            tracked[f"optimizer{i}" if len(self.optimizers) > 1 else "optimizer"] = opt
+        plateau: dict[str, Any] = {}
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            # a plateau scheduler follows a metric, which differs by rank unless it is synced
+            (plateau if config.reduce_on_plateau else tracked)[f"scheduler{i}"] = config.scheduler
+        scaler = self._scaler()
+        if scaler is not None:
+            tracked["scaler"] = scaler
+        self._position = LoopPosition(trainer)
+        tracked["lightning"] = self._position
+        rt.track(**tracked)
+        carried = checks.carried_callbacks(trainer)
+        if carried:
+            self._callbacks = CallbackStates(carried)
+            plateau["callbacks"] = self._callbacks
+        if plateau:
+            rt.track_if_same(**plateau)
+        self._driver = rt.drive()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._trainer
+        if self._driver is None or trainer is None or not trainer.training:
+            return dataloader  # validation, testing, prediction: read as Lightning prepared them
+        if self._data is not None:
+            self._refuse("the fit has more than one train loader (or makes it again), whose positions are not carried")
+            return dataloader
+        self._data, why = train_data(self._runtime(), dataloader, self._before_read)
+        if why:
+            self._refuse(why)
+        return self._data
+
+    def _refuse(self, why: str) -> None:
+        self._runtime().refuse_moves(f"rlaunch.lightning: {why}")
+
+    def _scaler(self) -> Any:
+        precision = self.precision_plugin
+        return precision.scaler if isinstance(precision, MixedPrecision) else None
+
+    # -- step boundaries -----------------------------------------------------------------------
+
+    def _before_read(self) -> None:
+        """Before each train batch is read: the first batch of a step begins the runtime's step."""
+        trainer = self._trainer
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+            self._begin_step()
+        self._reads += 1
+
+    def _begin_step(self) -> None:
+        assert self._driver is not None and self._position is not None
+        self._position.capture()
+        joined = self._driver.begin()
+        self._window, self._reads = [], 0
+        if joined:
+            self._take_position()
+
+    def _take_position(self) -> None:
+        """(a standby that just joined) Continue where the rank it replaces stands: its loop position,
+        its rank for rank-zero-only code and for the validation loaders' samplers."""
+        assert self._position is not None
+        trainer = self._trainer
+        self._position.apply()
+        self.set_world_ranks()
+        rank = self._runtime().rank
+        val = trainer.fit_loop.epoch_loop.val_loop._combined_loader
+        for loader in val.flattened if val is not None else []:
+            for sampler in (getattr(loader, "sampler", None), getattr(loader.batch_sampler, "sampler", None)):
+                if sampler is not None and hasattr(sampler, "rank"):
+                    sampler.rank = rank
+        # Epoch-level logged values are each rank's own running sums: the sandbox's are let go (the
+        # epoch's values on this rank then cover its steps since the join).
+        trainer.fit_loop.epoch_loop._results.clear()
+
+    def teardown(self) -> None:
+        if self._driver is not None:
+            self._driver.end()
+            self._driver = None
+        super().teardown()
+
+    # -- the step: training_step, the vote, the redo -------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._driver is None or self._redoing:
+            return super().training_step(*args, **kwargs)
+        trainer = self._trainer
+        entry = _MicroBatch(args, rng.capture(), trainer.fit_loop.epoch_loop.batch_idx)
+        self._kept = self._keep()
+        if trainer.lightning_module.automatic_optimization:
+            self._window.append(entry)
+            return super().training_step(*args, **kwargs)
+        return self._manual_training_step(entry, kwargs)
+
+    def _keep(self) -> tuple[Any, Any]:
+        """What a discarded attempt may change besides the tracked state: the logged results, the callbacks."""
+        results = self._trainer.fit_loop.epoch_loop._results
+        return _logged(results), (copy.deepcopy(self._callbacks.state_dict()) if self._callbacks is not None else None)
+
+    def _put_back(self) -> None:
+        assert self._kept is not None
+        logged, callbacks = self._kept
+        _relog(self._trainer.fit_loop.epoch_loop._results, logged)
+        if self._callbacks is not None:
+            self._callbacks.load_state_dict(callbacks)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._driver is None or self._stepping:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        if not module.automatic_optimization:
+            return self._manual_optimizer_step(opt, closure, module)
+        progress = self._trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        at_entry = copy.deepcopy(progress.state_dict())
+        redo = False
+        while True:
+            self._redoing = redo
+            try:
+                result = closure()
+            finally:
+                self._redoing = False
+            self._after_closure(module, opt, result)
+            if self._runtime().optimizer_step(opt, scaler=self._scaler()):
+                return result
+            self._redo_window(opt)
+            progress.load_state_dict(copy.deepcopy(at_entry))
+            redo = True
+
+    def _after_closure(self, module: Any, opt: torch.optim.Optimizer, result: Any) -> None:
+        """What Lightning's precision plugin does between the closure and the step: unscale the
+        gradients (with a GradScaler), the ``on_before_optimizer_step`` hooks, gradient clipping."""
+        scaler = self._scaler()
+        skipped = result is None and module.automatic_optimization
+        if scaler is not None and not skipped and not _optimizer_handles_unscaling(opt):
+            scaler.unscale_(opt)
+        self.precision_plugin._after_closure(module, opt)
+
+    def _again(self) -> None:
+        """The step was discarded: its start is put back and it begins again; read its batches again."""
+        assert self._driver is not None
+        self._driver.redo()
+        if self._data is not None and self._data.data is not None:
+            for _ in range(self._reads):
+                self._data.data.batch()  # the batches this step read, given again (with their draws)
+
+    def _redo_window(self, opt: torch.optim.Optimizer) -> None:
+        """Run the earlier micro-batches of the discarded step again, then let the closure run last."""
+        self._again()
+        automatic = self._trainer.fit_loop.epoch_loop.automatic_optimization
+        self._redoing = True
+        try:
+            for entry in self._window[:-1]:
+                rng.restore(entry.rng)
+                again = automatic._make_closure(OrderedDict(enumerate(entry.args)), opt, entry.batch_idx)
+                with _block_parallel_sync_behavior(self, block=True):
+                    again()
+        finally:
+            self._redoing = False
+        self._put_back()
+        rng.restore(self._window[-1].rng)
+
+    def _manual_training_step(self, entry: _MicroBatch, kwargs: dict[str, Any]) -> Any:
+        """Manual optimization: the ``training_step`` steps the optimizer itself, so a discarded step
+        reruns it whole."""
+        redo = False
+        while True:
+            self._stepped, self._discarded, self._redoing = 0, False, redo
+            try:
+                out = super().training_step(*entry.args, **kwargs)
+            finally:
+                self._redoing = False
+            if not self._discarded:
+                break
+            self._again()
+            self._put_back()
+            rng.restore(entry.rng)
+            redo = True
+        if self._stepped == 0:
+            self._refuse(
+                "with manual optimization, a training_step stepped no optimizer (gradients accumulated by hand), "
+                "so a step spans batches a redo would not run again; step an optimizer in every training_step"
+            )
+        return out
+
+    def _manual_optimizer_step(self, opt: torch.optim.Optimizer, closure: Callable[[], Any], module: Any) -> Any:
+        self._stepped += 1
+        if self._discarded:
+            return None  # the step is redone whole: nothing of it is applied
+        if self._stepped > 1:
+            self._refuse(
+                "with manual optimization, a training_step stepped optimizers more than once, and a step has one "
+                "vote; the later steps are applied without one"
+            )
+            return self.precision_plugin.optimizer_step(opt, model=module, closure=closure)
+        result = closure()
+        self._after_closure(module, opt, result)
+        if not self._runtime().optimizer_step(opt, scaler=self._scaler()):
+            self._discarded = True
+        return result
+
+
+#: what ``self.log`` changes on a logged value (Lightning's ``_ResultMetric``); each update binds new objects
+_LOGGED_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "_computed", "_update_count", "has_reset")
+
+
+def _logged(results: dict[str, Any]) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """The logged values as they stand (references: an update rebinds them, it never writes in place)."""
+    return {
+        key: (metric, {f: getattr(metric, f) for f in _LOGGED_FIELDS if hasattr(metric, f)})
+        for key, metric in results.items()
+    }
+
+
+def _relog(results: dict[str, Any], logged: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    """Put the logged values back as :func:`_logged` found them (a value first logged since is dropped)."""
+    results.clear()
+    for key, (metric, fields) in logged.items():
+        for name, value in fields.items():
+            setattr(metric, name, value)
+        results[key] = metric

@@ -1,0 +1,177 @@
+"""A PyTorch Lightning script written as Lightning's tutorials write one, for the integration's tests.
+
+A ``LightningModule`` with BatchNorm and dropout that logs with ``self.log`` (a step-interval LR
+scheduler, validation every epoch), a ``LightningDataModule`` over an in-memory dataset (no
+download) with a shuffled ``DataLoader``, ``pl.seed_everything`` and a ``Trainer`` whose defaults
+(checkpointing, logging) are left on. The only line rlaunch needs is the strategy
+(``--strategy rlaunch``; ``--strategy ddp`` runs Lightning's own DDP, as under plain torchrun).
+
+Flags choose the patterns: ``--accum`` (gradient accumulation), ``--precision 16-mixed`` (AMP with a
+``GradScaler`` on CPU, through Lightning's ``MixedPrecision`` plugin), ``--manual`` (manual
+optimization), ``--loader stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler
+Lightning wraps in its ``DistributedSamplerWrapper``), ``--workers``. Test hooks: ``--step-time``
+slows steps down, ``--gate FILE`` holds the active ranks at global step 10 until FILE exists, ``--die
+RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that global step.
+
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class LitRegressor(pl.LightningModule):
+    def __init__(self, lr: float = 1e-2, manual: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = not manual
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
+            nn.Linear(32, 1),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            sched = self.lr_schedulers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            sched.step()
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, object]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RandomData(pl.LightningDataModule):
+    def __init__(self, loader: str, workers: int, batch_size: int = 16) -> None:
+        super().__init__()
+        self.loader, self.workers, self.batch_size = loader, workers, batch_size
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(1234)
+        x = torch.randn(704, 16, generator=g)
+        y = (x[:, :4].sum(dim=1, keepdim=True)).sin() + 0.1 * torch.randn(704, 1, generator=g)
+        self.train_set = TensorDataset(x[:640], y[:640])
+        self.val_set = TensorDataset(x[640:], y[640:])
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        if self.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(self.train_set, self.batch_size, shuffle=True, num_workers=self.workers)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.workers)
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class TestHooks(pl.Callback):
+    """Slows steps down, holds them at a gate, or kills this rank's node (see the module docstring)."""
+
+    def __init__(self, step_time: float, gate: str, die: str) -> None:
+        self.step_time, self.gate = step_time, gate
+        self.die = tuple(int(v) for v in die.split(":")) if die else None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
+        active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
+        if self.gate and trainer.global_step == 10 and active:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if self.die == (trainer.global_rank, trainer.global_step) and active:
+            os.kill(os.getppid(), signal.SIGKILL)  # the node is lost: its agent first, then this worker
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        if self.step_time:
+            time.sleep(self.step_time)
+
+
+def digest(values: list[object]) -> str:
+    h = hashlib.sha256()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["rlaunch", "ddp"], default="rlaunch")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--manual", action="store_true")
+    ap.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--root", default=".")
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--gate", default="")
+    ap.add_argument("--die", default="")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    if args.strategy == "rlaunch":
+        import rlaunch.lightning
+
+        strategy: object = rlaunch.lightning.Strategy()
+    else:
+        strategy = "ddp"
+    plugins = []
+    precision: str | None = args.precision
+    if args.precision == "16-mixed":  # fp16 AMP with a GradScaler on CPU (Lightning's CPU default is bf16)
+        from pytorch_lightning.plugins.precision import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8)))
+        precision = None
+    model = LitRegressor(manual=args.manual)
+    trainer = pl.Trainer(
+        max_epochs=args.epochs, accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy,
+        precision=precision, plugins=plugins, accumulate_grad_batches=args.accum,
+        gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die)],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=RandomData(args.loader, args.workers))
+    opt = trainer.optimizers[0]
+    optim = [t for s in opt.state.values() for t in s.values()]
+    optim += [sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict().items())]
+    val = trainer.callback_metrics.get("val_loss")
+    print(
+        f"rank {trainer.global_rank} final: params={digest(list(model.state_dict().values()))} "
+        f"optim={digest(optim)} steps={trainer.global_step} val_loss={float(val) if val is not None else None!r}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
