@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtualenv in .venv with rlaunch and its test tools installed.
+# Set up a fresh machine: a virtualenv in .venv with rlaunch, its test tools and the frameworks its
+# integrations support (Lightning, Accelerate) installed.
 # Safe to re-run. torch is pinned to the CPU wheel on this disk before anything else can pull
 # a multi-GB CUDA build.
 set -euo pipefail
@@ -17,6 +18,8 @@ pip() {  # quiet unless it fails
 if ! python -c "import torch" 2>/dev/null; then
   pip install torch==2.13.0
 fi
-pip install -e ".[test]"
-python -c "import torch, aetcd, rlaunch" || { echo "setup: the installation is incomplete" >&2; exit 1; }
+# The framework integrations' tests need Lightning and Accelerate (CPU wheels only: torch stays as installed).
+pip install -e ".[test,lightning,accelerate]"
+python -c "import torch, aetcd, rlaunch, pytorch_lightning, accelerate" || {
+  echo "setup: the installation is incomplete" >&2; exit 1; }
 rm -f "$log"

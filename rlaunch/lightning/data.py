@@ -96,14 +96,20 @@ class _Reads(Iterator[Any]):
 
 def train_data(rt: Runtime, loader: Any, before_read: Callable[[], None]) -> tuple[TrainData, str]:
     """Wrap the train loader Lightning prepared; the sentence refusing live moves ("" when none)."""
+    loader, data, why = resumable(rt, loader)
+    return TrainData(loader, data, before_read), why
+
+
+def resumable(rt: Runtime, loader: Any) -> tuple[Any, EpochLoader | None, str]:
+    """The loader to read (a plain DataLoader made a StatefulDataLoader), ``rt.epochs`` over it, or None
+    and the sentence that says why a joiner could not resume it at the same sample."""
     why = _unmovable(loader)
     if why:
-        return TrainData(loader, None, before_read), why
+        return loader, None, why
     sampler = loader.batch_sampler.sampler
     if type(loader) is DataLoader:
         loader = _stateful(loader)
-    data = rt.epochs(loader, sampler=sampler, order_rng=_order_rng(sampler))
-    return TrainData(loader, data, before_read), ""
+    return loader, rt.epochs(loader, sampler=sampler, order_rng=_order_rng(sampler)), ""
 
 
 def _unmovable(loader: Any) -> str:
@@ -125,13 +131,13 @@ def _unmovable(loader: Any) -> str:
     if type(batch_sampler) is not BatchSampler and not _is_torchdata_batch_sampler(batch_sampler):
         return (
             f"the train loader has a batch sampler of its own ({type(batch_sampler).__name__}), whose "
-            "position a joiner cannot take; pass batch_size= and let Lightning add its DistributedSampler"
+            "position a joiner cannot take; pass batch_size= and keep use_distributed_sampler=True (the default)"
         )
     sampler = batch_sampler.sampler  # Lightning passes a StatefulDataLoader's sampler in its batch sampler
     if not isinstance(sampler, DistributedSampler):
         return (
             f"the train loader's sampler is a {type(sampler).__name__}, not a DistributedSampler, so a joiner "
-            "could not read its new rank's part; keep Trainer(use_distributed_sampler=True) (the default)"
+            "could not read its new rank's part; keep use_distributed_sampler=True (the default)"
         )
     from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 
@@ -141,8 +147,7 @@ def _unmovable(loader: Any) -> str:
             return (
                 f"Lightning wrapped the sampler {type(inner).__name__} in its DistributedSamplerWrapper, whose "
                 "order a joiner cannot reproduce; pass shuffle=True (or torch's RandomSampler) and let Lightning "
-                "add its DistributedSampler, or pass your own DistributedSampler with "
-                "Trainer(use_distributed_sampler=False)"
+                "add its DistributedSampler, or pass your own DistributedSampler with use_distributed_sampler=False"
             )
     elif type(sampler) is not DistributedSampler:
         return (

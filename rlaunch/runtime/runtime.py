@@ -150,6 +150,7 @@ class Runtime:
         self._checked: set[int] = set()
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
+        self._in_step = False  # a step rt.steps() yielded is under way
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
@@ -185,6 +186,11 @@ class Runtime:
     @property
     def step(self) -> int:
         return self._s.step
+
+    @property
+    def in_step(self) -> bool:
+        """A step of ``rt.steps()`` is under way (the loop is between two iterations of it): a vote may be cast."""
+        return self._in_step
 
     # -- the API ------------------------------------------------------------------------------
 
@@ -436,7 +442,9 @@ class Runtime:
                 s.step = step
                 self._begin_step(step)
                 self._step_began = last
+                self._in_step = True
                 yield step
+                self._in_step = False
                 now = time.perf_counter()
                 self._after_step(now - last)
                 if s.resume_at is not None:
@@ -457,6 +465,7 @@ class Runtime:
                     self._migration.switch(step + 1)
                 step += 1
         except GeneratorExit:  # the loop left early (a break, or a framework's loop ended): done stepping too
+            self._in_step = False
             with contextlib.suppress(OSError, AgentLinkError):  # the agent may be gone (at exit)
                 self._done_stepping()
             raise
@@ -617,7 +626,9 @@ class Runtime:
         for step in range(n):
             self._s.step = step
             self._voted = None
+            self._in_step = True
             yield step
+            self._in_step = False
         assert self._s.link is not None
         self._s.link.call("warm", steps=n)
 

@@ -10,8 +10,9 @@ Flags choose the patterns: ``--accum`` (gradient accumulation), ``--precision 16
 ``GradScaler`` on CPU, through Lightning's ``MixedPrecision`` plugin), ``--manual`` (manual
 optimization), ``--loader stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler
 Lightning wraps in its ``DistributedSamplerWrapper``), ``--workers``. Test hooks: ``--step-time``
-slows steps down, ``--gate FILE`` holds the active ranks at global step 10 until FILE exists, ``--die
-RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that global step.
+slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
+(repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
+global step.
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``.
 """
@@ -93,15 +94,17 @@ class RandomData(pl.LightningDataModule):
 class TestHooks(pl.Callback):
     """Slows steps down, holds them at a gate, or kills this rank's node (see the module docstring)."""
 
-    def __init__(self, step_time: float, gate: str, die: str) -> None:
-        self.step_time, self.gate = step_time, gate
+    def __init__(self, step_time: float, gates: list[str], die: str) -> None:
+        self.step_time = step_time
+        self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
         self.die = tuple(int(v) for v in die.split(":")) if die else None
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
-        if self.gate and trainer.global_step == 10 and active:
+        gate = self.gates.get(trainer.global_step)
+        if gate and active:
             deadline = time.monotonic() + 600
-            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            while not os.path.exists(gate) and time.monotonic() < deadline:
                 time.sleep(0.1)
         if self.die == (trainer.global_rank, trainer.global_step) and active:
             os.kill(os.getppid(), signal.SIGKILL)  # the node is lost: its agent first, then this worker
@@ -135,7 +138,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--root", default=".")
     ap.add_argument("--step-time", type=float, default=0.0)
-    ap.add_argument("--gate", default="")
+    ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
     args = ap.parse_args()
 

@@ -1,0 +1,201 @@
+"""``rlaunch.accelerate.prepare``: live moves for a Hugging Face Accelerate training loop.
+
+Call it instead of ``accelerator.prepare`` (after ``rt = rlaunch.init()``, before the
+``Accelerator`` is built, so that Accelerate uses the runtime's process group)::
+
+    model, optimizer, loader, scheduler = rlaunch.accelerate.prepare(accelerator, rt, model, optimizer,
+                                                                     loader, scheduler)
+    for step in rt.steps(total):                       # one step per optimizer step
+        for _ in range(accumulation):
+            with accelerator.accumulate(model):
+                loss = model(loader.batch())           # the step's batches (the same again if it is redone)
+                accelerator.backward(loss)
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+It calls ``accelerator.prepare`` and then:
+
+- tracks what it returned: the models (DDP), the optimizers and schedulers inside Accelerate's
+  wrappers, the ``GradScaler``, and Accelerate's gradient-accumulation counter (``accelerator.step``);
+- votes in the optimizer's ``step()`` (Accelerate's ``AcceleratedOptimizer.step``) at each step that
+  syncs gradients; a discarded step is not applied, and ``rt.steps()`` yields it again;
+- replaces the prepared loader (Accelerate's ``DataLoaderShard``) by one whose ``batch()`` reads
+  through ``rt.epochs``: a joiner resumes at the same sample with its own shard. It avoids the two
+  things Accelerate's loader does that a joiner cannot follow: it broadcasts the shuffling
+  generator's state from rank 0 at every epoch's start (a joiner that starts mid-epoch would wait in
+  that broadcast alone; the adapter broadcasts it once, here, and carries its state at each epoch's
+  start instead), and it reads one batch ahead (a step's position would be one batch off);
+- after a joiner's state lands, Accelerate's process index is the rank it took (``is_main_process``).
+
+A loop over the loader's epochs (``for batch in loader``, as Accelerate's tutorials write it) trains
+as under Accelerate alone, but its place lives in the script's own variables, so live moves are
+refused with a sentence and the job takes the restart path (see :mod:`rlaunch.userloop`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlaunch.frameworks import require
+from rlaunch.runtime.runtime import report_errors_as_sentences
+from rlaunch.userloop import LoopData, UserLoop
+
+if TYPE_CHECKING:
+    from rlaunch.runtime.runtime import Runtime
+
+NAME = "rlaunch.accelerate"
+
+
+def prepare(accelerator: Any, rt: Runtime, *objects: Any) -> Any:
+    """``accelerator.prepare(*objects)``, made movable (see the module docstring); returns what it returns."""
+    report_errors_as_sentences()
+    require("accelerate", f"{NAME}.prepare")
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+
+    loop = UserLoop(rt, NAME)
+    prepared = accelerator.prepare(*objects)
+    out = list(prepared) if isinstance(prepared, tuple) else [prepared]
+    names: dict[str, int] = {}
+
+    def track(kind: str, obj: Any) -> None:
+        n = names.get(kind, 0)
+        names[kind] = n + 1
+        rt.track(**{kind if n == 0 else f"{kind}{n}": obj})
+
+    for i, obj in enumerate(out):
+        if isinstance(obj, AcceleratedOptimizer):
+            _vote_in(obj, loop)
+            track("optimizer", obj.optimizer)
+        elif isinstance(obj, AcceleratedScheduler):
+            track("scheduler", obj.scheduler)
+        elif type(obj) is DataLoaderShard:
+            out[i] = _data(loop, obj)
+        elif type(obj) is DataLoaderDispatcher:
+            loop.refuse(
+                "the prepared loader dispatches batches from rank 0 (dispatch_batches=True), so a rank's batches "
+                "come from another process; use Accelerate's default, a loader per process"
+            )
+        elif isinstance(obj, torch.nn.Module):
+            track("model", obj)
+    if accelerator.scaler is not None:
+        rt.track(scaler=accelerator.scaler)
+    rt.track(accelerate=_AccelerateState(accelerator, rt))
+    return tuple(out) if isinstance(prepared, tuple) else out[0]
+
+
+class _AccelerateState:
+    """Accelerate's gradient-accumulation counter (the same on every rank), and, when a joiner's state
+    lands, Accelerate's process index made the rank it took."""
+
+    def __init__(self, accelerator: Any, rt: Runtime) -> None:
+        self._accelerator = accelerator
+        self._rt = rt
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": int(self._accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._accelerator.step = int(state["step"])
+        if self._rt.rank >= 0:
+            from accelerate.state import AcceleratorState, PartialState
+
+            for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # each holds a copy
+                if "process_index" in shared:
+                    shared["process_index"] = self._rt.rank
+
+
+def _vote_in(opt: Any, loop: UserLoop) -> None:
+    """Accelerate's optimizer step, with the vote where it applies the update."""
+    original = opt.step
+    pending: list[int] = []  # the runtime step of the current accumulation window's first micro-step
+
+    def step(closure: Any = None) -> Any:
+        if not opt.gradient_state.sync_gradients:  # a micro-step of an accumulation window: nothing applied
+            if not pending:
+                pending.append(loop.rt.step)
+            return None
+        window = pending.pop() if pending else loop.rt.step
+        if window != loop.rt.step:
+            loop.refuse(
+                "an accumulation window spans several runtime steps (its micro-batches were read in earlier steps "
+                "of rt.steps()), so a redone step would not read them again; run a whole window in each step"
+            )
+        if closure is not None:
+            loop.refuse("optimizer.step(closure) evaluates the closure inside the step, which a vote cannot split")
+            return original(closure)
+        if not loop.rt.in_step:
+            return loop.vote(opt.optimizer, None, original)  # refuses moves, steps as Accelerate would
+        inner, scaler = opt.optimizer, opt.scaler
+        if scaler is None:
+            return loop.vote(inner, None, original)
+        # Accelerate learns whether the scaler skipped the step (inf gradients) from a patched step method.
+        inner.step = opt._optimizer_patched_step_method
+        try:
+            loop.vote(inner, scaler, original)
+        finally:
+            inner.step = opt._optimizer_original_step_method
+        opt._is_overflow = not opt._accelerate_step_called
+        opt._accelerate_step_called = False
+        return None
+
+    opt.step = step
+
+
+class _ShardPart:
+    """The part of the data a rank reads through Accelerate's ``BatchSamplerShard``, in the shape
+    ``rt.epochs`` knows (a ``DistributedSampler``'s ``num_replicas``, ``rank`` and ``set_epoch``)."""
+
+    def __init__(self, shard: Any, loader: Any) -> None:
+        self._shard = shard  # BatchSamplerShard
+        self._loader = loader  # Accelerate's DataLoaderShard, whose set_epoch reaches the samplers
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self._shard.num_processes)
+
+    @property
+    def rank(self) -> int:
+        return int(self._shard.process_index)
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self._shard.process_index = rank
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+def _data(loop: UserLoop, shard_loader: Any) -> LoopData:
+    """The prepared loader's data, read through ``rt.epochs`` (see the module docstring)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from accelerate.utils import send_to_device, synchronize_rng_states
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    base = shard_loader.base_dataloader
+
+    def to_device(batch: Any) -> Any:
+        return send_to_device(batch, shard_loader.device) if shard_loader.device is not None else batch
+
+    batch_sampler = base.batch_sampler
+    if type(batch_sampler) is not BatchSamplerShard:
+        why = (
+            f"the prepared loader's batches come from a {type(batch_sampler).__name__}, not Accelerate's "
+            "BatchSamplerShard, so a joiner could not read its own shard at the same sample"
+        )
+        return loop.data(None, shard_loader, to_device, len(shard_loader), why)
+    part = _ShardPart(batch_sampler, shard_loader)
+    part.rank = max(loop.rt.rank, 0)  # a sandbox's process index is -1, whose shard is empty
+    generator = shard_loader.synchronized_generator
+    if generator is not None and shard_loader.rng_types and "generator" in shard_loader.rng_types:
+        synchronize_rng_states(["generator"], generator)  # once, as Accelerate does at every epoch's start
+    if not isinstance(base, StatefulDataLoader):
+        base = StatefulDataLoader(
+            base.dataset, batch_sampler=batch_sampler, num_workers=base.num_workers, collate_fn=base.collate_fn,
+            pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
+            generator=base.generator, **({"prefetch_factor": base.prefetch_factor} if base.num_workers else {}),
+        )  # fmt: skip
+    epochs = loop.rt.epochs(base, sampler=part, order_rng=generator)
+    return loop.data(epochs, shard_loader, to_device, len(shard_loader), "")

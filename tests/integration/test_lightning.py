@@ -1,0 +1,80 @@
+"""PyTorch Lightning under rlaunch: a drain and a lost node, each mid-epoch, end bit-identical to an
+uninterrupted run and to Lightning's own DDP under plain torchrun.
+
+The script (``tests/scripts/lightning_train.py``) is written as Lightning's tutorials write one:
+BatchNorm, dropout, ``self.log``, a step-interval LR scheduler, validation every epoch, a shuffled
+loader, checkpointing and logging left on. One job covers several patterns at once: gradient
+accumulation, fp16 AMP with a ``GradScaler`` on CPU, and torchdata's ``StatefulDataLoader(shuffle=True)``,
+whose sampler Lightning wraps in its ``DistributedSamplerWrapper`` (its order comes from the
+sampler's own generator at each epoch's start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import SCRIPTS, Cluster, wait_for
+from tests.integration.test_migration import drain, warm
+
+pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tests need 'rlaunch[lightning]'")
+
+SCRIPT = SCRIPTS / "lightning_train.py"
+PATTERNS = ("--accum", "2", "--precision", "16-mixed", "--loader", "stateful")
+FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+) val_loss=(\S+)")
+pytestmark = pytest.mark.timeout(600)
+
+
+def finals(text: str) -> dict[int, tuple[str, ...]]:
+    return {int(m.group(1)): m.groups()[1:] for m in FINAL.finditer(text)}
+
+
+def run(launcher: list[str], *args: str, root: Path) -> dict[int, tuple[str, ...]]:
+    """Every rank's final digests from one uninterrupted 2-rank run on one node."""
+    res = subprocess.run(
+        [sys.executable, "-m", *launcher, "--nproc-per-node", "2", str(SCRIPT), "--devices", "2", "--root", str(root),
+         *PATTERNS, *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    got = finals(res.stdout)
+    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    return got
+
+
+def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluster: Cluster, tmp_path: Path) -> None:
+    """a and b train on one rank each, c and d are warm standbys. b is drained to c early on; at
+    global step 25 (mid-epoch 2) a's node is SIGKILLed and d takes rank 0 live: the step is redone
+    inside Lightning's optimizer step, and d takes a's loop position, data position and callbacks
+    from c. Both must end as Lightning's DDP does under torchrun, and as an uninterrupted run."""
+    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", root=tmp_path / "ddp")
+    assert ddp[0] == ddp[1], "Lightning's DDP keeps its replicas equal"
+    gates = cluster.tmp / "gate", cluster.tmp / "drained"
+    root = tmp_path / "job"
+    agents = cluster.agents_in_order(
+        ["a", "b", "c", "d"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(root), *PATTERNS,
+        "--step-time", "0.1", "--gate", f"{gates[0]}:2", "--gate", f"{gates[1]}:22", "--die", "0:25",
+        flags=("--max-restarts", "1"),
+    )  # fmt: skip
+    a, b, c, d = agents
+    wait_for(lambda: warm(cluster, "c") and warm(cluster, "d"), 240, "standbys c and d to be warm")
+    gates[0].touch()
+    drain(cluster, "b")
+    gates[1].touch()
+    assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (c.output()[-3000:], d.output()[-3000:])
+    assert a.proc.poll() is not None and "final" not in a.output() + b.output()
+    got = finals(c.output() + d.output())
+    assert got == ddp, "the job must end as Lightning's DDP does, on every rank"
+    assert "[d/0] rank 0 final" in d.output() and "[c/1] rank 1 final" in c.output()
+    assert "'resume_at': 25" in c.output(), "step 25 is discarded and redone inside Lightning's optimizer step"
+    assert "event recovered" in c.output() and "'sends_to': [0]" in c.output(), "c sends rank 0 its state"
+    assert "event joined" in d.output() and "live moves are refused" not in c.output() + d.output()
+    # The checkpoint callback's state moved: d, now rank 0, saved the last epoch's checkpoint where a
+    # saved the others, and removed the one before it as a would have (save_top_k=1).
+    kept = sorted(p.name for p in root.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
+    assert kept == ["epoch=2-step=30.ckpt"], kept
+    assert run(["rlaunch", "--standalone"], root=tmp_path / "uninterrupted") == ddp

@@ -1,0 +1,130 @@
+"""A Hugging Face Accelerate script written as Accelerate's quick tour writes one, and its port to rlaunch.
+
+``--loop epochs`` is Accelerate's own loop (``for epoch ...: for batch in train_dataloader`` with
+``accelerator.accumulate``); ``--loop steps`` is the port that moves live: the objects go through
+``rlaunch.accelerate.prepare(accelerator, rt, ...)`` and the same body runs on ``rt.steps()``, one
+step per gradient-accumulation window, each batch from ``train_dataloader.batch()``.
+``--prepare accelerate`` uses ``accelerator.prepare`` itself (as the tutorial does), ``rlaunch`` the
+adapter. The model has BatchNorm and dropout, the loader shuffles, an LR scheduler steps with the
+optimizer; ``--accum N`` accumulates gradients over N batches, ``--mixed-precision bf16`` runs CPU
+autocast. Test hooks as in ``lightning_train.py``: ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``
+(STEP counts optimizer steps).
+
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def digest(values: list[object]) -> str:
+    h = hashlib.sha256()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
+    """The test's faults and gates, at the start of an optimizer step's window."""
+    active = os.environ.get("RLAUNCH_ROLE") == "active"
+    for gate in args.gate:
+        path, at = gate.rsplit(":", 1)
+        if int(at) == step and active:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    if args.die == f"{rank}:{step}" and active:
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loop", choices=["epochs", "steps"], default="epochs")
+    ap.add_argument("--prepare", choices=["accelerate", "rlaunch"], default="rlaunch")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--mixed-precision", default="no")
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--gate", action="append", default=[])
+    ap.add_argument("--die", default="")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    rt = None
+    if args.prepare == "rlaunch":
+        import rlaunch
+
+        rt = rlaunch.init()  # before the Accelerator: it then uses the runtime's process group
+    set_seed(0)
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision, cpu=True)
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(640, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(640, 1, generator=g)
+    train_dataloader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+    objects = (model, optimizer, train_dataloader, lr_scheduler)
+    if rt is not None:
+        import rlaunch.accelerate
+
+        model, optimizer, train_dataloader, lr_scheduler = rlaunch.accelerate.prepare(accelerator, rt, *objects)
+    else:
+        model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*objects)
+
+    def train_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with accelerator.accumulate(model):
+            inputs, targets = batch
+            loss = nn.functional.mse_loss(model(inputs).float(), targets)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+
+    model.train()
+    if args.loop == "epochs":  # Accelerate's own loop
+        for _epoch in range(args.epochs):
+            for i, batch in enumerate(train_dataloader):
+                if i % args.accum == 0:
+                    hooks(args, accelerator.process_index, accelerator.step // args.accum)
+                train_batch(batch)
+                if args.step_time and accelerator.sync_gradients:
+                    time.sleep(args.step_time)
+    else:  # the port: one runtime step per accumulation window
+        assert rt is not None
+        for step in rt.steps(args.epochs * len(train_dataloader) // args.accum):
+            hooks(args, accelerator.process_index, step)
+            for _ in range(args.accum):
+                train_batch(train_dataloader.batch())
+            if args.step_time:
+                time.sleep(args.step_time)
+    inner = optimizer.optimizer
+    optim = [t for s in inner.state.values() for t in s.values()] + [sorted(lr_scheduler.state_dict().items())]
+    unwrapped = accelerator.unwrap_model(model)
+    print(
+        f"rank {accelerator.process_index} final: params={digest(list(unwrapped.state_dict().values()))} "
+        f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A Lightning Fabric script written as Fabric's docs write one, and its port to rlaunch's loop.
+
+``--loop epochs`` is Fabric's own loop (``for epoch ...: for batch in dataloader``); ``--loop steps``
+is the port that moves live: the same body on ``rt.steps()``, each batch from ``dataloader.batch()``,
+the scheduler tracked with ``rt.track``. ``--strategy ddp`` runs Fabric's own DDP, ``rlaunch`` the
+``FabricStrategy``. The model has BatchNorm and dropout, the loader shuffles, the LR scheduler steps
+every step; ``--precision 16-mixed`` runs fp16 AMP with a ``GradScaler`` on CPU. Test hooks as in
+``lightning_train.py``: ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``.
+
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+
+import torch
+from lightning_fabric import Fabric, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def digest(values: list[object]) -> str:
+    h = hashlib.sha256()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
+    """The test's faults and gates, at the start of a step (see the module docstring)."""
+    active = os.environ.get("RLAUNCH_ROLE") == "active"
+    for gate in args.gate:
+        path, at = gate.rsplit(":", 1)
+        if int(at) == step and active:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    if args.die == f"{rank}:{step}" and active:
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["rlaunch", "ddp"], default="rlaunch")
+    ap.add_argument("--loop", choices=["epochs", "steps"], default="epochs")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--gate", action="append", default=[])
+    ap.add_argument("--die", default="")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    seed_everything(0)
+    if args.strategy == "rlaunch":
+        import rlaunch.lightning
+
+        strategy: object = rlaunch.lightning.FabricStrategy()
+    else:
+        strategy = "ddp"
+    plugins = None
+    if args.precision == "16-mixed":  # fp16 AMP with a GradScaler on CPU (Fabric's CPU default is bf16)
+        from lightning_fabric.plugins.precision import MixedPrecision
+
+        plugins = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    fabric = Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy, plugins=plugins)
+    fabric.launch()
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(640, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(640, 1, generator=g)
+    dataloader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    dataloader = fabric.setup_dataloaders(dataloader)
+
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, target = batch
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs).float(), target)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        scheduler.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+
+    model.train()
+    if args.loop == "epochs":  # Fabric's own loop
+        step = 0
+        for _epoch in range(args.epochs):
+            for batch in dataloader:
+                hooks(args, fabric.global_rank, step)
+                train_step(batch)
+                step += 1
+    else:  # the port: the same body on the runtime's steps
+        rt = fabric.strategy.rt
+        rt.track(scheduler=scheduler)
+        for step in rt.steps(args.epochs * len(dataloader)):
+            hooks(args, fabric.global_rank, step)
+            train_step(dataloader.batch())
+    optim = [t for s in optimizer.state.values() for t in s.values()] + [sorted(scheduler.state_dict().items())]
+    print(
+        f"rank {fabric.global_rank} final: params={digest(list(model.state_dict().values()))} optim={digest(optim)} "
+        f"steps={scheduler.last_epoch}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

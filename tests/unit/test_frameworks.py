@@ -1,0 +1,83 @@
+"""The framework integrations' version gate, the package extras that declare the same versions, and
+the sentences the Lightning integration says at fit time for what it does not carry."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from rlaunch import frameworks
+from rlaunch.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_extras_declare_the_versions_the_integrations_support() -> None:
+    lines = (REPO / "pyproject.toml").read_text().splitlines()
+    for distribution, wanted in frameworks.SUPPORTED.items():
+        extra = next(line for line in lines if line.startswith(f"{frameworks.EXTRAS[distribution]} = ["))
+        assert f'"{distribution}{wanted}"' in extra, (distribution, extra)
+
+
+def test_an_unsupported_or_missing_version_is_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    versions = {"pytorch-lightning": "2.5.3"}
+
+    def version(name: str) -> str:
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(UsageError) as err:
+        frameworks.require("pytorch-lightning", "rlaunch.lightning.Strategy")
+    assert str(err.value) == (
+        "rlaunch.lightning.Strategy supports pytorch-lightning >=2.6,<2.7 (it reads that version's loop state to "
+        "hand a rank over live), but 2.5.3 is installed: pip install 'rlaunch[lightning]' installs a supported one."
+    )
+    with pytest.raises(UsageError, match=r"needs accelerate >=1.15,<1.16, which is not installed: pip install"):
+        frameworks.require("accelerate", "rlaunch.accelerate.prepare")
+    versions["pytorch-lightning"] = "2.6.6"
+    assert frameworks.require("pytorch-lightning", "x") == "2.6.6"
+
+
+class Score:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch
+
+    from rlaunch.lightning import checks
+
+    class Module(pl.LightningModule):
+        def training_step(self, dataloader_iter: object) -> None:
+            return None
+
+    class Keeps(pl.Callback):
+        def state_dict(self) -> dict[str, object]:
+            return {"best": Score(0.5)}  # an object of its own class: torch.load(weights_only=True) refuses it
+
+    trainer = pl.Trainer(
+        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.strategy._lightning_module = Module()
+
+    class Strategy:
+        _ddp_comm_hook = None
+        _model_averaging_period = 4
+
+    found = checks.refusals(trainer, Strategy())
+    assert any(s.startswith("Trainer(limit_train_batches=5) ends epochs before their loader does") for s in found)
+    assert any("reload_dataloaders_every_n_epochs=1" in s for s in found)
+    assert any(s.startswith("training_step(dataloader_iter) reads batches itself") for s in found)
+    assert any("model averaging" in s for s in found)
+    assert any(s.startswith("the callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
+    assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
+    lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
+    assert "LBFGS" in checks.stepping(trainer, trainer.precision_plugin, [lbfgs])
+    assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
