@@ -110,19 +110,11 @@ class _AccelerateState:
 def _vote_in(opt: Any, loop: UserLoop) -> None:
     """Accelerate's optimizer step, with the vote where it applies the update."""
     original = opt.step
-    pending: list[int] = []  # the runtime step of the current accumulation window's first micro-step
 
     def step(closure: Any = None) -> Any:
         if not opt.gradient_state.sync_gradients:  # a micro-step of an accumulation window: nothing applied
-            if not pending:
-                pending.append(loop.rt.step)
+            loop.micro_step()
             return None
-        window = pending.pop() if pending else loop.rt.step
-        if window != loop.rt.step:
-            loop.refuse(
-                "an accumulation window spans several runtime steps (its micro-batches were read in earlier steps "
-                "of rt.steps()), so a redone step would not read them again; run a whole window in each step"
-            )
         if closure is not None:
             loop.refuse("optimizer.step(closure) evaluates the closure inside the step, which a vote cannot split")
             return original(closure)

@@ -46,6 +46,7 @@ class UserLoop:
         self._name = name
         self._driven: DrivenSteps | None = None  # the loop is written over the loader's epochs
         self._voted = True  # a vote was cast since the driven step began: the next read begins the next
+        self._window: int | None = None  # the step of the accumulation window's first micro-step
 
     def refuse(self, why: str) -> None:
         self.rt.refuse_moves(f"{self._name}: {why}")
@@ -57,13 +58,27 @@ class UserLoop:
         it cannot be resumed at a sample; ``plain`` is the framework's own iteration of one epoch."""
         return LoopData(self, epochs, plain, to_device, length, why)
 
+    def micro_step(self) -> None:
+        """A micro-step of a gradient-accumulation window (backward without sync, no optimizer step)."""
+        if self._window is None:
+            self._window = self.rt.step
+
     def vote(self, optimizer: Any, scaler: Any, plain: Callable[[], Any]) -> Any:
         """The framework's optimizer step: the per-step vote, then the step (``plain`` steps without one).
 
         Returns whether the step was applied. Outside a step of the runtime (the loop reads from
         something else than the prepared loader) there is nothing to vote in: the step is applied as
-        the framework would, and live moves are refused.
+        the framework would, and live moves are refused. So are they when the accumulation window
+        this step ends began in an earlier step of ``rt.steps()``: a redone step would not run its
+        earlier micro-batches again.
         """
+        window, self._window = self._window, None
+        if window is not None and window != self.rt.step:
+            self.refuse(
+                "a gradient-accumulation window spans several steps of rt.steps() (its first micro-batch ran in "
+                f"step {window}, its optimizer step in step {self.rt.step}), so a redone step would not run the "
+                "earlier micro-batches again; run a whole window in each step"
+            )
         if not self.rt.in_step:
             self.refuse(
                 "the optimizer stepped outside rt.steps() and outside the prepared loader's epochs, so a step "

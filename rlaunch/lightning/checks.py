@@ -87,3 +87,24 @@ def _uncarried(callback: Any) -> str:
             f"({str(exc).splitlines()[0][:120]}); keep its state_dict() to tensors, numbers, strings, lists and dicts"
         )
     return ""
+
+
+def validation_mid_window(trainer: Any) -> str:
+    """Why validation may run between the micro-batches of an accumulation window ("" when it cannot).
+
+    A discarded step is redone inside its optimizer step, micro-batch after micro-batch; Lightning's
+    validation (and whatever collectives it issues) between two of them would not run again. Known
+    once the fit loop has set its train data up (``trainer.val_check_batch``).
+    """
+    accumulate = trainer.accumulate_grad_batches
+    every = trainer.val_check_batch
+    if accumulate == 1 or not trainer.enable_validation or every is None or every == float("inf"):
+        return ""
+    at_epoch_end = trainer.check_val_every_n_epoch is not None and every >= trainer.num_training_batches
+    if every % accumulate == 0 or at_epoch_end:
+        return ""
+    return (
+        f"validation runs every {every} batches, inside gradient-accumulation windows of {accumulate} batches, and a "
+        "redone step cannot run it again between its micro-batches; validate at epoch ends or every multiple of "
+        "accumulate_grad_batches"
+    )

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -109,7 +110,29 @@ def resumable(rt: Runtime, loader: Any) -> tuple[Any, EpochLoader | None, str]:
     sampler = loader.batch_sampler.sampler
     if type(loader) is DataLoader:
         loader = _stateful(loader)
-    return loader, rt.epochs(loader, sampler=sampler, order_rng=_order_rng(sampler)), ""
+    order_rng = _order_rng(sampler)
+    if order_rng is not None:
+        sampler.__class__ = OneOrderPerEpoch  # the same object, drawing its order once per epoch
+    return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng), ""
+
+
+class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc]
+    """Lightning's ``DistributedSamplerWrapper`` drawing the wrapped sampler's order once per
+    ``set_epoch``: a resumed ``StatefulDataLoader`` iterates its sampler more than once while it finds
+    its place, and each iteration of the wrapper draws another order (from the wrapped sampler's
+    generator). The first draw after ``set_epoch`` is the epoch's, as in a run that iterates each
+    epoch once."""
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._drawn = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if not getattr(self, "_drawn", False):
+            self.dataset.reset()
+            self._drawn = True
+        indices: Iterator[int] = DistributedSampler.__iter__(self)
+        return (self.dataset[index] for index in indices)
 
 
 def _unmovable(loader: Any) -> str:
@@ -139,8 +162,6 @@ def _unmovable(loader: Any) -> str:
             f"the train loader's sampler is a {type(sampler).__name__}, not a DistributedSampler, so a joiner "
             "could not read its new rank's part; keep use_distributed_sampler=True (the default)"
         )
-    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
-
     if isinstance(sampler, DistributedSamplerWrapper):
         inner = sampler.dataset._sampler
         if _order_rng(sampler) is None:
@@ -161,7 +182,6 @@ def _order_rng(sampler: Any) -> torch.Generator | None:
     """The generator a sampler's order comes from at each epoch's start: a ``DistributedSamplerWrapper``
     over a sampler whose order is drawn from its own generator or from the global one (None for
     torch's ``DistributedSampler``, whose order is seed and epoch, and for samplers it cannot know)."""
-    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
     from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
     if not isinstance(sampler, DistributedSamplerWrapper):

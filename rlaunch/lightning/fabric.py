@@ -64,6 +64,19 @@ class _Epochs:
         return iter(self._loader)
 
 
+class _CountedSync:
+    """Fabric's ``no_backward_sync`` (a gradient-accumulation micro-step), told to the loop."""
+
+    def __init__(self, control: Any, loop: Any) -> None:
+        self._control = control
+        self._loop = loop
+
+    def no_backward_sync(self, module: Any, enabled: bool) -> Any:
+        if enabled:
+            self._loop().micro_step()
+        return self._control.no_backward_sync(module, enabled)
+
+
 class FabricStrategy(DDPStrategy):  # type: ignore[misc]
     """Fabric's DDP on the rlaunch runtime (see the module docstring); ``rt`` and ``timeout_s`` as for
     :class:`rlaunch.lightning.Strategy`, other keyword arguments go to ``DistributedDataParallel``."""
@@ -76,6 +89,8 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
         self._timeout_s = timeout_s
         self._loop: UserLoop | None = None
         self._counts: dict[str, int] = {}
+        control: Any = getattr(self, "_backward_sync_control")  # noqa: B009 - set by Fabric's DDPStrategy
+        self._backward_sync_control: Any = _CountedSync(control, self._user_loop)
 
     @property
     def rt(self) -> Runtime:

@@ -110,6 +110,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._redoing = False  # a discarded step is being run again: record nothing
         self._stepped = 0  # manual optimization: optimizer steps in this training_step
         self._discarded = False  # manual optimization: the vote discarded this training_step's step
+        self._checked_windows = False  # the validation interval was checked against accumulation windows
 
     # -- the runtime, ranks and the process group --------------------------------------------
 
@@ -209,6 +210,11 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
     def _before_read(self) -> None:
         """Before each train batch is read: the first batch of a step begins the runtime's step."""
         trainer = self._trainer
+        if not self._checked_windows:
+            self._checked_windows = True
+            why = checks.validation_mid_window(trainer)
+            if why:
+                self._refuse(why)
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
             self._begin_step()
         self._reads += 1
@@ -312,18 +318,31 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
     def _redo_window(self, opt: torch.optim.Optimizer) -> None:
         """Run the earlier micro-batches of the discarded step again, then let the closure run last."""
         self._again()
-        automatic = self._trainer.fit_loop.epoch_loop.automatic_optimization
+        epoch_loop = self._trainer.fit_loop.epoch_loop
+        automatic = epoch_loop.automatic_optimization
         self._redoing = True
         try:
-            for entry in self._window[:-1]:
+            for i, entry in enumerate(self._window[:-1]):
+                if i:
+                    self._between_batches()
                 rng.restore(entry.rng)
                 again = automatic._make_closure(OrderedDict(enumerate(entry.args)), opt, entry.batch_idx)
                 with _block_parallel_sync_behavior(self, block=True):
                     again()
         finally:
             self._redoing = False
+        if len(self._window) > 1:
+            self._between_batches()
         self._put_back()
         rng.restore(self._window[-1].rng)
+
+    def _between_batches(self) -> None:
+        """The collective Lightning's loop issues before reading each batch (whether any rank got SIGTERM):
+        a joiner that redoes a step from its start issues it between the step's micro-batches, so the
+        survivors, who redo them inside one call, must issue it there too."""
+        trainer = self._trainer
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
 
     def _manual_training_step(self, entry: _MicroBatch, kwargs: dict[str, Any]) -> Any:
         """Manual optimization: the ``training_step`` steps the optimizer itself, so a discarded step
