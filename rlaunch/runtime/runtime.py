@@ -247,7 +247,8 @@ class Runtime:
         For what the runtime cannot see: a framework feature an integration does not carry. Training
         goes on as under torchrun; a drain of this rank's node is refused (the controller restarts
         the job without it) and a fault restarts the job rather than replace a rank live. Called
-        again, the first reason stands.
+        again, the first reason stands. State no move will carry cannot be missed by one: an LR
+        scheduler left untracked is then not refused at the first vote.
         """
         if not self._s.refused:
             self._s.refused = reason
@@ -523,7 +524,7 @@ class Runtime:
                 "rt.optimizer_step(opt1, opt2)."
             )
         self._voted = names
-        if s.link is not None:
+        if s.link is not None and not s.refused:  # with live moves refused, nothing untracked can be missed
             objects = {id(o) for o in (*optimizers, scaler) if o is not None}
             if not objects <= self._checked:  # an optimizer first stepped late (a GAN's second) is checked then
                 self._checked |= objects

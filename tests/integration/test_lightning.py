@@ -78,3 +78,44 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     kept = sorted(p.name for p in root.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
     assert kept == ["epoch=2-step=30.ckpt"], kept
     assert run(["rlaunch", "--standalone"], root=tmp_path / "uninterrupted") == ddp
+
+
+def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
+    """With manual optimization the vote is in the training_step's own optimizer.step(): a and b train,
+    c is a warm standby; a's node is SIGKILLed at global step 25 (mid-epoch 1) and c takes rank 0 live,
+    b reruns the discarded training_step whole. Both end as Lightning's DDP does."""
+    manual = ("--manual", "--loader", "plain")
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+         "--devices", "2", "--root", str(tmp_path / "ddp"), "--strategy", "ddp", *manual],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    ddp = finals(res.stdout)
+    assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stderr[-3000:]
+    gate = cluster.tmp / "gate"
+    a, b, c = cluster.agents_in_order(
+        ["a", "b", "c"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *manual,
+        "--step-time", "0.05", "--gate", f"{gate}:2", "--die", "0:25", flags=("--max-restarts", "1"),
+    )  # fmt: skip
+    wait_for(lambda: warm(cluster, "c"), 240, "standby c to be warm")
+    gate.touch()
+    assert [x.wait(240) for x in (b, c)] == [0, 0], (b.output()[-3000:], c.output()[-3000:])
+    assert "'resume_at': 25" in b.output() and "event joined" in c.output()
+    assert finals(b.output() + c.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
+
+
+def test_what_cannot_move_is_named_at_start_and_the_job_trains_as_lightnings_ddp(tmp_path: Path) -> None:
+    """limit_train_batches cuts epochs short, which the data position does not follow: the worker and its
+    agent say so at start (live moves refused: the job would take the restart path), and it trains on."""
+    args = ("--limit", "0.5", "--epochs", "2")
+    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
+    res = subprocess.run(
+        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
+         "--root", str(tmp_path / "rl"), *PATTERNS, *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and finals(out) == ddp, out[-3000:]
+    why = "rlaunch.lightning: Trainer(limit_train_batches=0.5) ends epochs before their loader does"
+    assert f"live moves are refused: {why}" in out, out[-3000:]
+    assert f"live moves: none: {why}" in out, "the agent publishes it: rlaunch status shows it"

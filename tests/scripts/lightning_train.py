@@ -8,8 +8,9 @@ download) with a shuffled ``DataLoader``, ``pl.seed_everything`` and a ``Trainer
 
 Flags choose the patterns: ``--accum`` (gradient accumulation), ``--precision 16-mixed`` (AMP with a
 ``GradScaler`` on CPU, through Lightning's ``MixedPrecision`` plugin), ``--manual`` (manual
-optimization), ``--loader stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler
-Lightning wraps in its ``DistributedSamplerWrapper``), ``--workers``. Test hooks: ``--step-time``
+optimization), ``--limit`` (``limit_train_batches``, which the integration refuses), ``--loader
+stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Lightning wraps in its
+``DistributedSamplerWrapper``), ``--workers``. Test hooks: ``--step-time``
 slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
 (repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
 global step.
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--loader", choices=["plain", "stateful"], default="plain")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--root", default=".")
+    ap.add_argument("--limit", type=float, default=1.0, help="Trainer(limit_train_batches=...): refuses moves")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -159,7 +161,8 @@ def main() -> None:
         precision = None
     model = LitRegressor(manual=args.manual)
     trainer = pl.Trainer(
-        max_epochs=args.epochs, accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy,
+        max_epochs=args.epochs, limit_train_batches=args.limit, accelerator="cpu", devices=args.devices,
+        num_nodes=args.nodes, strategy=strategy,
         precision=precision, plugins=plugins, accumulate_grad_batches=args.accum,
         gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die)],
