@@ -274,9 +274,14 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         except RuntimeError as exc:
             if not self.guarded:
                 raise
+            why = str(exc).splitlines()[0]
             with self._lock:
-                self.failed = self.failed or str(exc).splitlines()[0]
+                self.failed = self.failed or why
             backends.cut(id(comm), wait=0)
+            log.warning(
+                "group %s (rank %d of it): a monitored barrier failed (%s); this step will be recovered",
+                self.label, self.group_rank, why,
+            )  # fmt: skip
 
 
 class _CallerWaits(dist.Work):  # type: ignore[misc]
@@ -315,7 +320,8 @@ class _CallerWaits(dist.Work):  # type: ignore[misc]
         return self._tensors
 
 
-#: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.
+#: Point-to-point operations: not guarded (gloo gives them no future). The runtime's transfers use
+#: them; a script's own send/recv is not recovered after a fault (and a sandbox refuses it).
 _UNGUARDED = ("send", "recv", "recv_anysource")
 
 

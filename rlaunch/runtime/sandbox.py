@@ -80,7 +80,7 @@ def _fill(output: torch.Tensor, source: torch.Tensor) -> None:
 
 def _object_call() -> tuple[CodeType, dict[str, Any]] | None:
     """The object collective of torch this collective was issued from, and its local variables."""
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(1).f_back  # above the sandbox's method (none: called from C++)
     for _ in range(FRAME_DEPTH):
         if frame is None:
             return None
