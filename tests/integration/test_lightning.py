@@ -27,6 +27,7 @@ pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tes
 SCRIPT = SCRIPTS / "lightning_train.py"
 PATTERNS = ("--accum", "2", "--precision", "16-mixed", "--loader", "stateful")
 FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+) val_loss=(\S+)")
+JOINED = re.compile(r"rank \d+ joined at epoch (\d+) batch (\d+)")
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -70,6 +71,9 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     got = finals(c.output() + d.output())
     assert got == ddp, "the job must end as Lightning's DDP does, on every rank"
     assert "[d/0] rank 0 final" in d.output() and "[c/1] rank 1 final" in c.output()
+    assert JOINED.search(c.output()), "c joined where the drain switched (the test does not choose where)"
+    d_joined = JOINED.search(d.output())
+    assert d_joined and d_joined.groups() == ("2", "10"), "d joined mid-epoch: global step 25 is epoch 2, batch 10"
     assert "'resume_at': 25" in c.output(), "step 25 is discarded and redone inside Lightning's optimizer step"
     assert "event recovered" in c.output() and "'sends_to': [0]" in c.output(), "c sends rank 0 its state"
     assert "event joined" in d.output() and "live moves are refused" not in c.output() + d.output()

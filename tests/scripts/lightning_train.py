@@ -99,9 +99,13 @@ class TestHooks(pl.Callback):
         self.step_time = step_time
         self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
         self.die = tuple(int(v) for v in die.split(":")) if die else None
+        self.joined = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
+        if not active and trainer.global_rank >= 0 and not self.joined:  # a standby's first batch with a rank
+            self.joined = True
+            print(f"rank {trainer.global_rank} joined at epoch {trainer.current_epoch} batch {i}", flush=True)
         gate = self.gates.get(trainer.global_step)
         if gate and active:
             deadline = time.monotonic() + 600
