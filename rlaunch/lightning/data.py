@@ -95,8 +95,16 @@ class _Reads(Iterator[Any]):
         return self._owner.read()
 
 
-def train_data(rt: Runtime, loader: Any, before_read: Callable[[], None]) -> tuple[TrainData, str]:
-    """Wrap the train loader Lightning prepared; the sentence refusing live moves ("" when none)."""
+def train_data(
+    rt: Runtime, loader: Any, before_read: Callable[[], None], *, as_is: bool = False
+) -> tuple[TrainData, str]:
+    """Wrap the train loader Lightning prepared; the sentence refusing live moves ("" when none).
+
+    ``as_is``: live moves are refused already (``limit_train_batches`` cutting epochs short, say),
+    so the loader is read as Lightning reads it, with nothing to resume.
+    """
+    if as_is:
+        return TrainData(loader, None, before_read), ""
     loader, data, why = resumable(rt, loader)
     return TrainData(loader, data, before_read), why
 

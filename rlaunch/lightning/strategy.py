@@ -111,6 +111,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._stepped = 0  # manual optimization: optimizer steps in this training_step
         self._discarded = False  # manual optimization: the vote discarded this training_step's step
         self._checked_windows = False  # the validation interval was checked against accumulation windows
+        self._as_lightning = False  # live moves were refused at setup: the train data is read as Lightning would
 
     # -- the runtime, ranks and the process group --------------------------------------------
 
@@ -163,8 +164,10 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._fitted = True
         rt = self._runtime()
         self._stepping = checks.stepping(trainer, self.precision_plugin, self.optimizers)
-        for why in ([self._stepping] if self._stepping else []) + checks.refusals(trainer, self):
+        refused = ([self._stepping] if self._stepping else []) + checks.refusals(trainer, self)
+        for why in refused:
             self._refuse(why)
+        self._as_lightning = bool(refused)  # nothing will move: read the data exactly as Lightning would
         tracked: dict[str, Any] = {"model": self.model}
         for i, opt in enumerate(self.optimizers):
             tracked[f"optimizer{i}" if len(self.optimizers) > 1 else "optimizer"] = opt
@@ -193,7 +196,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if self._data is not None:
             self._refuse("the fit has more than one train loader (or makes it again), whose positions are not carried")
             return dataloader
-        self._data, why = train_data(self._runtime(), dataloader, self._before_read)
+        self._data, why = train_data(self._runtime(), dataloader, self._before_read, as_is=self._as_lightning)
         if why:
             self._refuse(why)
         return self._data
@@ -346,7 +349,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
 
     def _manual_training_step(self, entry: _MicroBatch, kwargs: dict[str, Any]) -> Any:
         """Manual optimization: the ``training_step`` steps the optimizer itself, so a discarded step
-        reruns it whole."""
+        reruns it whole (and Lightning's count of optimizer steps goes back to the call's start)."""
+        progress = self._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        at_entry = copy.deepcopy(progress.state_dict())
         redo = False
         while True:
             self._stepped, self._discarded, self._redoing = 0, False, redo
@@ -358,6 +363,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
                 break
             self._again()
             self._put_back()
+            progress.load_state_dict(copy.deepcopy(at_entry))
             rng.restore(entry.rng)
             redo = True
         if self._stepped == 0:

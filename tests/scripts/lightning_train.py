@@ -95,11 +95,12 @@ class RandomData(pl.LightningDataModule):
 class TestHooks(pl.Callback):
     """Slows steps down, holds them at a gate, or kills this rank's node (see the module docstring)."""
 
-    def __init__(self, step_time: float, gates: list[str], die: str) -> None:
+    def __init__(self, step_time: float, gates: list[str], die: str, crash: str = "") -> None:
         self.step_time = step_time
         self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
         self.die = tuple(int(v) for v in die.split(":")) if die else None
         self.joined = False
+        self.crash = tuple(int(v) for v in crash.split(":")) if crash else None
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
@@ -114,6 +115,8 @@ class TestHooks(pl.Callback):
         if self.die == (trainer.global_rank, trainer.global_step) and active:
             os.kill(os.getppid(), signal.SIGKILL)  # the node is lost: its agent first, then this worker
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.crash == (trainer.global_rank, trainer.global_step) and active:
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker alone crashes; its agent restarts it in place
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
         if self.step_time:
@@ -146,6 +149,7 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
+    ap.add_argument("--crash", default="", help="RANK:STEP: that rank's worker alone is SIGKILLed there")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -169,7 +173,7 @@ def main() -> None:
         num_nodes=args.nodes, strategy=strategy,
         precision=precision, plugins=plugins, accumulate_grad_batches=args.accum,
         gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die)],
+        enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die, args.crash)],
     )  # fmt: skip
     trainer.fit(model, datamodule=RandomData(args.loader, args.workers))
     opt = trainer.optimizers[0]
