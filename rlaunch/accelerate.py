@@ -1,8 +1,10 @@
 """``rlaunch.accelerate.prepare``: live moves for a Hugging Face Accelerate training loop.
 
-Call it instead of ``accelerator.prepare`` (after ``rt = rlaunch.init()``, before the
-``Accelerator`` is built, so that Accelerate uses the runtime's process group)::
+Start the runtime with :func:`init` before the ``Accelerator`` is built (Accelerate then uses the
+runtime's process group), and call :func:`prepare` instead of ``accelerator.prepare``::
 
+    rt = rlaunch.accelerate.init()
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
     model, optimizer, loader, scheduler = rlaunch.accelerate.prepare(accelerator, rt, model, optimizer,
                                                                      loader, scheduler)
     for step in rt.steps(total):                       # one step per optimizer step
@@ -33,6 +35,7 @@ refused with a sentence and the job takes the restart path (see :mod:`rlaunch.us
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +48,22 @@ if TYPE_CHECKING:
     from rlaunch.runtime.runtime import Runtime
 
 NAME = "rlaunch.accelerate"
+
+
+def init(timeout_s: float = 300.0) -> Runtime:
+    """``rlaunch.init()`` for an Accelerate script: call it before the ``Accelerator`` is built.
+
+    A standby's sandbox has no ``MASTER_ADDR`` (it learns where rank 0 is only when it joins), and
+    Accelerate refuses to start a multi-node job without one, although it will not connect with it:
+    the runtime's process group is the default group already. So in a standby it names a placeholder.
+    """
+    import rlaunch
+
+    rt = rlaunch.init(timeout_s)
+    if rt.standby:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "0")
+    return rt
 
 
 def prepare(accelerator: Any, rt: Runtime, *objects: Any) -> Any:
@@ -105,6 +124,7 @@ class _AccelerateState:
             for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # each holds a copy
                 if "process_index" in shared:
                     shared["process_index"] = self._rt.rank
+            os.environ["RANK"] = str(self._rt.rank)  # Accelerate set it from a sandbox's environment
 
 
 def _vote_in(opt: Any, loop: UserLoop) -> None:

@@ -67,9 +67,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rt = None
     if args.prepare == "rlaunch":
-        import rlaunch
+        import rlaunch.accelerate
 
-        rt = rlaunch.init()  # before the Accelerator: it then uses the runtime's process group
+        rt = rlaunch.accelerate.init()  # before the Accelerator: it then uses the runtime's process group
     set_seed(0)
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision, cpu=True)
 
@@ -82,8 +82,6 @@ def main() -> None:
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
     objects = (model, optimizer, train_dataloader, lr_scheduler)
     if rt is not None:
-        import rlaunch.accelerate
-
         model, optimizer, train_dataloader, lr_scheduler = rlaunch.accelerate.prepare(accelerator, rt, *objects)
     else:
         model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*objects)
