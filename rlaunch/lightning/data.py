@@ -23,6 +23,7 @@ live moves for it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -103,10 +104,31 @@ def train_data(
     ``as_is``: live moves are refused already (``limit_train_batches`` cutting epochs short, say),
     so the loader is read as Lightning reads it, with nothing to resume.
     """
+    _seed_workers(loader, max(rt.rank, 0))
     if as_is:
         return TrainData(loader, None, before_read), ""
     loader, data, why = resumable(rt, loader)
     return TrainData(loader, data, before_read), why
+
+
+class WorkerSeeds:
+    """The ``worker_init_fn`` Lightning adds to a loader when ``seed_everything(workers=True)`` was
+    called (each worker's streams from its base seed, worker id and global rank), with the rank a
+    joiner takes: the strategy sets ``rank`` when it joins, before its workers start."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, worker_id: int) -> None:
+        from lightning_fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def _seed_workers(loader: Any, rank: int) -> None:
+    """What Lightning does after the strategy wrapped the loader (it no longer sees a DataLoader there)."""
+    if int(os.environ.get("PL_SEED_WORKERS", "0")) and getattr(loader, "worker_init_fn", 0) is None:
+        loader.worker_init_fn = WorkerSeeds(rank)
 
 
 def resumable(rt: Runtime, loader: Any) -> tuple[Any, EpochLoader | None, str]:

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import UsageError
 from rlaunch.frameworks import require
 from rlaunch.lightning import checks
-from rlaunch.lightning.data import TrainData, train_data
+from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.lightning.position import LoopPosition
 from rlaunch.runtime import rng
@@ -238,6 +238,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._position.apply()
         self.set_world_ranks()
         rank = self._runtime().rank
+        if self._data is not None and isinstance(getattr(self._data.loader, "worker_init_fn", None), WorkerSeeds):
+            self._data.loader.worker_init_fn.rank = rank  # its workers start after this, at the next read
         val = trainer.fit_loop.epoch_loop.val_loop._combined_loader
         for loader in val.flattened if val is not None else []:
             for sampler in (getattr(loader, "sampler", None), getattr(loader.batch_sampler, "sampler", None)):

@@ -10,7 +10,8 @@ Flags choose the patterns: ``--accum`` (gradient accumulation), ``--precision 16
 ``GradScaler`` on CPU, through Lightning's ``MixedPrecision`` plugin), ``--manual`` (manual
 optimization), ``--limit`` (``limit_train_batches``, which the integration refuses), ``--loader
 stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Lightning wraps in its
-``DistributedSamplerWrapper``), ``--workers``. Test hooks: ``--step-time``
+``DistributedSamplerWrapper``), ``--workers``, ``--augment`` (a random transform in the dataset) and
+``--seed-workers`` (``seed_everything(workers=True)``). Test hooks: ``--step-time``
 slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
 (repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
 global step.
@@ -69,16 +70,24 @@ class LitRegressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class Jittered(TensorDataset):
+    """A random augmentation drawn from the global generator of whichever process reads the item."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(i)
+        return x + 0.05 * torch.randn_like(x), y
+
+
 class RandomData(pl.LightningDataModule):
-    def __init__(self, loader: str, workers: int, batch_size: int = 16) -> None:
+    def __init__(self, loader: str, workers: int, augment: bool = False, batch_size: int = 16) -> None:
         super().__init__()
-        self.loader, self.workers, self.batch_size = loader, workers, batch_size
+        self.loader, self.workers, self.augment, self.batch_size = loader, workers, augment, batch_size
 
     def setup(self, stage: str) -> None:
         g = torch.Generator().manual_seed(1234)
         x = torch.randn(704, 16, generator=g)
         y = (x[:, :4].sum(dim=1, keepdim=True)).sin() + 0.1 * torch.randn(704, 1, generator=g)
-        self.train_set = TensorDataset(x[:640], y[:640])
+        self.train_set = (Jittered if self.augment else TensorDataset)(x[:640], y[:640])
         self.val_set = TensorDataset(x[640:], y[640:])
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -144,6 +153,8 @@ def main() -> None:
     ap.add_argument("--manual", action="store_true")
     ap.add_argument("--loader", choices=["plain", "stateful"], default="plain")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--seed-workers", action="store_true", help="seed_everything(0, workers=True)")
+    ap.add_argument("--augment", action="store_true", help="a random augmentation in the dataset")
     ap.add_argument("--root", default=".")
     ap.add_argument("--limit", type=float, default=1.0, help="Trainer(limit_train_batches=...): refuses moves")
     ap.add_argument("--step-time", type=float, default=0.0)
@@ -153,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    pl.seed_everything(0)
+    pl.seed_everything(0, workers=args.seed_workers)
     if args.strategy == "rlaunch":
         import rlaunch.lightning
 
@@ -175,7 +186,7 @@ def main() -> None:
         gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die, args.crash)],
     )  # fmt: skip
-    trainer.fit(model, datamodule=RandomData(args.loader, args.workers))
+    trainer.fit(model, datamodule=RandomData(args.loader, args.workers, args.augment))
     opt = trainer.optimizers[0]
     optim = [t for s in opt.state.values() for t in s.values()]
     optim += [sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict().items())]
