@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 PROBE_EVERY_S = 5.0
 #: How long one probe waits: past TCP's first SYN retransmission (1 s), so one lost packet is no cut.
 PROBE_TIMEOUT_S = 3.0
-#: Probes in flight at once (a round over thousands of nodes does not open them all together).
-PROBE_CONCURRENCY = 128
+#: Probes in flight at once (a round over thousands of nodes does not open them all together; each
+#: is a file descriptor). A round takes about PROBE_TIMEOUT_S per this many silent nodes.
+PROBE_CONCURRENCY = 512
 
 
 @dataclasses.dataclass(frozen=True)

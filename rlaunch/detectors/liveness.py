@@ -51,7 +51,9 @@ def _listener() -> socket.socket:
     except OSError:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("0.0.0.0", 0))  # noqa: S104 - the controller probes it from any host of the job
-    sock.listen(64)
+    # Every agent of a stalled job may probe this one at once: a full accept queue would drop their
+    # connections, which a prober takes for a cut. The kernel caps the backlog at net.core.somaxconn.
+    sock.listen(socket.SOMAXCONN)
     sock.setblocking(False)
     return sock
 
