@@ -117,7 +117,7 @@ def test_the_readme_port_trains_as_the_torchrun_loop(tmp_path: Path) -> None:
 
 
 def test_chromium_draws_the_pages(site: Path, tmp_path: Path) -> None:
-    """A page with navigation, a code block and a table, drawn by a browser: the theme's header and
+    """A page with navigation and a code block, drawn by a browser: the theme's header and
     sidebar, and a highlighted code block (the stylesheets and the highlighter took effect)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     assert chromium, "the docs' screenshot test needs chromium (apt-get install -y chromium; .ci/run installs it)"
@@ -138,9 +138,19 @@ def test_chromium_draws_the_pages(site: Path, tmp_path: Path) -> None:
     sidebar = pixels[90:600, :260]  # the navigation: dark text on white, on the left
     text = float((sidebar.mean(axis=-1) < 140).mean())
     assert text > 0.01, f"only {text:.4f} of the sidebar is text: the navigation did not render"
-    code = np.all(np.abs(pixels - np.array([0xF5, 0xF5, 0xF5])) <= 1, axis=-1)  # the code blocks' background
-    assert code.mean() > 0.03, f"only {code.mean():.4f} of the page is code background: no code block drawn"
-    rows, cols = np.nonzero(code)
-    block = pixels[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
-    colored = float(((block.max(axis=-1) - block.min(axis=-1)) > 60).mean())  # tokens in colour, not grey
-    assert colored > 0.002, f"only {colored:.4f} of the code block is coloured: the highlighter did not run"
+    # The first code block (the runtime loop): a band of the code background (#f5f5f5) across the
+    # content, with text in it and its keywords in the highlighter's blue (#3f6ec6, "for", "in").
+    code = np.all(np.abs(pixels - np.array([0xF5, 0xF5, 0xF5])) <= 1, axis=-1)
+    band = np.flatnonzero(code.mean(axis=1) > 0.3)
+    assert band.size, "no code block was drawn"
+    runs = np.split(band, np.flatnonzero(np.diff(band) > 1) + 1)
+    rows = max(runs, key=len)
+    cols = np.flatnonzero(code[rows].mean(axis=0) > 0.5)
+    assert len(rows) > 100 and len(cols) > 400, f"the code block is {len(cols)} x {len(rows)} pixels: too small"
+    block = pixels[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+    text = float((block.mean(axis=-1) < 128).mean())
+    assert text > 0.01, f"only {text:.4f} of the code block is text"
+    blue = int(((block[..., 2] - block[..., 0]) > 60).sum())
+    assert blue >= 10, f"{blue} pixels of the code block are the keywords' blue: the highlighting was not drawn"
+    html = (site / "runtime.html").read_text()
+    assert '<span class="k">for</span>' in html, "the highlighter did not mark the code's keywords"
