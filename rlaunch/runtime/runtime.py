@@ -270,7 +270,7 @@ class Runtime:
         ``per_rank=True`` gives each rank its own streams, derived at the start of every step from
         (``seed``, rank, step): a replacement re-derives the lost rank's streams, so per-rank
         dropout or sampling stays bit-identical through a live replacement. (A seed per rank set
-        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see the README.)
+        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see docs/layouts.md, "Loop patterns".)
         """
         if per_rank:
             self._s.seed = seed
