@@ -82,7 +82,9 @@ def test_a_standby_is_rank_minus_one_in_the_world_and_in_its_groups_and_rank_0_i
     assert dist.get_process_group_ranks(None) == list(range(WORLD))
     assert (dist.get_rank(standby.pair), dist.get_world_size(standby.pair)) == (-1, 2)
     assert dist.get_global_rank(standby.pair, 0) == 1 and dist.get_group_rank(standby.pair, 2) == 1
+    assert dist.get_process_group_ranks(standby.pair) == [1, 2], "the standby's -1 is answered, not listed"
     assert (dist.get_rank(standby.dp), dist.get_world_size(standby.dp)) == (0, 2)
+    assert dist.get_process_group_ranks(standby.dp) == [0, 2]
     assert standby.mesh.get_local_rank("dp") == 0 and standby.mesh.get_local_rank("tp") == 0
     assert dist.get_backend() == "gloo" and dist.get_backend(standby.pair) == "gloo"
 
