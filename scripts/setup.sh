@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtualenv in .venv with rlaunch, its test tools and the frameworks its
-# integrations support (Lightning, Accelerate) installed.
+# Set up a fresh machine: a virtualenv in .venv with rlaunch, its test tools, its docs tools and the
+# frameworks its integrations support (Lightning, Accelerate) installed.
 # Safe to re-run. torch is pinned to the CPU wheel on this disk before anything else can pull
 # a multi-GB CUDA build.
 set -euo pipefail
@@ -18,8 +18,9 @@ pip() {  # quiet unless it fails
 if ! python -c "import torch" 2>/dev/null; then
   pip install torch==2.13.0
 fi
-# The framework integrations' tests need Lightning and Accelerate (CPU wheels only: torch stays as installed).
-pip install -e ".[test,lightning,accelerate]"
-python -c "import torch, aetcd, rlaunch, pytorch_lightning, accelerate" || {
+# docs: what tests/integration/test_docs.py builds the site with; lightning, accelerate: the framework
+# integrations' tests (CPU wheels only: torch stays as installed)
+pip install -e ".[test,docs,lightning,accelerate]"
+python -c "import torch, aetcd, rlaunch, mkdocs, material, mkdocstrings, pytorch_lightning, accelerate" || {
   echo "setup: the installation is incomplete" >&2; exit 1; }
 rm -f "$log"

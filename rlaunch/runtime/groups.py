@@ -11,8 +11,9 @@ Each real collective is guarded: its result reaches the caller through a future 
 (or, for gloo's reduce-scatters, which have no future, through the caller's own ``wait()``).
 If the communicator fails (a peer died) or the runtime abandons the group (its agent said a peer
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
-own inputs and the group is marked ``failed``: later collectives return at once, so the step
-runs to ``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
+own inputs and the group is marked ``failed``: later collectives return at once (torch's object
+collectives give the caller's own objects, as a sandbox does), so the step runs to
+``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
 flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
 connected sockets (found at build time): the inner operation then fails at once instead of
 staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
@@ -47,7 +48,7 @@ from torch.futures import Future
 
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import works
-from rlaunch.runtime.sandbox import SandboxComm
+from rlaunch.runtime.sandbox import SandboxComm, in_object_collective
 
 log = logging.getLogger(__name__)
 #: How long a replaced communicator is kept before it is destroyed (see _Retirer).
@@ -158,6 +159,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event, Any]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        #: serves torch's object collectives while the group is failed or paused (see unissued)
+        self._stand_in: SandboxComm | None = None
 
     def swap(self, comm: Any, version: int, ready_timeout: float = READY_TIMEOUT_S) -> None:
         """Use ``comm`` from now on. A communicator built in the background (NCCL's non-blocking
@@ -237,6 +240,21 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         if overtaken:
             self.abandon("a replacement was planned while its collective was in flight")
         return waits
+
+    def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
+        """A collective of a failed or paused group: it returns at once, un-issued, with the caller's
+        inputs as they are (the step is rolled forward or redone; its results are not used).
+
+        One issued by torch's object collectives is served as a sandbox serves it (every rank's
+        object is the caller's own, as if it were the source): they receive sizes and bytes that a
+        peer writes, and a receiver left with unwritten buffers would read garbage (an EOFError,
+        or an allocation of petabytes) before the step ever reached its recovery.
+        """
+        if name in _OBJECT_CARRIERS and in_object_collective():
+            if self._stand_in is None:
+                self._stand_in = SandboxComm(max(self.group_rank, 0), len(self.members))
+            return getattr(self._stand_in, name)(*args, **kwargs)
+        return works.done(works.flat(args))
 
     def rank(self) -> int:
         return self.group_rank
@@ -320,6 +338,10 @@ class _CallerWaits(dist.Work):  # type: ignore[misc]
         return self._tensors
 
 
+#: The operations torch's object collectives issue (broadcast_object_list and scatter_object_list
+#: broadcast sizes and scatter bytes; all_gather_object and gather_object gather both).
+_OBJECT_CARRIERS = ("broadcast", "scatter", "allgather", "gather")
+
 #: Point-to-point operations: not guarded (gloo gives them no future). The runtime's transfers use
 #: them; a script's own send/recv is not recovered after a fault (and a sandbox refuses it).
 _UNGUARDED = ("send", "recv", "recv_anysource")
@@ -328,7 +350,7 @@ _UNGUARDED = ("send", "recv", "recv_anysource")
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
         if self.failed or self.paused:
-            return works.done(works.flat(args))
+            return self.unissued(name, args, kwargs)
         comm = self.comm
         try:
             work = getattr(comm, name)(*args, **kwargs)

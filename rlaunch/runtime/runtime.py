@@ -327,7 +327,7 @@ class Runtime:
         ``per_rank=True`` gives each rank its own streams, derived at the start of every step from
         (``seed``, rank, step): a replacement re-derives the lost rank's streams, so per-rank
         dropout or sampling stays bit-identical through a live replacement. (A seed per rank set
-        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see the README.)
+        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see docs/layouts.md, "Loop patterns".)
         """
         if per_rank:
             self._s.seed = seed
@@ -366,10 +366,7 @@ class Runtime:
         if s.standby or self.rank in members:
             # known to torch.distributed, so that dist.get_rank(group) and a source given as a global rank
             # (dist.broadcast(t, src=members[0], group=group)) resolve; a standby's rank, -1, is known too
-            mapping = {g: i for i, g in enumerate(members)}
-            if s.standby:
-                mapping[-1] = -1
-            register(group, s.store, mapping)
+            register(group, s.store, {g: i for i, g in enumerate(members)}, standby=-1 if s.standby else None)
         return group
 
     def device_mesh(
@@ -404,12 +401,10 @@ class Runtime:
                 comm = s.groups.communicator(name, members, rank, s.generation, kind)
             group = SwitchableGroup(name, members, rank, comm, s.generation, guarded=True, backend=kind)
             s.groups.add(group)
-            ranks = {g: i for i, g in enumerate(members)}
-            if s.standby:
-                # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays
-                # the model out as holds it until the standby joins (rebind registers it anew)
-                ranks[-1] = members.index(rank)
-            register(group, s.store, ranks)
+            # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays the
+            # model out as holds it until the standby joins (rebind registers it anew)
+            standby = members.index(rank) if s.standby else None
+            register(group, s.store, {g: i for i, g in enumerate(members)}, standby=standby)
             groups.append(group)
         s.mesh = mesh
         if s.standby:

@@ -68,6 +68,11 @@ FRAME_DEPTH = 12
 _BROADCAST_OBJECTS: CodeType = inspect.unwrap(c10d.broadcast_object_list).__code__
 _SCATTER_OBJECTS: CodeType = inspect.unwrap(c10d.scatter_object_list).__code__
 _OBJECT_COLLECTIVES = {_BROADCAST_OBJECTS: "broadcast_object_list", _SCATTER_OBJECTS: "scatter_object_list"}
+#: Every object collective of torch: each receives sizes and bytes that a peer writes.
+_ALL_OBJECT_COLLECTIVES = frozenset(
+    inspect.unwrap(f).__code__
+    for f in (c10d.broadcast_object_list, c10d.scatter_object_list, c10d.all_gather_object, c10d.gather_object)
+)
 
 
 def _fill(output: torch.Tensor, source: torch.Tensor) -> None:
@@ -88,6 +93,18 @@ def _object_call() -> tuple[CodeType, dict[str, Any]] | None:
             return frame.f_code, dict(frame.f_locals)
         frame = frame.f_back
     return None
+
+
+def in_object_collective() -> bool:
+    """Whether the collective being issued comes from one of torch's object collectives."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(FRAME_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code in _ALL_OBJECT_COLLECTIVES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _point_to_point(call: str) -> SandboxError:

@@ -137,3 +137,18 @@ def test_workers_that_refused_a_live_move_take_the_restart_path_even_with_a_stan
     new, reason = plan(NOW, v, CFG)
     assert new is not None and new.kind == "restart" and new.restart_count == 1, reason
     assert "no live move: rank 1: replicas differ after the move" in reason
+
+
+def test_a_standby_a_survivor_cannot_reach_is_passed_over_for_one_it_can() -> None:
+    v = view(
+        rt(rec("a", NodeState.RUNNING, generation=1)),
+        rt(rec("c", NodeState.STANDBY)),
+        rt(rec("d", NodeState.STANDBY)),
+        generation=G1,
+    )
+    cut = dataclasses.replace(v, unreachable=frozenset({"c"}))
+    new, _ = plan(NOW, cut, CFG)
+    assert new is not None and new.joiners == ["d"], "c joined first, but a cannot reach it"
+    new, reason = plan(NOW, dataclasses.replace(cut, unreachable=frozenset({"c", "d"})), CFG)
+    assert new is not None and new.number == 1 and new.deadline > NOW, "no standby it can reach: it waits for one"
+    assert "no standby is ready" in reason

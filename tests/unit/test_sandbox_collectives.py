@@ -82,7 +82,9 @@ def test_a_standby_is_rank_minus_one_in_the_world_and_in_its_groups_and_rank_0_i
     assert dist.get_process_group_ranks(None) == list(range(WORLD))
     assert (dist.get_rank(standby.pair), dist.get_world_size(standby.pair)) == (-1, 2)
     assert dist.get_global_rank(standby.pair, 0) == 1 and dist.get_group_rank(standby.pair, 2) == 1
+    assert dist.get_process_group_ranks(standby.pair) == [1, 2], "the standby's -1 is answered, not listed"
     assert (dist.get_rank(standby.dp), dist.get_world_size(standby.dp)) == (0, 2)
+    assert dist.get_process_group_ranks(standby.dp) == [0, 2]
     assert standby.mesh.get_local_rank("dp") == 0 and standby.mesh.get_local_rank("tp") == 0
     assert dist.get_backend() == "gloo" and dist.get_backend(standby.pair) == "gloo"
 
@@ -298,3 +300,28 @@ def test_a_joiner_holds_the_groups_without_its_rank_as_an_active_non_member(stan
     assert standby.pair.registered_name is None
     with pytest.raises(ValueError, match="is not registered"):
         dist.get_rank(standby.pair)
+
+
+def test_a_failed_groups_object_collectives_give_the_callers_own_objects_not_garbage() -> None:
+    """After a fault, a group's collectives return at once, un-issued, until the step's recovery.
+    torch's object collectives would then read sizes and bytes no peer wrote (an EOFError, or an
+    allocation of petabytes); they get the caller's own objects instead, as in a sandbox."""
+    from rlaunch.runtime import registry
+
+    assert not dist.is_initialized()
+    group = SwitchableGroup("failed", [0, 1], 0, SandboxComm(0, 2), 1)
+    registry.register(group, HashStore(), {0: 0, 1: 1})
+    try:
+        group.abandon("a peer is gone")
+        received: list[Any] = ["rank 0's own", {"lr": 0.1}]
+        dist.broadcast_object_list(received, src=1, group=group)  # rank 1 is the source: rank 0 receives
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, "mine", group=group)
+        piece: list[Any] = [None]
+        dist.scatter_object_list(piece, ["for 0", "for 1"], src=1, group=group)
+        tensor = torch.arange(4.0)
+        dist.broadcast(tensor, src=1, group=group)
+    finally:
+        registry.unregister(group)
+    assert received == ["rank 0's own", {"lr": 0.1}] and gathered == ["mine", "mine"] and piece == ["for 0"]
+    assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0], "a plain collective returns its input as it is"
