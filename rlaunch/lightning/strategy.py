@@ -112,6 +112,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._discarded = False  # manual optimization: the vote discarded this training_step's step
         self._checked_windows = False  # the validation interval was checked against accumulation windows
         self._as_lightning = False  # live moves were refused at setup: the train data is read as Lightning would
+        self._read_at = -1  # Lightning's count of batches when the last one was read
 
     # -- the runtime, ranks and the process group --------------------------------------------
 
@@ -195,7 +196,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             return dataloader  # validation, testing, prediction: read as Lightning prepared them
         if self._data is not None:
             self._refuse("the fit has more than one train loader (or makes it again), whose positions are not carried")
-            return dataloader
+            self._data = TrainData(dataloader, None, self._before_read)  # read as it is; its reads still begin steps
+            return self._data
         self._data, why = train_data(self._runtime(), dataloader, self._before_read, as_is=self._as_lightning)
         if why:
             self._refuse(why)
@@ -211,14 +213,19 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
     # -- step boundaries -----------------------------------------------------------------------
 
     def _before_read(self) -> None:
-        """Before each train batch is read: the first batch of a step begins the runtime's step."""
+        """Before each train batch is read: the first batch of a step begins the runtime's step (once,
+        however many train loaders Lightning reads it from)."""
         trainer = self._trainer
         if not self._checked_windows:
             self._checked_windows = True
             why = checks.validation_mid_window(trainer)
             if why:
                 self._refuse(why)
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.total.ready == self._read_at:
+            return  # another loader of the same batch
+        self._read_at = progress.total.ready
+        if progress.current.ready % trainer.accumulate_grad_batches == 0:
             self._begin_step()
         self._reads += 1
 
@@ -236,6 +243,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         assert self._position is not None
         trainer = self._trainer
         self._position.apply()
+        self._read_at = trainer.fit_loop.epoch_loop.batch_progress.total.ready  # this read, as the loop now counts
         self.set_world_ranks()
         rank = self._runtime().rank
         if self._data is not None and isinstance(getattr(self._data.loader, "worker_init_fn", None), WorkerSeeds):
