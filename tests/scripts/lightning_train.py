@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--augment", action="store_true", help="a random augmentation in the dataset")
     ap.add_argument("--root", default=".")
     ap.add_argument("--limit", type=float, default=1.0, help="Trainer(limit_train_batches=...): refuses moves")
+    ap.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1: refuses moves")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -181,7 +182,7 @@ def main() -> None:
     model = LitRegressor(manual=args.manual)
     trainer = pl.Trainer(
         max_epochs=args.epochs, limit_train_batches=args.limit, accelerator="cpu", devices=args.devices,
-        num_nodes=args.nodes, strategy=strategy,
+        num_nodes=args.nodes, strategy=strategy, reload_dataloaders_every_n_epochs=int(args.reload),
         precision=precision, plugins=plugins, accumulate_grad_batches=args.accum,
         gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die, args.crash)],
