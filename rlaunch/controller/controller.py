@@ -23,9 +23,10 @@ from rlaunch.detectors.liveness import agent_gone
 from rlaunch.detectors.straggler import StragglerWatch
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
+from rlaunch.store import generations
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import GenerationStatus, JobSpec, NodeState, encode
+from rlaunch.store.records import GenerationStatus, JobSpec, NodeState
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class Controller:
             snap = await read_snapshot(self._store, self._keys, self._nodes)
         view = ClusterView(
             spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains),
-            stragglers=frozenset(self._find_stragglers(snap)),
+            stragglers=frozenset(self._find_stragglers(snap)), acked=snap.acked,
         )  # fmt: skip
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation
@@ -206,11 +207,9 @@ class Controller:
         if new is None:
             await self._prune(snap)
             return
-        written = await self._store.put_guarded(
-            self._keys.generation,
-            encode(new),
-            snap.generation_revision,
-            fence=(self._keys.leader, self._term),
+        fence = (self._keys.leader, self._term)
+        written = await generations.write(
+            self._store, self._keys, new, snap.generation, snap.generation_revision, fence=fence
         )
         if written:
             self._events.emit(
