@@ -408,6 +408,16 @@ _EXACT = (str, int)
 
 def _check(tp: Any, value: Any, where: str, name: str) -> Any:
     """Validate ``value`` against type ``tp``; return it converted (enums)."""
+    # Plain fields first, without typing's introspection: they are most of every record, and a
+    # decode runs once per watch event (every node decodes each generation's head).
+    if tp is str or tp is bool or tp is int:  # (``type(v) is int`` refuses a bool, as JSON's types are exact)
+        if type(value) is tp:
+            return value
+        raise _bad(where, name, value, tp)
+    if tp is float:
+        if type(value) is float or type(value) is int:
+            return float(value)
+        raise _bad(where, name, value, tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
@@ -444,14 +454,6 @@ def _check(tp: Any, value: Any, where: str, name: str) -> Any:
         ):  # fmt: skip
             return dict(value)
         return {_check(key_tp, k, where, name): _check(val_tp, v, where, name) for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _bad(where, name, value, tp)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _bad(where, name, value, tp)
     if isinstance(value, tp):
         return value
     raise _bad(where, name, value, tp)
