@@ -102,14 +102,14 @@ class GenerationWatch:
         """The ``(key or prefix, exact)`` ranges this node acts on (never ``kv/`` or ``events/``).
 
         Every node: the generation and the leader key (to campaign when it goes). Node records only
-        for the leader (its planner reads them) and for a node holding no ranks (a standby decides
-        on warm workers from them); the acks (a restart starts once the controller saw them all),
-        drain requests and marks only for the leader. A node never watches what every other node
-        writes for every generation (acks, records): that is N² watch events.
+        for the leader (its planner reads them) and for a node a generation gives no ranks (a
+        standby decides on warm workers from them); the acks (a restart starts once the controller
+        saw them all), drain requests and marks only for the leader. No node watches what every
+        other node writes (acks; records while the job forms): with N nodes, N² watch events.
         """
         k, gen = self._keys, self.generation
         ranges = [(k.generation, True), (k.leader, True)]
-        if leading or gen is None or self._node_id not in gen.assignment:
+        if leading or (gen is not None and self._node_id not in gen.assignment):
             ranges.append((k.nodes_prefix, False))
         if leading:
             ranges += [(k.all_acks_prefix, False), (k.drains_prefix, False), (k.drained_prefix, False)]
