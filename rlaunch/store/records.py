@@ -356,13 +356,20 @@ class Event:
 
 
 def encode(record: Any) -> bytes:
-    """JSON bytes of a record (enums as their values)."""
-    return json.dumps(dataclasses.asdict(record), sort_keys=True, default=_default).encode()
+    """JSON bytes of a record (enums as their values).
+
+    The record's fields are taken as they are, not deep-copied as ``dataclasses.asdict`` does (a
+    fifth of an agent's CPU per etcd write went there): every field is a JSON value, an enum, or a
+    record inside an event's data, which ``_default`` converts."""
+    fields = {name: getattr(record, name) for name, _, _ in _fields(type(record))}
+    return json.dumps(fields, sort_keys=True, default=_default).encode()
 
 
 def _default(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 

@@ -110,6 +110,16 @@ def test_round_trip(record: Any) -> None:
     assert type(back) is type(record)
 
 
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_encoding_takes_the_fields_as_asdict_would(record: Any) -> None:
+    assert json.loads(encode(record)) == json.loads(json.dumps(dataclasses.asdict(record), default=lambda e: e.value))
+
+
+def test_a_record_inside_an_events_data_is_encoded_as_its_fields() -> None:
+    event = Event(time=1.0, node_id="n", kind="k", generation=1, data={"ack": Ack(node_id="n", generation=2)})
+    assert json.loads(encode(event))["data"] == {"ack": {"node_id": "n", "generation": 2}}
+
+
 @pytest.mark.parametrize("state", list(NodeState))
 def test_node_state_round_trips_as_its_value(state: NodeState) -> None:
     data = encode(node_record(state=state))
