@@ -475,6 +475,15 @@ class Store:
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]], lease: int | None = None) -> None:
+        """Put every ``(key, value)`` of ``items`` in one transaction (one request)."""
+
+        async def txn(c: aetcd.Client) -> None:
+            t = c.transactions
+            await c.transaction(compare=[], success=[t.put(k.encode(), v, lease=lease) for k, v in items], failure=[])
+
+        await self._call(txn)
+
     async def delete(self, key: str) -> None:
         await self._call(lambda c: c.delete(key.encode()))
 
