@@ -239,13 +239,13 @@ def ready_standby(node: SimNode) -> bool:
 
 
 async def simulated(
-    endpoint: str, n: int, repeats: int, etcd_pid: int, profile: str, node_profile: str
+    endpoint: str, n: int, repeats: int, etcd_pid: int, profile: str, node_profile: str, per_connection: int = 32
 ) -> dict[str, Any]:
     """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
     is lost, its ranks are replaced live, and a fresh node joins as the next standby."""
     keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
     eps = parse_endpoints(endpoint)
-    channels = [Store(eps, timeout=30) for _ in range(max(1, n // 32))]
+    channels = [Store(eps, timeout=30) for _ in range(max(1, n // per_connection))]
     main = Store(eps, timeout=30)
     spec = JobSpec(job_id=keys.job_id, nnodes=n - 1, nproc_per_node=1, max_restarts=3, entrypoint="sim",
                    args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
@@ -538,6 +538,8 @@ def main() -> None:
     parser.add_argument("--torchrun-max-n", type=int, default=64, help="run torchrun only up to this N")
     parser.add_argument("--torchrun-timeout", type=float, default=600, help="seconds torchrun's agents get to form")
     parser.add_argument("--repeats", type=int, default=5, help="faults per size (each a new event: median and spread)")
+    parser.add_argument("--nodes-per-connection", type=int, default=32, help="simulated nodes sharing one etcd "
+                        "connection (an agent has its own; 1 costs this process more per node)")  # fmt: skip
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
                         "fault windows to FILE.<N>")  # fmt: skip
@@ -555,7 +557,7 @@ def main() -> None:
         assert etcd.proc is not None
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
-                                               args.profile_nodes)))  # fmt: skip
+                                               args.profile_nodes, args.nodes_per_connection)))  # fmt: skip
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             try:
