@@ -72,3 +72,7 @@ class EmbeddedEtcdError(RlaunchError):
 
 class JobFailedError(RlaunchError):
     """The job ended in failure (restarts exhausted, or no replacement node in time)."""
+
+
+class SandboxError(RlaunchError):
+    """A standby's sandbox was asked for what it cannot serve without peers (point-to-point traffic)."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtualenv in .venv with rlaunch and its test tools installed.
+# Set up a fresh machine: a virtualenv in .venv with rlaunch, its test tools and its docs tools installed.
 # Safe to re-run. torch is pinned to the CPU wheel on this disk before anything else can pull
 # a multi-GB CUDA build.
 set -euo pipefail
@@ -17,6 +17,6 @@ pip() {  # quiet unless it fails
 if ! python -c "import torch" 2>/dev/null; then
   pip install torch==2.13.0
 fi
-pip install -e ".[test]"
-python -c "import torch, aetcd, rlaunch" || { echo "setup: the installation is incomplete" >&2; exit 1; }
+pip install -e ".[test,docs]"  # docs: what tests/integration/test_docs.py builds the site with
+python -c "import torch, aetcd, rlaunch, mkdocs, material, mkdocstrings" || { echo "setup: the installation is incomplete" >&2; exit 1; }
 rm -f "$log"

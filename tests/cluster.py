@@ -45,7 +45,7 @@ SNAPSHOT_COMMITTED = re.compile(r"event snapshot_committed \(generation \d+\) \{
 def after_a_scheduled_snapshot(agent: AgentProc, every: int = 20, timeout: float = 120) -> int:
     """Wait until ``agent`` logs a new committed snapshot of a scheduled step (a multiple of ``every``)
     and return its step: a fault right after it comes long before the next snapshot starts, outside
-    the window in which a fault can only restart the job (see the README's host snapshots)."""
+    the window in which a fault can only restart the job (see docs/layouts.md, "Host snapshots")."""
 
     def scheduled() -> set[int]:
         return {int(m.group(2)) for m in SNAPSHOT_COMMITTED.finditer(agent.output()) if int(m.group(2)) % every == 0}

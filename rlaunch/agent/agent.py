@@ -42,6 +42,7 @@ from rlaunch.agent.lease import LeaseKeeper, keepalive_store
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.moves import NodeMoves, sentence
 from rlaunch.agent.progress import ProgressReporter, progress_batch, progress_every_s
+from rlaunch.agent.reach import Peer, PeerProbe
 from rlaunch.agent.record import RecordPublisher
 from rlaunch.agent.supervision import Supervisor
 from rlaunch.agent.transitions import decide
@@ -136,6 +137,7 @@ class Agent:
         self.link.sandbox_steps = self.cfg.sandbox_steps
         self.link.hangs.floor_s = self.cfg.hang_timeout
         self.link.metrics = self.metrics
+        self.reach = PeerProbe(self.node_id, self.link.hangs, self._peers, self._clock, self._monotonic)
         self.workers = Supervisor(
             self.cfg, self.link, self.events.emit, self.control.path, self.addr, self._python, self._log_root,
             self._keep_pids, self._monotonic,
@@ -144,7 +146,8 @@ class Agent:
             self.store, self.keys, self.cfg, self.link, self.events.emit, addr=self.addr,
             probe_port=self._probe_port, lease=lambda: self._lease,
             restarts=lambda: max(0, self.workers.starts - 1), fault=lambda: self.faults.sentence,
-            moves=lambda: self.moves.current, clock=self._clock, monotonic=self._monotonic,
+            moves=lambda: self.moves.current, reach=lambda: self.reach.current, clock=self._clock,
+            monotonic=self._monotonic,
         )  # fmt: skip
         self.faults = Faults(self.node_id, self.store, self.keys, self.records, self.events.emit, self._wake.set,
                              self._clock)  # fmt: skip
@@ -171,6 +174,7 @@ class Agent:
             tasks = [
                 loop.create_task(self._watch_gpus()),
                 loop.create_task(self._keepalive()),
+                loop.create_task(self._probe_peers()),
                 loop.create_task(self.watch.run(self._stop)),
                 loop.create_task(controller.run(self._stop, self._ctl_wake)),
                 loop.create_task(progress.run(lambda: self.node.worker_gen, self._stop)),
@@ -410,6 +414,25 @@ class Agent:
         if why is not None:
             self._fenced = f"This agent stops its workers and exits because {why}."
             self._wake.set()
+
+    async def _probe_peers(self) -> None:
+        """Probe the other agents while this node's workers are stalled on peers (see rlaunch.agent.reach)."""
+        while not self._stop.is_set():
+            watching = self.workers.running and self.node.state in (
+                st.AgentState.ACTIVE, st.AgentState.SETTLING, st.AgentState.LEAVING,
+            )  # fmt: skip
+            try:
+                if await self.reach.check(watching) and self.records.record is not None:
+                    await self.records.republish()
+            except StoreError as exc:
+                log.warning("[%s] could not publish the probe report (sent again with the record): %s",
+                            self.node_id, exc)  # fmt: skip
+            await wait_event(self._stop, 1.0)
+
+    async def _peers(self) -> list[Peer]:
+        """Every node of the job as its record advertises it (read only for a probe round)."""
+        snap = await read_snapshot(self.store, self.keys)
+        return [Peer(n, v.record.addr, v.record.probe_port) for n, v in sorted(snap.nodes.items())]
 
     def _etcd_back(self, unreachable_s: float, remaining: int) -> None:
         self.events.emit(

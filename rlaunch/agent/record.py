@@ -4,7 +4,8 @@ The record is the node's state from the moment it is published: a record etcd di
 was unreachable) is sent again by the agent's loop until etcd has it, so a failure reported
 during an outage reaches the controller when etcd is back. Besides the node state it carries what
 the node's workers reported (runtime use, the last lost peer, compute time per step, which live
-moves its ranks allow) and its fault, if one was found (see :mod:`rlaunch.agent.faults`).
+moves its ranks allow), the nodes its agent could not reach while they were stalled (see
+:mod:`rlaunch.agent.reach`) and its fault, if one was found (see :mod:`rlaunch.agent.faults`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from rlaunch.agent.config import LaunchConfig
+from rlaunch.agent.reach import Reach
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
@@ -52,6 +54,7 @@ class RecordPublisher:
         restarts: Callable[[], int],
         fault: Callable[[], str],
         moves: Callable[[], tuple[LiveMoves, str]] = lambda: (LiveMoves.UNKNOWN, ""),
+        reach: Callable[[], Reach] = Reach,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -66,6 +69,7 @@ class RecordPublisher:
         self._restarts = restarts
         self._fault = fault
         self._moves = moves
+        self._reach = reach
         self._clock = clock
         self._monotonic = monotonic
         self.record: NodeRecord | None = None
@@ -85,6 +89,7 @@ class RecordPublisher:
     ) -> NodeRecord:
         cfg = self._cfg
         moves, moves_reason = self._moves()
+        reach = self._reach()
         return NodeRecord(
             node_id=cfg.node_id,
             host=socket.gethostname(),
@@ -107,6 +112,8 @@ class RecordPublisher:
             compute_s=round(self.compute_s(), 6),
             live_moves=moves,
             moves_reason=moves_reason,
+            probed_at=reach.probed_at,
+            unreachable=list(reach.unreachable),
         )
 
     async def publish(

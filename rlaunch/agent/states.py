@@ -241,7 +241,7 @@ class MarkDrained:
 
 @dataclasses.dataclass(frozen=True)
 class Emit:
-    """An event for the event stream (names and fields as documented in the README)."""
+    """An event for the event stream (names and fields as documented in docs/operations.md, "rlaunch events")."""
 
     name: str
     gen: int

@@ -107,7 +107,7 @@ from rlaunch.store.records import Generation, GenerationStatus, NodeState
 SANDBOX_FAILED = (
     "exit",
     "its sandbox workers exited (its log says why), so this standby is not warm and takes no ranks; fix what "
-    "the script does in a sandbox (README: Warm standbys), then restart the agent",
+    "the script does in a sandbox (docs/operations.md: Warm standbys), then restart the agent",
 )
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from rlaunch.addresses import host_port
+from rlaunch.controller import cutoff
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
@@ -66,6 +67,9 @@ class Controller:
         self._reported: set[str] = set()
         self._deadline_pending = False
         self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
+        self._cut_seen_at = 0.0  # when a probe report of a cut was first seen (0: none stands)
+        self._cut_waiting = False  # a cut was reported and the verdict waits for more reports
+        self._cut_said = ""  # the last cut verdict logged
         self._stragglers = StragglerWatch(straggler_window)
         self._slow_reported: set[str] = set()
         self._pruned_below = 1  # kv/g<n>/ of every generation below this one has been deleted
@@ -151,6 +155,35 @@ class Controller:
             await self._store.revoke_lease(snap.node_leases[node])
         return bool(dead)
 
+    async def _take_out_cut_off(self, snap: JobSnapshot) -> cutoff.Verdict:
+        """The agents' probe reports show a network cut: revoke the leases of the nodes it takes out.
+
+        Their ranks then go to standbys as any lost node's, and each is fenced when it hears that its
+        lease is gone (see rlaunch.controller.cutoff and rlaunch.agent.reach).
+        """
+        gen = snap.generation
+        if gen is None or gen.status.terminal:
+            self._cut_seen_at, self._cut_waiting = 0.0, False
+            return cutoff.Verdict()
+        members = [n for n in sorted(gen.assignment, key=gen.assignment.__getitem__) if n in snap.node_leases]
+        reports = {n: v.record.unreachable for n, v in snap.nodes.items() if v.record.probed_at > 0}
+        standbys = [n for n in snap.nodes if n not in gen.assignment]
+        now = self._clock()
+        if not any(reports.values()):
+            self._cut_seen_at = 0.0
+        elif not self._cut_seen_at:
+            self._cut_seen_at = now
+        verdict = cutoff.decide(members, reports, standbys, now - self._cut_seen_at if self._cut_seen_at else 0.0)
+        self._cut_waiting = verdict.waiting
+        if verdict.reason and verdict.reason != self._cut_said:
+            log.log(logging.WARNING if verdict.out else logging.INFO, "[%s] controller: %s", self.node_id,
+                    verdict.reason)  # fmt: skip
+        self._cut_said = verdict.reason
+        for node in verdict.out:
+            self._events.emit("node_cut_off", gen.number, node=node, reason=verdict.reason)
+            await self._store.revoke_lease(snap.node_leases[node])
+        return verdict
+
     def _find_stragglers(self, snap: JobSnapshot) -> list[str]:
         gen, times = snap.generation, {}
         if gen is not None and gen.status is GenerationStatus.RUNNING:
@@ -197,15 +230,19 @@ class Controller:
             return  # reported above; planning over it could undo a running generation
         if await self._revoke_dead(snap):
             snap = await read_snapshot(self._store, self._keys, self._nodes)
+        cut = await self._take_out_cut_off(snap)
+        if cut.out:
+            snap = await read_snapshot(self._store, self._keys, self._nodes)
         view = ClusterView(
             spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains),
-            stragglers=frozenset(self._find_stragglers(snap)), acked=snap.acked,
+            stragglers=frozenset(self._find_stragglers(snap)), unreachable=cut.unreachable_standbys,
+            acked=snap.acked,
         )  # fmt: skip
         new, reason = plan(self._clock(), view, self._cfg)
         after = new or snap.generation
         # a replacement node or a standby is awaited until a deadline, or a slow node's window runs
         waiting = after is not None and not after.status.terminal and after.deadline > 0
-        self._deadline_pending = waiting or self._stragglers.pending
+        self._deadline_pending = waiting or self._stragglers.pending or self._cut_waiting
         if reason != self._last_reason:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason

@@ -33,6 +33,8 @@ Rules (torchrun's semantics, plus standbys):
   restarts) when every active node's workers use the runtime, else by a restart that does not
   count against ``max_restarts``. A straggler (see rlaunch.detectors.straggler) is moved the
   same way, after any requested drain.
+- A standby that a node holding ranks reported unreachable (a network cut, see
+  rlaunch.controller.cutoff) is given no ranks while the report stands.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class ClusterView:
     stragglers: frozenset[str] = frozenset()
     #: nodes that acknowledged the generation (read while it waits for acks: a restart's barrier)
     acked: frozenset[str] = frozenset()
+    #: standbys that a node holding ranks could not reach (a network cut): they take no ranks now
+    unreachable: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +213,7 @@ def _drain(
     if not settled:
         return None, f"{what} {leaver} waits until every node runs generation {gen.number}"
     live = all(r.runtime for r in records.values())
-    ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, live)])
+    ready = _ready_standbys(view, gen, live)
     if not ready:
         return None, f"{what} {leaver} waits for a ready standby"
     joiner = ready[0]
@@ -239,7 +243,7 @@ def _replace(
         return None  # the restart rules fail the job
     if any(records[n].failure == "refused" for n in failed if n in records):
         return None  # its workers said no live move may follow (a refused replacement, a failed check)
-    ready = _by_join(view, [n for n in view.nodes if n not in gen.assignment and is_ready(view.nodes[n].record, True)])
+    ready = _ready_standbys(view, gen, True)
     # Standbys go to lost and faulty nodes first: a node whose workers failed can restart in place.
     leavers = sorted(out, key=lambda n: (n in failed, gen.assignment[n]))
     joiners: list[str] = []
@@ -287,6 +291,14 @@ def _ranks(ranks: list[int]) -> str:
     return f"[{_listed([str(r) for r in ranks], ', ')}]"
 
 
+def _ready_standbys(view: ClusterView, gen: Generation, job_uses_runtime: bool) -> list[str]:
+    """The ready standbys that every node holding ranks can reach, earliest joined first."""
+    return _by_join(view, [
+        n for n in view.nodes
+        if n not in gen.assignment and n not in view.unreachable and is_ready(view.nodes[n].record, job_uses_runtime)
+    ])  # fmt: skip
+
+
 def _by_join(view: ClusterView, names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: view.nodes[n].join_revision)
 
@@ -321,7 +333,10 @@ def _fill(
         [
             n
             for n, v in view.nodes.items()
-            if n not in survivors and v.record.state in _SPARE_STATES and can_hold_ranks(v.record)
+            if n not in survivors
+            and n not in view.unreachable
+            and v.record.state in _SPARE_STATES
+            and can_hold_ranks(v.record)
         ],
     )
     lost_txt = f"node(s) {_listed(lost, ', ')} lost{_faults(view, lost)}; " if lost else ""

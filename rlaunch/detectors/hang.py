@@ -21,6 +21,10 @@ import statistics
 
 #: How many median step times without progress count as a hang (above the floor).
 STEP_FACTOR = 20.0
+#: A worker waiting on peers without completing a step for the larger of these (seconds, and median
+#: steps) is stalled: its agent probes the other nodes for a network cut (see rlaunch.agent.reach).
+STALL_FLOOR_S = 5.0
+STALL_STEPS = 3.0
 
 
 @dataclasses.dataclass
@@ -71,6 +75,15 @@ class HangDetector:
     def timeout(self) -> float:
         steps = [b.step_s for b in self._beats.values() if b.step_s > 0]
         return max(self.floor_s, STEP_FACTOR * statistics.median(steps)) if steps else self.floor_s
+
+    def stall_limit(self) -> float:
+        """How long a worker may wait on peers without a step before its agent looks for a cut."""
+        steps = [b.step_s for b in self._beats.values() if b.step_s > 0]
+        return max(STALL_FLOOR_S, STALL_STEPS * statistics.median(steps)) if steps else STALL_FLOOR_S
+
+    def stalled_s(self, now: float) -> float:
+        """The longest any watched worker now waiting on peers has gone without completing a step (0: none waits)."""
+        return max((now - b.moved_at for b in self._beats.values() if b.waiting), default=0.0)
 
     def hung(self, now: float) -> list[Hang]:
         limit = self.timeout()

@@ -10,11 +10,16 @@ partition) proves nothing, and the lease decides as before. Where a firewall rej
 between live hosts, a probe reads as "gone": the node's lease is revoked and its agent fences
 itself (stops its workers), exactly as if the lease had expired, so a false alarm costs one
 replacement, never a stale node training on.
+
+The same port serves the agents among themselves: an agent whose workers wait on their peers for
+too long probes the others (:mod:`rlaunch.agent.reach`), and one that does not answer at all (the
+connection times out, or the network says it has no route) is reported as cut off from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import socket
 
 #: Longest wait for one probe's answer; a probe that times out counts as "alive or unknown".
@@ -46,18 +51,33 @@ def _listener() -> socket.socket:
     except OSError:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("0.0.0.0", 0))  # noqa: S104 - the controller probes it from any host of the job
-    sock.listen(64)
+    # Every agent of a stalled job may probe this one at once: a full accept queue would drop their
+    # connections, which a prober takes for a cut. The kernel caps the backlog at net.core.somaxconn.
+    sock.listen(socket.SOMAXCONN)
     sock.setblocking(False)
     return sock
 
 
-async def agent_gone(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True only when ``addr:port`` refuses the connection (nothing listens: the agent is gone)."""
+class Answer(str, enum.Enum):
+    """What one probe of an agent's port found."""
+
+    ANSWERS = "answers"  # the connection was made: the host and its agent are there
+    GONE = "gone"  # refused: the host is there, nothing listens (the agent's process is gone)
+    SILENT = "silent"  # no answer in time, or no route: a dead host, or a network cut
+
+
+async def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Answer:
+    """Connect to ``addr:port`` once and say what came back (nothing is sent or read)."""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), timeout)
     except ConnectionRefusedError:
-        return True
+        return Answer.GONE
     except (OSError, asyncio.TimeoutError):
-        return False
+        return Answer.SILENT
     writer.close()
-    return False
+    return Answer.ANSWERS
+
+
+async def agent_gone(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True only when ``addr:port`` refuses the connection (nothing listens: the agent is gone)."""
+    return await probe(addr, port, timeout) is Answer.GONE

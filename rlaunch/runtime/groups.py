@@ -11,8 +11,9 @@ Each real collective is guarded: its result reaches the caller through a future 
 (or, for gloo's reduce-scatters, which have no future, through the caller's own ``wait()``).
 If the communicator fails (a peer died) or the runtime abandons the group (its agent said a peer
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
-own inputs and the group is marked ``failed``: later collectives return at once, so the step
-runs to ``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
+own inputs and the group is marked ``failed``: later collectives return at once (torch's object
+collectives give the caller's own objects, as a sandbox does), so the step runs to
+``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
 flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
 connected sockets (found at build time): the inner operation then fails at once instead of
 staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
@@ -21,9 +22,9 @@ communicator is cut the same way, and a cut one is destroyed without waiting for
 An NCCL communicator (CUDA tensors of a group whose backend is NCCL) is aborted instead
 (``ncclCommAbort`` wakes its pending operations): see :mod:`rlaunch.runtime.backend`.
 
-The sandbox serves CUDA tensors as it serves CPU ones: its copies run on the current CUDA
-stream, and the futures it (and the guard) hands back are CUDA-aware, so a caller waiting on
-them synchronizes with that stream as it would with NCCL's.
+What the sandbox gives for each collective (object collectives included) is described in
+:mod:`rlaunch.runtime.sandbox`. The futures it and the guard hand back are CUDA-aware, so a caller
+waiting on them synchronizes with the current stream as it would with NCCL's.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 from rlaunch.runtime import backend as backends
+from rlaunch.runtime import works
+from rlaunch.runtime.sandbox import SandboxComm, in_object_collective
 
 log = logging.getLogger(__name__)
 #: How long a replaced communicator is kept before it is destroyed (see _Retirer).
@@ -59,133 +63,11 @@ COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
     "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall",
-    "barrier", "send", "recv", "reduce", "gather", "scatter",
+    "barrier", "send", "recv", "recv_anysource", "reduce", "gather", "scatter",
     # torch >= 2.13 names, which FSDP2 and functional collectives call
     "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
     "reduce_scatter_single_coalesced", "all_to_all_single",
 )  # fmt: skip
-
-
-def _cuda_devices(tensors: Sequence[Any]) -> list[torch.device]:
-    """The CUDA devices among ``tensors``' devices: what a future holding them must know of."""
-    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-
-
-def _future(tensors: Sequence[torch.Tensor]) -> Future[Any]:
-    """A future for ``tensors``: CUDA-aware when they are on a GPU, so that its waiters
-    synchronize with the stream current when it is completed (the sandbox: the current stream)."""
-    devices = _cuda_devices(tensors)
-    return Future(devices=devices) if devices else Future()
-
-
-def _done(result: Any) -> dist.Work:
-    fut = _future(_flat([result]))
-    fut.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
-
-
-def _flat(args: Sequence[Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_flat(a))
-    return out
-
-
-def _fill(output: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy as much of ``source`` as fits into ``output`` (flat order) and zero the rest."""
-    flat_out, flat_in = output.view(-1), source.reshape(-1)
-    n = min(flat_out.numel(), flat_in.numel())
-    flat_out[:n].copy_(flat_in[:n])
-    flat_out[n:].zero_()
-
-
-class SandboxComm:
-    """Serves every collective locally: outputs get this rank's own data, shaped as expected."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-    def _same(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return _done(_flat(args))
-
-    allreduce = allreduce_coalesced = broadcast = reduce = barrier = send = recv = _same
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
-        for outs, inp in zip(outputs, inputs, strict=False):
-            for o in outs:
-                o.copy_(inp)
-        return _done(outputs)
-
-    def allgather_coalesced(
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any
-    ) -> dist.Work:
-        # output_lists[r][i] receives rank r's input i; here every rank's inputs are ours
-        for outs in output_lists:
-            for o, inp in zip(outs, inputs, strict=False):
-                o.copy_(inp)
-        return _done(output_lists)
-
-    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
-        output.copy_(inp.reshape(1, -1).expand(self._size, -1).reshape(output.shape))
-        return _done([output])
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any
-    ) -> dist.Work:
-        for o, i in zip(outputs, inputs, strict=False):
-            self._allgather_base(o, i)
-        return _done(outputs)
-
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *rest: Any) -> dist.Work:
-        for o, ins in zip(outputs, inputs, strict=False):
-            o.copy_(ins[self._rank])
-        return _done(outputs)
-
-    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
-        output.copy_(inp.reshape(self._size, -1)[self._rank].reshape(output.shape))
-        return _done([output])
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any
-    ) -> dist.Work:
-        for o, i in zip(outputs, inputs, strict=False):
-            self._reduce_scatter_base(o, i)
-        return _done(outputs)
-
-    def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
-        _fill(output, inp)  # split sizes may be uneven: fill what fits, zero the rest
-        return _done([output])
-
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
-        for o, i in zip(outputs, inputs, strict=False):
-            _fill(o, i)
-        return _done(outputs)
-
-    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, *rest: Any) -> dist.Work:
-        return self.alltoall_base(output, inp)
-
-    all_gather_single = _allgather_base
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-    reduce_scatter_single = _reduce_scatter_base
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *rest: Any) -> dist.Work:
-        return self.allgather(outputs, inputs)
-
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *rest: Any) -> dist.Work:
-        for o, ins in zip(outputs, inputs, strict=False):
-            if ins:
-                o.copy_(ins[self._rank])
-        return _done(outputs)
 
 
 class _Retirer:
@@ -277,6 +159,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event, Any]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        #: serves torch's object collectives while the group is failed or paused (see unissued)
+        self._stand_in: SandboxComm | None = None
 
     def swap(self, comm: Any, version: int, ready_timeout: float = READY_TIMEOUT_S) -> None:
         """Use ``comm`` from now on. A communicator built in the background (NCCL's non-blocking
@@ -314,7 +198,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             inner = work.get_future()
         except RuntimeError:  # gloo's reduce-scatters give no future: their caller's wait() waits
             inner = None
-        outer: Future[Any] | None = _future(tensors) if inner is not None else None
+        outer: Future[Any] | None = works.future(tensors) if inner is not None else None
         key = next(self._ids)
         ended = threading.Event()
         with self._lock:
@@ -349,13 +233,28 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 outer.set_result(value)
 
         if inner is None or outer is None:
-            waits = _CallerWaits(work, tensors, finished) if not abandoned else _done(tensors)
+            waits = _CallerWaits(work, tensors, finished) if not abandoned else works.done(tensors)
         else:
             inner.add_done_callback(lambda f: finished(f.value))
             waits = torch._C._distributed_c10d._create_work_from_future(outer)
         if overtaken:
             self.abandon("a replacement was planned while its collective was in flight")
         return waits
+
+    def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
+        """A collective of a failed or paused group: it returns at once, un-issued, with the caller's
+        inputs as they are (the step is rolled forward or redone; its results are not used).
+
+        One issued by torch's object collectives is served as a sandbox serves it (every rank's
+        object is the caller's own, as if it were the source): they receive sizes and bytes that a
+        peer writes, and a receiver left with unwritten buffers would read garbage (an EOFError,
+        or an allocation of petabytes) before the step ever reached its recovery.
+        """
+        if name in _OBJECT_CARRIERS and in_object_collective():
+            if self._stand_in is None:
+                self._stand_in = SandboxComm(max(self.group_rank, 0), len(self.members))
+            return getattr(self._stand_in, name)(*args, **kwargs)
+        return works.done(works.flat(args))
 
     def rank(self) -> int:
         return self.group_rank
@@ -366,6 +265,41 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     @property
     def sandboxed(self) -> bool:
         return isinstance(self.comm, SandboxComm)
+
+    @property
+    def group_name(self) -> GroupName:
+        """The name torch.distributed knows this group by: functional collectives resolve it.
+
+        torch's own answer reads it from a backend, and this group holds none (its communicator does).
+        """
+        if self.registered_name is None:
+            raise RuntimeError(f"The runtime group {self.label} is not registered with torch.distributed.")
+        return GroupName(self.registered_name)
+
+    def monitored_barrier(self, timeout: datetime.timedelta, wait_all_ranks: bool = False) -> None:
+        """``dist.monitored_barrier`` on this group (torch calls it from Python; torch's C++ method
+        would look for a backend this group does not hold).
+
+        It returns at once in a sandbox and once the group failed or is paused; otherwise it runs on
+        the communicator. Under rlaunch a failure (a peer gone, or the cut of an abandoned
+        communicator) fails the group as a failed collective does, and the step is recovered.
+        """
+        if self.failed or self.paused or self.sandboxed:
+            return
+        comm = self.comm
+        try:
+            comm.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+        except RuntimeError as exc:
+            if not self.guarded:
+                raise
+            why = str(exc).splitlines()[0]
+            with self._lock:
+                self.failed = self.failed or why
+            backends.cut(id(comm), wait=0)
+            log.warning(
+                "group %s (rank %d of it): a monitored barrier failed (%s); this step will be recovered",
+                self.label, self.group_rank, why,
+            )  # fmt: skip
 
 
 class _CallerWaits(dist.Work):  # type: ignore[misc]
@@ -404,14 +338,19 @@ class _CallerWaits(dist.Work):  # type: ignore[misc]
         return self._tensors
 
 
-#: Point-to-point operations: not guarded (gloo gives them no future); only transfers use them.
-_UNGUARDED = ("send", "recv")
+#: The operations torch's object collectives issue (broadcast_object_list and scatter_object_list
+#: broadcast sizes and scatter bytes; all_gather_object and gather_object gather both).
+_OBJECT_CARRIERS = ("broadcast", "scatter", "allgather", "gather")
+
+#: Point-to-point operations: not guarded (gloo gives them no future). The runtime's transfers use
+#: them; a script's own send/recv is not recovered after a fault (and a sandbox refuses it).
+_UNGUARDED = ("send", "recv", "recv_anysource")
 
 
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
         if self.failed or self.paused:
-            return _done(_flat(args))
+            return self.unissued(name, args, kwargs)
         comm = self.comm
         try:
             work = getattr(comm, name)(*args, **kwargs)
@@ -425,11 +364,11 @@ def _forward(name: str) -> Any:
             with self._lock:
                 self.failed = self.failed or f"its NCCL communicator recorded {recorded} ({str(exc).splitlines()[0]})"
             backends.cut(id(comm), wait=0)
-            return _done(_flat(args))
+            return works.done(works.flat(args))
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
-        return self._guard(id(comm), work, _flat(args))
+        return self._guard(id(comm), work, works.flat(args))
 
     method.__name__ = name
     return method

@@ -50,12 +50,38 @@ def known_groups() -> int:
     return len(c10d._world.pg_map)
 
 
-def register(group: SwitchableGroup, store: Store | None, ranks: dict[int, int], default: bool = False) -> None:
-    """Make ``group`` known to torch.distributed (as the default group when ``default``)."""
+class StandbyRanks(dict[int, int]):
+    """A group's global-to-group rank mapping that also answers for a standby's global rank, -1,
+    without listing it: ``dist.get_rank(group)`` works in a sandbox, while
+    ``dist.get_process_group_ranks(group)`` still lists the members only."""
+
+    def __init__(self, ranks: dict[int, int], standby: int) -> None:
+        super().__init__(ranks)
+        self.standby = standby
+
+    def __contains__(self, key: object) -> bool:
+        return key == -1 or super().__contains__(key)
+
+    def __missing__(self, key: int) -> int:
+        if key == -1:
+            return self.standby
+        raise KeyError(key)
+
+
+def register(
+    group: SwitchableGroup,
+    store: Store | None,
+    ranks: dict[int, int],
+    default: bool = False,
+    standby: int | None = None,
+) -> None:
+    """Make ``group`` known to torch.distributed (as the default group when ``default``); ``standby``:
+    the group rank a standby's -1 has in it (see :class:`StandbyRanks`)."""
     name = group.registered_name or f"rlaunch.{group.label}.{id(group)}"
     unregister(group)  # registered before (a joiner's sandbox groups): the rank mapping changed
     kind, config = ("nccl", "cpu:gloo,cuda:nccl") if group.backend == "nccl" else ("gloo", "gloo")
-    c10d._register_pg_in_world(group, kind, store, name, config, rank_mapping=ranks, add_to_default_tag=default)
+    mapping = ranks if standby is None else StandbyRanks(ranks, standby)
+    c10d._register_pg_in_world(group, kind, store, name, config, rank_mapping=mapping, add_to_default_tag=default)
     group.registered_name = name
     if default:
         c10d._update_default_pg(group)

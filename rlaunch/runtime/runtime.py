@@ -157,6 +157,10 @@ class Runtime:
             atexit.register(self._shutdown)
             if not standby:
                 self._start_listener()
+        else:
+            # plain torchrun: torch's own group stays the default, and rt.group is made known beside it,
+            # so that torch.distributed takes it (dist.get_rank(rt.group), a source given as a global rank)
+            register(self.group, None, {i: i for i in range(world_size)})
 
     # -- where this rank stands (the script reads these) ---------------------------------------
 
@@ -270,7 +274,7 @@ class Runtime:
         ``per_rank=True`` gives each rank its own streams, derived at the start of every step from
         (``seed``, rank, step): a replacement re-derives the lost rank's streams, so per-rank
         dropout or sampling stays bit-identical through a live replacement. (A seed per rank set
-        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see the README.)
+        once, as ``torch.manual_seed(seed + rank)``, is not replaceable: see docs/layouts.md, "Loop patterns".)
         """
         if per_rank:
             self._s.seed = seed
@@ -306,8 +310,10 @@ class Runtime:
             comm = s.groups.communicator(name, members, self.rank, s.generation, kind)
         group = SwitchableGroup(name, members, self.rank, comm, s.generation, guarded=s.link is not None, backend=kind)
         s.groups.add(group)
-        if s.link is not None and self.rank in members:
-            register(group, s.store, {g: i for i, g in enumerate(members)})
+        if s.standby or self.rank in members:
+            # known to torch.distributed, so that dist.get_rank(group) and a source given as a global rank
+            # (dist.broadcast(t, src=members[0], group=group)) resolve; a standby's rank, -1, is known too
+            register(group, s.store, {g: i for i, g in enumerate(members)}, standby=-1 if s.standby else None)
         return group
 
     def device_mesh(
@@ -342,12 +348,10 @@ class Runtime:
                 comm = s.groups.communicator(name, members, rank, s.generation, kind)
             group = SwitchableGroup(name, members, rank, comm, s.generation, guarded=True, backend=kind)
             s.groups.add(group)
-            ranks = {g: i for i, g in enumerate(members)}
-            if s.standby:
-                # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays
-                # the model out as holds it until the standby joins (rebind registers it anew)
-                ranks[-1] = members.index(rank)
-            register(group, s.store, ranks)
+            # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays the
+            # model out as holds it until the standby joins (rebind registers it anew)
+            standby = members.index(rank) if s.standby else None
+            register(group, s.store, {g: i for i, g in enumerate(members)}, standby=standby)
             groups.append(group)
         s.mesh = mesh
         if s.standby:
@@ -575,12 +579,7 @@ class Runtime:
         comms = self._migration.prepare(plan)
         phases.mark(Phase.PREPARED)
         s.standby = False
-        for group in s.groups:
-            group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
-            if group.label in comms:
-                group.swap(comms[group.label], plan.generation)
-                if group.label != WORLD:
-                    register(group, s.store, {g: i for i, g in enumerate(group.members)})
+        self._leave_sandbox(comms, plan.generation)
         phases.mark(Phase.GROUPS_SWAPPED)
         reshard.to_coordinate(s.tracked)  # uneven shards: rank 0's shapes become this rank's
         phases.mark(Phase.TRANSFER_START)
@@ -607,6 +606,22 @@ class Runtime:
         self._moves.report()  # from what it learnt: it takes host snapshots when the others do
         self._start_listener()
         return landed.step
+
+    def _leave_sandbox(self, comms: dict[str, Any], generation: int) -> None:
+        """(joiner) Take this rank's place in every group: a group with this rank gets its communicator
+        of ``generation`` and is known to torch with its members only; one without it is held as an
+        active non-member holds it, with no communicator (its sandbox's would answer collectives
+        with made-up data) and unknown to torch."""
+        s = self._s
+        for group in s.groups:
+            group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
+            if group.label in comms:
+                group.swap(comms[group.label], generation)
+                if group.label != WORLD:
+                    register(group, s.store, {g: i for i, g in enumerate(group.members)})
+            elif group.group_rank < 0:
+                unregister(group)
+                group.comm = None
 
     # -- background threads --------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 ENV = "RLAUNCH_SNAPSHOT_EVERY"
 #: the environment variable that bounds each rank's exchange with its buddy, in MB/s (0: unbounded)
 RATE_ENV = "RLAUNCH_SNAPSHOT_MBPS"
-#: the interval of ``auto``, in steps (see the README's sizing of snapshots)
+#: the interval of ``auto``, in steps (see docs/layouts.md, "Host snapshots", for their sizing)
 AUTO_EVERY = 20
 #: the vote section: the snapshot each rank holds both parts of, its square, and whether the rank
 #: needs snapshots (see HostSnapshots.terms)

@@ -17,7 +17,7 @@ An object counts as tracked when it is tracked itself, is an attribute of a trac
 Stateful wrapper such as DCP's ``AppState(model, optimizer)``), or is chained inside a tracked
 scheduler (``SequentialLR``, ``ChainedScheduler``).
 
-State the runtime cannot see at all (a plain counter) is the README's business ("Loop patterns").
+State the runtime cannot see at all (a plain counter) is what the loop patterns of docs/layouts.md tell users to track.
 """
 
 from __future__ import annotations

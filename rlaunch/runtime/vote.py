@@ -202,7 +202,7 @@ class StepVote:
                 self.differs[name] = step
                 log.info(
                     "rank %d: %s differs from rank to rank and is used (step %d); a drain moves it, but a live "
-                    "replacement will be refused (see the README's loop patterns).", rank, name, step,
+                    "replacement will be refused (see the loop patterns in docs/layouts.md).", rank, name, step,
                 )  # fmt: skip
         for name, same in zip(layout.checked[layout.generators :], equal[layout.generators :], strict=True):
             if same:
@@ -212,7 +212,7 @@ class StepVote:
                     self.differs[name] = step
                     log.info(
                         "rank %d: %s differ from rank to rank at step %d; a drain moves them, but a live "
-                        "replacement will be refused (see the README's loop patterns).", rank, name, step,
+                        "replacement will be refused (see the loop patterns in docs/layouts.md).", rank, name, step,
                     )  # fmt: skip
                 continue
             obj = tracked[name]

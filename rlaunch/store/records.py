@@ -156,6 +156,11 @@ class NodeRecord:
     live_moves: LiveMoves = LiveMoves.UNKNOWN
     #: why not both (the first reason its ranks gave; "" when both are possible or not known yet)
     moves_reason: str = ""
+    #: when its agent last probed the other nodes because its workers waited on peers too long
+    #: (wall clock; 0: they are not stalled, no current probe report; see rlaunch.agent.reach)
+    probed_at: float = 0.0
+    #: the nodes whose agents that probe could not reach (a network cut; see rlaunch.controller.cutoff)
+    unreachable: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

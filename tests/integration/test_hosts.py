@@ -10,6 +10,10 @@ Two jobs, each exercising several things at once to keep the suite short:
    hears that its lease is gone and is fenced; its workers never train again.
 2. IPv6 only (the hosts have no IPv4 address but loopback): join, train, a live drain, and a live
    replacement of a SIGKILLed node, bit-identical to an uninterrupted run.
+3. Cuts between hosts that all still reach etcd (nobody's lease expires; every collective just
+   waits): node b cut from its peers and the standbys is taken out by the agents' probe reports,
+   replaced live and fenced; then a drop in one direction alone (c's packets to a are lost) is
+   taken as a cut pair, and the pair's higher node rank (c) is replaced live and fenced.
 
 In both, "no two live holders of one rank": the old holder's last step (its agent's progress
 samples) is never past the step at which the survivors resumed with its replacement.
@@ -47,11 +51,11 @@ class Job:
         self.etcd = EtcdCluster(tmp, self.tag, places=places)
         self.cluster = Cluster(self.etcd.endpoints, tmp, self.tag)
 
-    def agent(self, name: str, host: int, flags: tuple[str, ...] = ()) -> AgentProc:
+    def agent(self, name: str, host: int, flags: tuple[str, ...] = (), env: dict[str, str] | None = None) -> AgentProc:
         """Start agent ``name`` on host ``host`` and wait until it registered (join order is node order)."""
         agent = self.cluster.agent(
             name, RESILIENT, *ARGS, flags=("--lease-ttl", str(TTL), *flags),
-            where=tuple(self.hosts.argv(self.hosts[host], [])),
+            where=tuple(self.hosts.argv(self.hosts[host], [])), env=env,
         )  # fmt: skip
         wait_for(lambda: self.cluster.node(name), 60, f"node {name} to register")
         return agent
@@ -93,13 +97,22 @@ def progress(agent: AgentProc, by: int, timeout: float, what: str) -> None:
 
 
 def last_trained(agent: AgentProc) -> int:
-    """The last step a node's workers reached, from its agent's progress samples."""
-    return max((int(s) for s in re.findall(r"'steps': (\d+)", agent.output())), default=0)
+    """The last step a node's workers applied, from its agent's progress samples."""
+    return max((int(s) for s in re.findall(r"'applied': (\d+)", agent.output())), default=0)
 
 
 def resumed_at(survivor: AgentProc) -> int:
-    """The step at which a survivor resumed after a live replacement."""
-    return int(re.findall(r"event recovered .*'resume_at': (\d+)", survivor.output())[-1])
+    """The step at which a survivor resumed after its last live replacement."""
+    return resumes(survivor)[-1]
+
+
+def resumes(survivor: AgentProc) -> list[int]:
+    """The steps at which a survivor resumed after each live replacement, in order."""
+    return [int(s) for s in re.findall(r"event recovered .*'resume_at': (\d+)", survivor.output())]
+
+
+def holds_ranks(job: Job, node: str) -> bool:
+    return bool((n := job.cluster.node(node)) and n["role"] == "active" and n["state"] == "running")
 
 
 @pytest.mark.parametrize("job_on_hosts", [4], indirect=True)
@@ -174,4 +187,38 @@ def test_an_ipv6_only_job_joins_trains_drains_and_replaces_a_lost_node_live(job_
     assert "event node_dead" in a.output(), "the controller's probe over IPv6 found c's agent gone (no TTL wait)"
     assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
     assert resumed_at(a) > 0
+    assert_identical(finals(a, d), _reference(2, ("--steps", str(STEPS))))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job_on_hosts", [4], indirect=True)
+def test_hosts_cut_from_their_peers_but_not_from_etcd_are_replaced_live_and_fenced(job_on_hosts: Job) -> None:
+    job, hosts = job_on_hosts, job_on_hosts.hosts
+    sampled = {"RLAUNCH_PROGRESS_S": "1", "RLAUNCH_PROGRESS_BATCH": "1"}  # each node's last step, every second
+    a, b, c, d = (job.agent(name, 3 + i, env=sampled) for i, name in enumerate("abcd"))
+    wait_for(lambda: warm(job.cluster, "c") and warm(job.cluster, "d"), 120, "standbys c and d to be warm")
+    progress(a, 5, 60, "across hosts")
+    everyone = [h.v4 for h in hosts.hosts[3:7]]
+
+    # b cut from a and from the standbys, not from etcd: its lease stays, every step waits on it.
+    hosts.cut(hosts[4], [x for x in everyone if x != hosts[4].v4])
+    wait_for(lambda: holds_ranks(job, "c"), 90, "standby c to take b's rank")
+    assert b.wait(60) == 1, b.output()[-3000:]
+    assert "event fenced" in b.output() and "its lease" in b.output()
+    said = "".join(x.output() for x in (a, b, c, d))
+    assert "event node_cut_off" in said and "node b and ['a'] cannot reach each other" in said, said[-3000:]
+    assert "these did not answer a probe: ['a', 'c', 'd']" in b.output(), b.output()[-3000:]
+    progress(a, 10, 60, "after b was replaced")
+
+    # c's packets to a are lost, a's to c still arrive: TCP breaks both ways, a cut pair; c has the
+    # higher node rank, so c leaves and d takes its rank.
+    hosts.cut(hosts[5], [hosts[3].v4], direction="out")
+    wait_for(lambda: holds_ranks(job, "d"), 90, "standby d to take c's rank")
+    assert c.wait(60) == 1 and "event fenced" in c.output(), c.output()[-3000:]
+    assert a.wait(180) == 0 and d.wait(60) == 0, (a.output()[-2000:], d.output()[-2000:])
+    assert "node c and ['a'] cannot reach each other" in "".join(x.output() for x in (a, d))
+
+    first, second = resumes(a)
+    assert 0 < last_trained(b) <= first and first < last_trained(c) <= second, "no old holder trained past its switch"
+    assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
     assert_identical(finals(a, d), _reference(2, ("--steps", str(STEPS))))

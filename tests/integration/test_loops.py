@@ -120,6 +120,25 @@ def test_a_seed_per_rank_set_once_is_replaced_live_by_a_rollback_to_a_host_snaps
     assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
 
 
+def test_a_standby_serves_every_collective_in_its_sandbox_then_takes_ranks_in_a_drain(cluster: Cluster) -> None:
+    """The script calls every collective and object collective (``tests/scripts/collective_checks.py``:
+    broadcast_object_list, all_gather_object, gather_object, scatter_object_list, barriers, and the
+    tensor collectives) on the default group and on a group of ``rt.new_group``, before its steps,
+    in steps 0 to 2 and at the end, and checks what each returned. The standby calls them in its
+    sandbox (before and inside its sandbox steps), then takes b's ranks in a drain and calls them
+    for real at the end; the job ends bit-identical to an uninterrupted run of the same script."""
+    extra = ("--collectives", "--bn", "--dropout", "0.1", "--sched")
+    a, b, c = start(cluster, *extra)
+    drain(cluster, "b")
+    assert [x.wait(240) for x in (a, b, c)] == [0, 0, 0], (a.output()[-3000:], c.output()[-3000:])
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+    for where in ("setup", "step 0", "step 1", "step 2"):
+        assert f"collectives ok ({where}) standby=True rank=-1" in c.output(), f"the sandbox served them ({where})"
+        assert f"collectives ok ({where}) standby=False rank=0" in a.output(), where
+    assert "collectives ok (end) standby=False rank=1" in c.output(), "the joiner calls them for real"
+    assert "collectives ok (end) standby=False rank=0" in a.output()
+
+
 def _standalone(*args: str) -> tuple[int, str]:
     res = subprocess.run(
         [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(LOOPS), "--steps", "5", *args],

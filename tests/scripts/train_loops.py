@@ -7,7 +7,9 @@ scheduler stepped unconditionally (``--sched``), an evaluation ``all_reduce`` ev
 (``--eval-every``), draws from ``random`` and NumPy, and seeds: the same on every rank
 (``--seed-mode same``), one per rank set once as nanoGPT does (``rank-once``), or per rank
 through the runtime (``rt``). ``--flip RANK:STEP`` and ``--flip-after-move RANK`` inject silent data
-corruption: one flipped bit in one rank's parameter. ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
+corruption: one flipped bit in one rank's parameter. ``--collectives`` calls every collective and object
+collective (``collective_checks.py``) before the steps, in steps 0 to 2 (a standby's sandbox steps) and at the
+end, and checks what each returned. ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
 == 0``) every 5 steps (step 0 included: a sandbox runs a few) and logs who wrote it. ``--misuse`` exercises a refusal.
 
 At the end each rank prints ``rank R final: steps=N params=<model state digest>
@@ -24,6 +26,7 @@ import random
 import signal
 import time
 
+import collective_checks  # beside this script
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -78,6 +81,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--ckpt", default="")
+    ap.add_argument("--collectives", action="store_true", help="call and check every collective (see the docstring)")
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
     ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
@@ -139,7 +143,13 @@ def main() -> None:
         random.seed(args.seed + 1)
         np.random.seed(args.seed + 1)
 
+    sub = rt.new_group("everyone", range(rt.world_size)) if args.collectives else None
+    if sub is not None:
+        collective_checks.check(rt, sub, "setup")
+
     for step in rt.steps(args.steps):
+        if sub is not None and step < 3:
+            collective_checks.check(rt, sub, f"step {step}")
         if args.gate and step == 20 and not rt.standby:
             deadline = time.monotonic() + 600
             while not os.path.exists(args.gate) and time.monotonic() < deadline:
@@ -197,6 +207,8 @@ def main() -> None:
             time.sleep(args.step_time)
         if rt.rank == 0 and (step + 1) % 10 == 0 and not rt.standby:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
+    if sub is not None:
+        collective_checks.check(rt, sub, "end")
     others: list[object] = [t for o in optimizers for s in o.state.values() for t in s.values()]
     others += [sorted(sched.state_dict().items()) if sched else None, scaler.state_dict() if scaler else None]
     print(

@@ -286,11 +286,11 @@ class _OnDevice:
 
 
 def test_futures_of_cuda_tensors_know_their_devices() -> None:
-    from rlaunch.runtime.groups import _cuda_devices
+    from rlaunch.runtime.works import cuda_devices
 
-    found = _cuda_devices([_OnDevice("cuda:1"), _OnDevice("cpu"), _OnDevice("cuda:0"), _OnDevice("cuda:1")])
+    found = cuda_devices([_OnDevice("cuda:1"), _OnDevice("cpu"), _OnDevice("cuda:0"), _OnDevice("cuda:1")])
     assert found == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert _cuda_devices([_OnDevice("cpu")]) == []
+    assert cuda_devices([_OnDevice("cpu")]) == []
 
 
 # --- the runtime's phase 1 builds each group with its own backend -------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlaunch.detectors.hang import STEP_FACTOR, HangDetector
+from rlaunch.detectors.hang import STALL_FLOOR_S, STALL_STEPS, STEP_FACTOR, HangDetector
 
 
 def test_a_worker_is_watched_only_after_its_first_completed_step() -> None:
@@ -54,3 +54,16 @@ def test_the_end_of_a_wait_restarts_the_clock_and_reset_forgets_everyone() -> No
     assert d.hung(10.0) == []
     d.reset()
     assert d.hung(100.0) == []
+
+
+def test_waiting_on_peers_past_the_stall_limit_is_a_stall_and_a_completed_step_ends_it() -> None:
+    d = HangDetector(300.0)
+    d.heartbeat(0, 0.0, steps=3, step_s=4.0, waiting=False)
+    assert d.stall_limit() == STALL_STEPS * 4.0 and d.stalled_s(100.0) == 0.0, "not waiting: no stall"
+    d.heartbeat(0, 1.0, steps=3, step_s=4.0, waiting=True)
+    assert d.stalled_s(20.0) == 20.0 > d.stall_limit(), "waiting, and no step since t=0"
+    d.heartbeat(0, 21.0, steps=4, step_s=4.0, waiting=True)
+    assert d.stalled_s(22.0) == 1.0
+    fast = HangDetector(300.0)
+    fast.heartbeat(0, 0.0, steps=1, step_s=0.01, waiting=True)
+    assert fast.stall_limit() == STALL_FLOOR_S, "a few fast steps are no stall: the floor holds"

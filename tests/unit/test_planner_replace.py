@@ -146,3 +146,18 @@ def test_a_replacement_among_many_survivors_counts_them_instead_of_naming_them()
     new, reason = plan(NOW, view(*records, rt(rec("s", NodeState.STANDBY)), generation=g, nnodes=40), CFG)
     assert new is not None and new.kind == "replace" and new.joiners == ["s"]
     assert reason == "n000 (lost) replaced by s; the 39 survivors keep their processes"
+
+
+def test_a_standby_a_survivor_cannot_reach_is_passed_over_for_one_it_can() -> None:
+    v = view(
+        rt(rec("a", NodeState.RUNNING, generation=1)),
+        rt(rec("c", NodeState.STANDBY)),
+        rt(rec("d", NodeState.STANDBY)),
+        generation=G1,
+    )
+    cut = dataclasses.replace(v, unreachable=frozenset({"c"}))
+    new, _ = plan(NOW, cut, CFG)
+    assert new is not None and new.joiners == ["d"], "c joined first, but a cannot reach it"
+    new, reason = plan(NOW, dataclasses.replace(cut, unreachable=frozenset({"c", "d"})), CFG)
+    assert new is not None and new.number == 1 and new.deadline > NOW, "no standby it can reach: it waits for one"
+    assert "no standby is ready" in reason

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from rlaunch.errors import SandboxError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,12 +119,14 @@ def test_alltoall_base_and_alltoall_return_the_input_in_the_output_shape(comm: S
     assert all(torch.equal(o, i) for o, i in zip(outputs, inputs, strict=True))
 
 
-def test_barrier_send_and_recv_complete_at_once(comm: SandboxComm) -> None:
+def test_barrier_completes_at_once_and_send_and_recv_are_refused(comm: SandboxComm) -> None:
     done(comm.barrier(dist.BarrierOptions()))
     t = torch.ones(3)
-    done(comm.send([t], 0, 0))
-    done(comm.recv([t], 0, 0))
-    assert torch.equal(t, torch.ones(3)), "nothing arrives in the sandbox: the buffer keeps its data"
+    # no peer exists in a sandbox: a receive would hand the script data nobody sent
+    for call in (lambda: comm.send([t], 0, 0), lambda: comm.recv([t], 0, 0), lambda: comm.recv_anysource([t], 0)):
+        with pytest.raises(SandboxError, match="cannot run in a standby's sandbox"):
+            call()
+    assert torch.equal(t, torch.ones(3))
 
 
 def test_gather_fills_the_roots_slots_and_a_non_root_passes_none(comm: SandboxComm) -> None:
