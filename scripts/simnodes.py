@@ -53,6 +53,33 @@ SIM_TTL = 30
 RETRY_S = 0.5
 
 
+class GatedWrites:
+    """A store whose writes wait while ``gate`` is clear; reads, watches and leases pass at once.
+
+    With the gate closed from a fault until every node has acted, the nodes' own writes do not
+    share this process's CPU with other nodes' receipt of the plan, as they do not when each agent
+    has a machine of its own.
+    """
+
+    def __init__(self, store: Store, gate: asyncio.Event) -> None:
+        self._store, self._gate = store, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        await self._gate.wait()
+        await self._store.put(key, value, lease=lease)
+
+    async def put_all(self, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
+        await self._gate.wait()
+        await self._store.put_all(items, lease=lease)
+
+    async def delete(self, key: str) -> None:
+        await self._gate.wait()
+        await self._store.delete(key)
+
+
 class SimNode:
     """One simulated agent (see the module's docstring)."""
 
