@@ -27,6 +27,8 @@ from rlaunch.store.records import Event, encode
 log = logging.getLogger(__name__)
 
 EVENT_TTL_S = 24 * 3600
+#: Queued events written in one etcd transaction at most (etcd's default limit is 128 operations).
+EVENTS_PER_REQUEST = 64
 
 
 class EventLog:
@@ -79,17 +81,26 @@ class EventLog:
             observe(event)
 
     async def _writer(self) -> None:
+        """Write the queued events in order; those queued together go in one request (an agent emits
+        a few at once, such as a move's offer and the node state it publishes with it)."""
         while True:
-            event = await self._queue.get()
-            if event is None:
-                return
+            batch = [await self._queue.get()]
+            while batch[-1] is not None and len(batch) < EVENTS_PER_REQUEST and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            events = [e for e in batch if e is not None]
             try:
-                if self._lease is None:
+                if events and self._lease is None:
                     self._lease = await self._store.grant_lease(EVENT_TTL_S)
-                key = self._keys.event(int(event.time * 1e9), self._node_id)
-                await self._store.put(key, encode(event), lease=self._lease)
+                items = [(self._keys.event(int(e.time * 1e9), self._node_id), encode(e)) for e in events]
+                if len(items) == 1:
+                    await self._store.put(*items[0], lease=self._lease)
+                elif items:
+                    await self._store.put_all(items, lease=self._lease)
             except StoreError as exc:
-                log.warning("[%s] event %s was not written to etcd: %s", self._node_id, event.kind, exc)
+                kinds = ", ".join(e.kind for e in events)
+                log.warning("[%s] event(s) %s were not written to etcd: %s", self._node_id, kinds, exc)
+            if batch[-1] is None:
+                return
 
     async def _file_writer(self) -> None:
         """Append each event to events.jsonl, off the event loop and never waiting on etcd."""

@@ -5,8 +5,8 @@ One agent runs per machine (``rlaunch train.py``). It
    (:mod:`rlaunch.agent.join`, :mod:`rlaunch.agent.lease`);
 2. campaigns for the controller role (see :mod:`rlaunch.controller.controller`);
 3. watches the job's keys (:mod:`rlaunch.agent.generations`); for each new generation it stops its
-   workers, acknowledges, waits until every assigned node has acknowledged (so no worker meets a
-   previous generation's rendezvous), then starts its workers with torchrun's environment
+   workers, acknowledges, waits until the controller says every assigned node has acknowledged
+   (so no worker meets a previous generation's rendezvous), then starts its workers with torchrun's environment
    (:mod:`rlaunch.agent.supervision`); a migration or replacement keeps them and hands them a plan;
 4. reports its workers' success or failure on its node record (:mod:`rlaunch.agent.record`), for
    the controller to act on;
@@ -261,31 +261,27 @@ class Agent:
         """Bring this node in line with the current generation; an int means: exit with it."""
         gen = self.watch.generation
         uses_runtime: bool | None = None
-        acked: frozenset[str] | None = None
         while True:
-            obs = self._observe(gen, uses_runtime, acked)
+            obs = self._observe(gen, uses_runtime)
             decision = decide(self.node, obs)
             code = await self._carry_out(decision)
             if code is not None or decision.need is None:
                 return code
             assert gen is not None
-            if decision.need is st.Need.ACKS and acked is None:
-                acks, _ = await self.store.get_prefix(self.keys.acks_prefix(gen.number))
-                acked = frozenset(kv.key.rsplit("/", 1)[-1] for kv in acks)
-            elif decision.need is st.Need.RUNTIME and uses_runtime is None:
+            if decision.need is st.Need.RUNTIME and uses_runtime is None:
                 self.watch.nodes_changed = False  # re-read node records only when the watch saw them change
                 snap = await read_snapshot(self.store, self.keys)
                 uses_runtime = any(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
             else:
                 raise st.IllegalTransition(f"The decision needed {decision.need.value} again after it was read.")
 
-    def _observe(self, gen: Generation | None, uses_runtime: bool | None, acked: frozenset[str] | None) -> st.Look:
+    def _observe(self, gen: Generation | None, uses_runtime: bool | None) -> st.Look:
         record = self.records.record
         published = st.Published(record.state, record.generation, record.exit_codes) if record else None
         state = self.link.state
         return st.Look(
             gen, self.node_id, self.cfg.nproc_per_node, published, self.faults.sentence, frozenset(state.left),
-            len(state.warm), self.watch.nodes_changed, uses_runtime, acked,
+            len(state.warm), self.watch.nodes_changed, uses_runtime,
         )  # fmt: skip
 
     async def _decide(self, obs: st.Observation) -> int:

@@ -1,10 +1,14 @@
 """Following the job's generations: watch the keys this node acts on, keep the latest generation.
 
 One watch per agent, narrowed to what the node acts on (never ``kv/`` or ``events/``): the
-generation key, the leader key and the acks, plus node records where this node decides from them,
-and drain requests and marks for the leader. Every change wakes the agent's loop; changes the
+generation key and the leader key, plus node records where this node decides from them, and the
+acks, drain requests and marks for the leader. Every change wakes the agent's loop; changes the
 controller acts on wake the controller too. After a failed watch it reads the keys afresh and
 watches again from the revision it read, so no change is lost.
+
+The generation key holds the generation's head, whose size is that of its change, not of the job:
+the rank map is rebuilt from the generation held, or read whole when the head does not change that
+one (see :mod:`rlaunch.store.generations`).
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import logging
 from collections.abc import Callable
 
 from rlaunch.errors import RecordError, StoreError
+from rlaunch.store import generations
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import Generation, decode
+from rlaunch.store.records import Generation
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,7 @@ class GenerationWatch:
                     log.info("[%s] watching etcd again from revision %d", self._node_id, revision + 1)
                 failing = False
                 if kv is not None:
-                    self.take(kv.value)
+                    await self.take(kv.value)
                 leader, _ = await store.get_at(keys.leader)
                 leading = leader is not None and leader.value == self._node_id.encode()
                 ranges = self.ranges(leading)
@@ -75,7 +80,7 @@ class GenerationWatch:
                 async with contextlib.aclosing(store.watch_many(ranges, start_revision=revision + 1)) as events:
                     async for ev in events:
                         if ev.key == keys.generation and not ev.deleted:
-                            self.take(ev.value)
+                            await self.take(ev.value)
                         elif ev.key.startswith(keys.nodes_prefix):
                             self.nodes_changed = True
                         elif ev.key == keys.leader:
@@ -96,28 +101,32 @@ class GenerationWatch:
     def ranges(self, leading: bool) -> tuple[tuple[str, bool], ...]:
         """The ``(key or prefix, exact)`` ranges this node acts on (never ``kv/`` or ``events/``).
 
-        Every node: the generation, the leader key (to campaign when it goes) and the acks (a
-        restart starts once all are in). Node records only for the leader (its planner reads them)
-        and for a node holding no ranks (a standby decides on warm workers from them); drain
-        requests and marks only for the leader.
+        Every node: the generation and the leader key (to campaign when it goes). Node records only
+        for the leader (its planner reads them) and for a node a generation gives no ranks (a
+        standby decides on warm workers from them); the acks (a restart starts once the controller
+        saw them all), drain requests and marks only for the leader. No node watches what every
+        other node writes (acks; records while the job forms): with N nodes, N² watch events.
         """
         k, gen = self._keys, self.generation
-        ranges = [(k.generation, True), (k.leader, True), (k.all_acks_prefix, False)]
-        if leading or gen is None or self._node_id not in gen.assignment:
+        ranges = [(k.generation, True), (k.leader, True)]
+        if leading or (gen is not None and self._node_id not in gen.assignment):
             ranges.append((k.nodes_prefix, False))
         if leading:
-            ranges += [(k.drains_prefix, False), (k.drained_prefix, False)]
+            ranges += [(k.all_acks_prefix, False), (k.drains_prefix, False), (k.drained_prefix, False)]
         return tuple(ranges)
 
-    def take(self, raw: bytes) -> None:
-        """Keep the generation in ``raw`` if it is not older than the one held (said once if invalid)."""
+    async def take(self, raw: bytes) -> None:
+        """Keep the generation whose head is ``raw`` if it is not older than the one held (said once
+        if invalid). Raises :class:`StoreError` when its rank map had to be read and could not."""
         try:
-            gen = decode(Generation, raw, self._keys.generation)
+            gen = await generations.follow(self._store, self._keys, raw, self.generation)
         except RecordError as exc:
             if str(exc) not in self._reported:
                 self._reported.add(str(exc))
                 log.error("[%s] %s", self._node_id, exc)
             return
+        if gen is None:
+            return  # a newer generation replaced it while its map was read: the watch brings that one
         if self.generation is None or gen.number >= self.generation.number:
             self.generation = gen
             self._on_generation(gen)

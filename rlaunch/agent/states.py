@@ -32,7 +32,7 @@ class AgentState(str, enum.Enum):
 
     - ``idle`` (no workers) → ``starting`` (acked a restart) | ``sandbox`` (standby in a runtime
       job) | ``settling`` (a replacement's joiner, through a fresh sandbox) | ``leaving_done``
-    - ``starting`` (waits for every node's ack) → ``active`` (all acked: workers start)
+    - ``starting`` (waits until every node acked) → ``active`` (the generation says all acked: workers start)
     - ``sandbox`` → ``settling`` (a move's joiner) | ``idle`` (its workers exited: a failed standby)
       | ``starting`` (a restart gives it ranks)
     - ``active`` → ``active`` (a migration's survivor) | ``settling`` (a replacement's survivor)
@@ -120,9 +120,8 @@ class Look:
     warm: int = 0
     #: node records changed since the standby last read them
     nodes_changed: bool = False
-    #: answers to a decision's ``need`` (None: not read)
+    #: the answer to a decision's ``need`` (None: not read)
     uses_runtime: bool | None = None
-    acked: frozenset[str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +268,6 @@ Action = (
 class Need(str, enum.Enum):
     """A read a decision needs before it can go on (the answer goes into :class:`Look`)."""
 
-    ACKS = "acks"  # every node's ack of the generation (``Look.acked``)
     RUNTIME = "runtime"  # whether the job's workers use the runtime (``Look.uses_runtime``)
 
 

@@ -5,8 +5,8 @@
 observation; it returns a :class:`~rlaunch.agent.states.Decision`: the steps to carry out (typed
 actions, each with the node as it stands from the moment the action runs) and the node after the
 last. It does no I/O and reads no clock; :mod:`rlaunch.agent.agent` carries the actions out. When
-a decision needs a read from etcd to go on (every node's acks, or whether the job uses the
-runtime), it says so in ``Decision.need``; the agent reads and decides again with the answer.
+a decision needs a read from etcd to go on (whether the job uses the runtime), it says so in
+``Decision.need``; the agent reads and decides again with the answer.
 
 Observations: ``Look`` (bring the node in line with the current generation; made on every loop
 round), ``WorkersExited``, ``Settled`` (a move's workers all joined or recovered), ``Signalled``,
@@ -24,8 +24,9 @@ other           EtcdLost               exited (stop a sandbox; exit 0 if its wor
                                        their ranks over, else 1)
 any             Look: job ended        exited (stop, exit 0 or 1)
 any             Look: fault            idle (stop, record ``failed``): a GPU fault, or suspected SDC
-idle            Look: restart, ranks   starting (record ``restarting``, ack; then read every ack)
-starting        Look: all acked        active (start workers, record ``running``)
+idle            Look: restart, ranks   starting (record ``restarting``, ack)
+starting        Look: all acked        active (start workers, record ``running``): the controller wrote
+                                       the generation again once every assigned node had acked
 idle            Look: no ranks         sandbox if the job uses the runtime and no sandbox ran yet
                                        (read node records when they changed), else idle; record
                                        ``warming`` / ``standby`` / ``failed`` (its sandbox died)
@@ -328,21 +329,19 @@ def _on_look(node: Node, obs: Look) -> Decision:
         # A joiner is running once its workers joined.
         p.do(Publish(NodeState.RESTARTING if role == "joiner" else NodeState.RUNNING, gen.number))
     else:
-        _restart(p, gen, obs)
+        _restart(p, gen)
     return p.decision()
 
 
-def _restart(p: _Plan, gen: Generation, obs: Look) -> None:
-    """A restart: stop, acknowledge, and start fresh workers once every assigned node acknowledged."""
+def _restart(p: _Plan, gen: Generation) -> None:
+    """A restart: stop, acknowledge, and start fresh workers once every assigned node acknowledged
+    (the controller then writes the generation again, ``all_acked``)."""
     if p.node.acked_gen != gen.number:
         previous = p.node.acked_gen
         p.stop()
         p.do(Publish(NodeState.RESTARTING, gen.number), Acknowledge(gen.number, previous))
         p.set(state=AgentState.STARTING, acked_gen=gen.number)  # (only once etcd has the ack)
-    if obs.acked is None:
-        p.need = Need.ACKS
-        return
-    if set(gen.assignment) <= obs.acked:
+    if gen.all_acked:
         p.set(state=AgentState.ACTIVE, worker_gen=gen.number)
         if p.node.sandbox is SandboxUse.SPENT:
             p.set(sandbox=SandboxUse.USED)

@@ -23,6 +23,10 @@ Rules (torchrun's semantics, plus standbys):
   replacement, a move or a replica check that failed) takes the restart rules instead. With a
   lost node and no standby, the job waits up to ``standby_wait`` (survivors keep waiting), then
   falls back to the restart rules below. A worker failure counts against ``max_restarts``.
+- A restart's barrier: once every node it assigns acknowledged it (each stopped the workers of
+  earlier generations), the generation is written again with ``all_acked``, and only then do the
+  nodes start their workers. (Each node waiting for every other node's ack itself had every node
+  receive every ack: N² watch events.)
 - When every assigned node reports success for the current generation, the job succeeded.
 - A drain request for an active node, once every node runs the current generation and a
   standby is ready, hands the node rank to that standby: live (``migrate``: nobody else
@@ -48,6 +52,9 @@ from rlaunch.store.records import (
 #: States in which a node not holding ranks may be given some in a restart (every worker starts
 #: anew, so a node whose own workers failed is fine; one with a fault is not live).
 _SPARE_STATES = (NodeState.WAITING, NodeState.WARMING, NodeState.STANDBY, NodeState.FAILED)
+#: A reason names nodes one by one up to this many; past it, it counts the rest (a reason is in the
+#: generation's head, which every node receives: its size must not grow with the job).
+NAMED_NODES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +74,8 @@ class ClusterView:
     drains: frozenset[str] = frozenset()
     #: active nodes the straggler detector found slow for its whole window (moved like drains)
     stragglers: frozenset[str] = frozenset()
+    #: nodes that acknowledged the generation (read while it waits for acks: a restart's barrier)
+    acked: frozenset[str] = frozenset()
     #: standbys that a node holding ranks could not reach (a network cut): they take no ranks now
     unreachable: frozenset[str] = frozenset()
 
@@ -105,10 +114,13 @@ def plan(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generation 
     if stalled:
         reason = f"{stalled}; restarting every node with the new assignment"
         return _generation(now, view, cfg, gen.number + 1, dict(gen.assignment), gen.restart_count, reason), reason
+    if gen.waits_for_acks and view.acked.issuperset(gen.assignment):
+        reason = f"every node of generation {gen.number} stopped its earlier workers and acknowledged; they start"
+        return dataclasses.replace(gen, all_acked=True), reason
 
     records = {n: view.nodes[n].record for n in gen.assignment}
     if failed:
-        what = ", ".join(f"{n} ({_failure(records[n])})" for n in failed)
+        what = _listed([f"{n} ({_failure(records[n])})" for n in failed], ", ")
         if gen.restart_count >= view.spec.max_restarts:
             reason = f"workers failed on {what} and all {view.spec.max_restarts} restarts are used; the job failed"
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
@@ -175,7 +187,7 @@ def _why_out(view: ClusterView, node: str) -> str:
 def _faults(view: ClusterView, nodes: list[str]) -> str:
     """`` (b: <fault>; ...)`` for those of ``nodes`` with a fault on their record ("" if none)."""
     found = [f"{n}: {view.nodes[n].record.fault}" for n in nodes if n in view.nodes and view.nodes[n].record.fault]
-    return f" ({'; '.join(found)})" if found else ""
+    return f" ({_listed(found, '; ')})" if found else ""
 
 
 def _failed_in(record: NodeRecord, gen: Generation) -> bool:
@@ -257,10 +269,26 @@ def _replace(
         how = "restarted in place" if joiner == leaver else f"replaced by {joiner}"
         why = _why_out(view, leaver) if leaver in lost else "workers failed"
         moves.append(f"{leaver} ({why}) {how}")
-    reason = "; ".join(moves) + f"; survivors {survivors} keep their processes"
+    reason = _listed(moves, "; ") + f"; {_some('survivors', survivors)} keep their processes"
     restarts = gen.restart_count + (1 if failed else 0)
     new = _generation(now, view, cfg, gen.number + 1, assignment, restarts, reason)
     return dataclasses.replace(new, kind="replace", leavers=leavers, joiners=joiners), reason
+
+
+def _some(what: str, nodes: list[str]) -> str:
+    """``survivors ['a', 'b']``, or ``the 4095 survivors`` past :data:`NAMED_NODES`."""
+    return f"{what} {nodes}" if len(nodes) <= NAMED_NODES else f"the {len(nodes)} {what}"
+
+
+def _listed(items: list[str], sep: str) -> str:
+    """``items`` joined by ``sep``, the first :data:`NAMED_NODES` of them and a count of the rest."""
+    shown = sep.join(items[:NAMED_NODES])
+    return shown if len(items) <= NAMED_NODES else f"{shown}{sep}and {len(items) - NAMED_NODES} more"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[2, 5]``, or the first :data:`NAMED_NODES` ranks and a count of the rest."""
+    return f"[{_listed([str(r) for r in ranks], ', ')}]"
 
 
 def _ready_standbys(view: ClusterView, gen: Generation, job_uses_runtime: bool) -> list[str]:
@@ -284,7 +312,8 @@ def _first(now: float, view: ClusterView, cfg: PlannerConfig) -> tuple[Generatio
     if len(eligible) < nnodes:
         return None, f"waiting for nodes to join: {len(eligible)} of {nnodes} present"
     assignment = {n: i for i, n in enumerate(eligible[:nnodes])}
-    reason = f"{nnodes} node(s) joined; node ranks in join order: {assignment}"
+    named = f": {assignment}" if len(assignment) <= NAMED_NODES else ""
+    reason = f"{nnodes} node(s) joined; node ranks in join order{named}"
     return _generation(now, view, cfg, 1, assignment, 0, reason), reason
 
 
@@ -310,14 +339,14 @@ def _fill(
             and can_hold_ranks(v.record)
         ],
     )
-    lost_txt = f"node(s) {', '.join(lost)} lost{_faults(view, lost)}; " if lost else ""
+    lost_txt = f"node(s) {_listed(lost, ', ')} lost{_faults(view, lost)}; " if lost else ""
     if len(spares) >= len(missing):
         assignment = {n: gen.assignment[n] for n in survivors}
         moves = []
         for rank, node in zip(missing, spares, strict=False):
             assignment[node] = rank
             moves.append(f"{node} takes node rank {rank}")
-        reason = lost_txt + "; ".join(moves)
+        reason = lost_txt + _listed(moves, "; ")
         return (
             _generation(now, view, cfg, gen.number + 1, assignment, gen.restart_count, reason),
             reason,
@@ -328,13 +357,13 @@ def _fill(
             faulty = [
                 f"{n} may not take one: {v.record.fault}" for n, v in sorted(view.nodes.items()) if v.record.fault
             ]
-            came = f"no node came to take node rank(s) {missing} within {cfg.replace_timeout:.0f} s"
-            reason = "; ".join([came, *faulty, "the job failed"])
+            came = f"no node came to take node rank(s) {_ranks(missing)} within {cfg.replace_timeout:.0f} s"
+            reason = "; ".join([came, _listed(faulty, "; "), "the job failed"] if faulty else [came, "the job failed"])
             return dataclasses.replace(gen, status=GenerationStatus.FAILED, reason=reason), reason
-        return None, f"waiting for a node to take node rank(s) {missing}"
+        return None, f"waiting for a node to take node rank(s) {_ranks(missing)}"
     reason = (
         f"{lost_txt}no standby is ready; waiting up to {cfg.replace_timeout:.0f} s "
-        f"for a node to take node rank(s) {missing}"
+        f"for a node to take node rank(s) {_ranks(missing)}"
     )
     waiting = Generation(
         number=gen.number + 1,

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from rlaunch.controller.planner import NodeView
 from rlaunch.errors import RecordError
+from rlaunch.store import generations
 from rlaunch.store.client import KV, Store
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import DrainedMark, DrainRequest, Generation, JobSpec, NodeRecord, SuspectMark, decode
@@ -34,6 +35,8 @@ class JobSnapshot:
     drained: dict[str, DrainedMark] = dataclasses.field(default_factory=dict)
     #: nodes suspected of silent data corruption (they take no ranks again in this job)
     suspects: dict[str, SuspectMark] = dataclasses.field(default_factory=dict)
+    #: nodes that acknowledged the generation (read only while it waits for acks: a restart's barrier)
+    acked: frozenset[str] = frozenset()
 
 
 class RecordCache:
@@ -41,22 +44,15 @@ class RecordCache:
 
     A tick reads every node record and the generation (whose rank map names every node); decoding
     and validating them all was most of a tick at a thousand nodes. A key whose mod revision is
-    unchanged holds the same bytes, so its decoded record is reused; only changed ones are decoded.
+    unchanged holds the same bytes, so its decoded record is reused; only changed ones are decoded,
+    and a new generation's rank map is rebuilt from the one held (see rlaunch.store.generations).
     The records are frozen and never changed in place by their readers.
     """
 
     def __init__(self) -> None:
         self._views: dict[str, tuple[int, NodeView, int]] = {}
-        self._generation: tuple[str, int, Generation] | None = None
-
-    def generation(self, kv: KV) -> Generation:
-        """The generation record of ``kv`` (raises :class:`RecordError` if malformed)."""
-        held = self._generation
-        if held is not None and held[0] == kv.key and held[1] == kv.mod_revision:
-            return held[2]
-        generation = decode(Generation, kv.value, kv.key)
-        self._generation = (kv.key, kv.mod_revision, generation)
-        return generation
+        #: the generation last read and its head's mod revision (its rank map is rebuilt from it)
+        self.generation: tuple[int, Generation] | None = None
 
     def view(self, kv: KV, keys: JobKeys, problems: list[str]) -> tuple[NodeView, int] | None:
         """The node view and lease of ``kv`` (None, with a sentence in ``problems``, if malformed)."""
@@ -102,14 +98,17 @@ async def read_snapshot(
         except RecordError as exc:
             problems.append(str(exc))
     generation, gen_rev, gen_bad = None, 0, False
-    kv = await store.get(keys.generation)
-    if kv is not None:
-        gen_rev = kv.mod_revision
-        try:
-            generation = cache.generation(kv)
-        except RecordError as exc:
-            problems.append(str(exc))
-            gen_bad = True
+    try:
+        gen_rev, generation = await generations.read(store, keys, cache.generation)
+    except RecordError as exc:
+        problems.append(str(exc))
+        gen_bad = True
+    if not gen_bad:
+        cache.generation = (gen_rev, generation) if generation is not None else None
+    acked: frozenset[str] = frozenset()
+    if generation is not None and generation.waits_for_acks:
+        prefix = keys.acks_prefix(generation.number)
+        acked = frozenset(key[len(prefix) :] for key in await store.keys_under(prefix))
     kv = await store.get(keys.leader)
     leader = kv.value.decode(errors="replace") if kv is not None else None
     leader_rev = kv.create_revision if kv is not None else 0
@@ -126,7 +125,7 @@ async def read_snapshot(
     marks = await _records(store, keys.suspects_prefix, SuspectMark, problems) if suspects else []
     return JobSnapshot(
         spec, generation, gen_rev, leader, leader_rev, nodes, leases, problems, gen_bad, drains, drained,
-        {m.node_id: m for m in marks},
+        {m.node_id: m for m in marks}, acked,
     )  # fmt: skip
 
 

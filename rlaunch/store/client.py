@@ -462,6 +462,11 @@ class Store:
         revision = rng.header.revision if rng.header is not None else 0
         return next((_kv(kv) for kv in rng if kv.key == raw), None), revision
 
+    async def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` (their values are not read)."""
+        rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
+        return [kv.key.decode() for kv in rng]
+
     async def count_prefix(self, prefix: str) -> int:
         """How many keys are under ``prefix`` (their keys alone are read, not their values)."""
         rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
@@ -469,6 +474,15 @@ class Store:
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
+
+    async def put_all(self, items: Sequence[tuple[str, bytes]], lease: int | None = None) -> None:
+        """Put every ``(key, value)`` of ``items`` in one transaction (one request)."""
+
+        async def txn(c: aetcd.Client) -> None:
+            t = c.transactions
+            await c.transaction(compare=[], success=[t.put(k.encode(), v, lease=lease) for k, v in items], failure=[])
+
+        await self._call(txn)
 
     async def delete(self, key: str) -> None:
         await self._call(lambda c: c.delete(key.encode()))
@@ -524,12 +538,14 @@ class Store:
         mod_revision: int,
         lease: int | None = None,
         fence: tuple[str, int] | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
     ) -> bool:
         """Put ``key`` only if it is unchanged since ``mod_revision`` (0: absent).
 
         ``fence=(key2, create_revision)`` adds the condition that ``key2`` is still the one created
         at that revision (the controller's leadership, from :meth:`create`: a key
-        re-created since, even with the same value, fails it). Returns whether the write happened.
+        re-created since, even with the same value, fails it). ``also``: more ``(key, value)`` puts
+        in the same transaction (without a lease). Returns whether the write happened.
         """
 
         async def txn(c: aetcd.Client) -> bool:
@@ -537,7 +553,8 @@ class Store:
             compare = [t.mod(key.encode()) == mod_revision]
             if fence is not None:
                 compare.append(t.create(fence[0].encode()) == fence[1])
-            ok, _ = await c.transaction(compare=compare, success=[t.put(key.encode(), value, lease=lease)], failure=[])
+            puts = [t.put(key.encode(), value, lease=lease), *(t.put(k.encode(), v) for k, v in also)]
+            ok, _ = await c.transaction(compare=compare, success=puts, failure=[])
             return bool(ok)
 
         return await self._call(txn)

@@ -33,7 +33,13 @@ class JobKeys:
 
     @property
     def generation(self) -> str:
+        """The current generation's head, which every node watches (see rlaunch.store.generations)."""
         return self.prefix + "generation"
+
+    @property
+    def assignment(self) -> str:
+        """The current generation's whole rank map, written with its head."""
+        return self.prefix + "assignment"
 
     @property
     def nodes_prefix(self) -> str:

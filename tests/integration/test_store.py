@@ -8,9 +8,12 @@ import uuid
 
 import pytest
 
-from rlaunch.errors import StoreUnavailableError
+from rlaunch.errors import PlanError, StoreUnavailableError
+from rlaunch.store import generations
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Generation, GenerationStatus
 from tests.cluster import run_store
 
 
@@ -42,6 +45,37 @@ def test_create_is_exclusive_and_guarded_put_fences(endpoint: str) -> None:
         assert not await store.put_guarded(p + "gen", b"4", kv2.mod_revision, fence=(p + "leader", term))
         assert (await store.get(p + "gen")).value == b"2"  # type: ignore[union-attr]
         assert await store.put_guarded(p + "gen", b"5", kv2.mod_revision, fence=(p + "leader", term2))
+
+    run_store(endpoint, go)
+
+
+def test_a_generation_is_written_as_head_and_map_in_one_fenced_transaction(endpoint: str) -> None:
+    """The head and the whole rank map go together, or not at all (a stale revision, a lost term);
+    a node holding the previous generation rebuilds the map from the head, a fresh reader reads it."""
+    keys = JobKeys(f"gen-{uuid.uuid4().hex[:8]}")
+
+    def make(number: int, assignment: dict[str, int]) -> Generation:
+        return Generation(number=number, status=GenerationStatus.RUNNING, assignment=assignment, nnodes=2,
+                          nproc_per_node=1, master_addr="h", master_port=1, restart_count=0, reason="", controller="a",
+                          created_at=1.0)  # fmt: skip
+
+    async def go(store: Store) -> None:
+        term = await store.create(keys.leader, b"a")
+        first, second = make(1, {"a": 0, "b": 1}), make(2, {"a": 0, "c": 1})
+        assert await generations.write(store, keys, first, None, 0, fence=(keys.leader, term))
+        rev, held = await generations.read(store, keys)
+        assert held == first
+        assert not await generations.write(store, keys, second, first, rev - 1, fence=(keys.leader, term))
+        assert not await generations.write(store, keys, second, first, rev, fence=(keys.leader, term + 1))
+        assert await generations.read(store, keys) == (rev, first), "neither key changed"
+        assert await generations.write(store, keys, second, first, rev, fence=(keys.leader, term))
+        head = await store.get(keys.generation)
+        assert head is not None and b'"given": {"c": 1}' in head.value and b'"a": 0' not in head.value
+        assert await generations.follow(store, keys, head.value, first) == second
+        assert (await generations.read(store, keys))[1] == second, "a fresh reader reads the whole map"
+        with pytest.raises(PlanError, match="another rank map"):
+            await generations.write(store, keys, make(2, {"a": 0, "d": 1}), second, head.mod_revision)
+        await store.delete_prefix(keys.prefix)
 
     run_store(endpoint, go)
 

@@ -29,6 +29,7 @@ from rlaunch.controller.planner import PlannerConfig
 from rlaunch.events import EventLog
 from rlaunch.runtime.agent_link import AgentLink
 from rlaunch.runtime.store import AgentStore
+from rlaunch.store import generations
 from rlaunch.store.client import REQUEST_SECONDS, Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation, GenerationStatus, JobSpec, NodeRecord, NodeState, encode
@@ -223,7 +224,7 @@ def test_the_leader_prunes_the_store_prefixes_of_settled_generations(endpoint: s
                              nproc_per_node=1, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="",
                              controller="a", created_at=0.0)  # fmt: skip
             await store.put(keys.spec, encode(spec))
-            await store.put(keys.generation, encode(gen))
+            assert await generations.write(store, keys, gen, None, 0)
             await store.put(keys.node("a"), record("a", NodeState.RUNNING, 3), lease=lease)
             await store.put(keys.node("b"), record("b", NodeState.RESTARTING, 3), lease=lease)
             for k in ("g1/world/0/0", "g2/recover/0", "g3/world/0/0", "g10/world/0/0", "other"):

@@ -55,6 +55,9 @@ class _CountingEtcd:
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         self.puts.append(key)
 
+    async def put_all(self, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
+        self.puts.append(",".join(k for k, _ in items))
+
 
 def test_a_local_event_reaches_the_file_and_the_observers_but_not_etcd(tmp_path: Path) -> None:
     path = tmp_path / "job" / "events.jsonl"
@@ -73,3 +76,22 @@ def test_a_local_event_reaches_the_file_and_the_observers_but_not_etcd(tmp_path:
     kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
     assert kinds == ["snapshot_committed", "generation"] and [e.kind for e in seen] == kinds
     assert len(etcd.puts) == 1, "only the generation event is written to etcd"
+
+
+def test_events_queued_together_go_in_one_request_in_order() -> None:
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0, 3.0, 4.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit("replacement_offered", 2)  # an offer and the state published with it, queued together
+        log.emit("node_state", 2)
+        await asyncio.sleep(0.01)
+        log.emit("recovered", 2)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    first, second = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    assert etcd.puts == [f"{first},{second}", keys.event(int(3.0 * 1e9), "n1")]

@@ -459,3 +459,42 @@ def test_a_move_the_job_outran_ends_in_success() -> None:
     running = (rec("a", NodeState.RUNNING, generation=4), done[1], rec("c", NodeState.RESTARTING, generation=4))
     new, _ = plan(NOW, view(*running, generation=g), CFG)
     assert new is None or new.status is not GenerationStatus.SUCCEEDED, "a still trains: the job has not ended"
+
+
+# --- a restart's barrier ------------------------------------------------------------------------
+
+
+def test_a_restart_is_written_again_as_all_acked_once_every_assigned_node_acked() -> None:
+    g = gen(4, {"a": 0, "b": 1})
+    nodes = (rec("a", NodeState.RESTARTING, generation=4), rec("b", NodeState.RESTARTING, generation=4), rec("s"))
+    some = dataclasses.replace(view(*nodes, generation=g), acked=frozenset({"a", "s"}))
+    new, reason = plan(NOW, some, CFG)
+    assert new is None and "generation 4 is running" in reason, "b has not acked: no worker may start"
+    every = dataclasses.replace(some, acked=frozenset({"a", "b"}))
+    new, reason = plan(NOW, every, CFG)
+    assert new == dataclasses.replace(g, all_acked=True), "the same generation, its barrier passed"
+    assert "every node of generation 4" in reason and new.reason == g.reason
+    assert plan(NOW, dataclasses.replace(every, generation=new), CFG)[0] is None, "written once"
+
+
+def test_a_node_lost_at_a_restarts_barrier_is_replaced_before_the_barrier_passes() -> None:
+    g = gen(4, {"a": 0, "b": 1})
+    v = dataclasses.replace(
+        view(rec("a", NodeState.RESTARTING, generation=4), rec("s", NodeState.STANDBY), generation=g),
+        acked=frozenset({"a", "b"}),  # b acked, then its lease went (its ack goes with it a moment later)
+    )
+    new, _ = plan(NOW, v, CFG)
+    assert new is not None and new.number == 5 and new.assignment == {"a": 0, "s": 1} and not new.all_acked
+
+
+# --- reasons do not grow with the job ------------------------------------------------------------
+
+
+def test_reasons_name_a_few_nodes_and_count_the_rest() -> None:
+    names = [f"n{i:03d}" for i in range(100)]
+    first, reason = plan(NOW, view(*(rec(n) for n in names), nnodes=100), CFG)
+    assert first is not None and len(first.assignment) == 100 and "n050" not in reason
+    failed = [rec(n, NodeState.FAILED, generation=1, exit_codes={"0": 1}) for n in names]
+    new, reason = plan(NOW, view(*failed, generation=first, nnodes=100), CFG)
+    assert new is not None and new.number == 2 and "n015 (" in reason and "n016" not in reason
+    assert "and 84 more" in reason and len(reason) < 1000

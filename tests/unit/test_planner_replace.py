@@ -139,6 +139,15 @@ def test_workers_that_refused_a_live_move_take_the_restart_path_even_with_a_stan
     assert "no live move: rank 1: replicas differ after the move" in reason
 
 
+def test_a_replacement_among_many_survivors_counts_them_instead_of_naming_them() -> None:
+    names = [f"n{i:03d}" for i in range(40)]
+    g = gen(1, {n: i for i, n in enumerate(names)}, nnodes=40)
+    records = [rt(rec(n, NodeState.RUNNING, generation=1)) for n in names[1:]]
+    new, reason = plan(NOW, view(*records, rt(rec("s", NodeState.STANDBY)), generation=g, nnodes=40), CFG)
+    assert new is not None and new.kind == "replace" and new.joiners == ["s"]
+    assert reason == "n000 (lost) replaced by s; the 39 survivors keep their processes"
+
+
 def test_a_standby_a_survivor_cannot_reach_is_passed_over_for_one_it_can() -> None:
     v = view(
         rt(rec("a", NodeState.RUNNING, generation=1)),

@@ -11,8 +11,10 @@ import pytest
 from rlaunch.errors import RecordError, StoreError
 from rlaunch.store.records import (
     Ack,
+    Assignment,
     Event,
     Generation,
+    GenerationHead,
     GenerationStatus,
     JobSpec,
     NodeRecord,
@@ -82,6 +84,8 @@ RECORDS: list[Any] = [
     job_spec(),
     node_record(),
     generation(),
+    generation(kind="replace", leavers=["b"], joiners=["d"]).head(generation(number=4)),
+    Assignment(number=5, nodes={"a": 0, "b": 1}),
     Ack(node_id="n1", generation=7),
     Event(time=1.5, node_id="n1", kind="workers_started", generation=2, data={"ranks": [0, 1], "x": {"y": None}}),
 ]
@@ -104,6 +108,16 @@ def test_round_trip(record: Any) -> None:
     back = decode(type(record), encode(record), WHERE)
     assert back == record
     assert type(back) is type(record)
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_encoding_takes_the_fields_as_asdict_would(record: Any) -> None:
+    assert json.loads(encode(record)) == json.loads(json.dumps(dataclasses.asdict(record), default=lambda e: e.value))
+
+
+def test_a_record_inside_an_events_data_is_encoded_as_its_fields() -> None:
+    event = Event(time=1.0, node_id="n", kind="k", generation=1, data={"ack": Ack(node_id="n", generation=2)})
+    assert json.loads(encode(event))["data"] == {"ack": {"node_id": "n", "generation": 2}}
 
 
 @pytest.mark.parametrize("state", list(NodeState))
@@ -145,7 +159,7 @@ def test_optional_fields_may_be_omitted() -> None:
     del gen["deadline"]
     assert decode(Generation, raw(gen), WHERE).deadline == 0.0
 
-    event = as_obj(RECORDS[4])
+    event = as_obj(RECORDS[6])
     del event["data"]
     assert decode(Event, raw(event), WHERE).data == {}
 
@@ -178,7 +192,7 @@ def test_non_object_json_names_the_key(data: bytes) -> None:
         (NodeRecord, node_record(), "state"),
         (Generation, generation(), "assignment"),
         (Ack, Ack(node_id="n", generation=1), "generation"),
-        (Event, RECORDS[4], "kind"),
+        (Event, RECORDS[6], "kind"),
     ],
 )
 def test_missing_required_field_is_named(cls: type, record: Any, field: str) -> None:
@@ -212,7 +226,10 @@ def test_missing_required_field_is_named(cls: type, record: Any, field: str) -> 
         (JobSpec, job_spec(), "args", "--lr 0.1"),  # string for list
         (JobSpec, job_spec(), "nnodes", "2"),  # string for int
         (Ack, Ack(node_id="n", generation=1), "node_id", 5),  # int for str
-        (Event, RECORDS[4], "data", [1]),  # list for dict
+        (Event, RECORDS[6], "data", [1]),  # list for dict
+        (GenerationHead, RECORDS[3], "given", {"d": 1.0}),  # dict of wrong values
+        (GenerationHead, RECORDS[3], "taken", "b"),  # string for list
+        (Assignment, RECORDS[4], "nodes", {"a": None}),  # dict of wrong values
     ],
 )
 def test_wrong_type_names_key_and_field(cls: type, record: Any, field: str, value: Any) -> None:
@@ -285,3 +302,30 @@ def test_generation_ranks_and_world_size() -> None:
 def test_records_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ack(node_id="n", generation=1).generation = 2  # type: ignore[misc]
+
+
+# --- the generation's head: its rank map told as a change ----------------------------------------
+
+
+def test_a_head_carries_the_change_of_the_rank_map_not_the_map() -> None:
+    before = generation(number=4, assignment={"a": 0, "b": 1, "c": 2})
+    after = generation(number=5, assignment={"a": 0, "d": 1, "c": 2}, kind="replace", leavers=["b"], joiners=["d"])
+    head = after.head(before)
+    assert (head.base, head.given, head.taken, head.assigned) == (4, {"d": 1}, ["b"], 3)
+    assert not hasattr(head, "assignment") and head.reason == after.reason and head.joiners == ["d"]
+    assert head.follow(before) == after, "rebuilt from the base"
+    assert head.follow(after) == after, "the reader holds this generation already"
+    assert head.follow(None) is None and head.follow(generation(number=3)) is None, "not the base: read the map"
+    wrong = generation(number=4, assignment={"a": 0, "b": 1})  # a base that does not add up to 3 nodes
+    assert head.follow(wrong) is None
+
+
+def test_a_first_head_gives_the_whole_map_and_one_written_again_changes_nothing() -> None:
+    first = generation(number=1)
+    head = first.head(None)
+    assert (head.base, head.given, head.taken) == (0, first.assignment, [])
+    assert head.follow(None) == first and head.follow(generation(number=7)) == first
+    done = dataclasses.replace(first, status=GenerationStatus.SUCCEEDED)
+    again = done.head(first)
+    assert (again.base, again.given, again.taken) == (1, {}, [])
+    assert again.follow(first) == done and again.follow(None) is None

@@ -1,0 +1,234 @@
+"""Simulated nodes for scripts/bench_control_plane.py: the agent's own code, without processes.
+
+Each :class:`SimNode` is what an agent does with a generation, many of them in one process on a
+few shared etcd channels:
+
+- it holds a lease, renewed every third of its TTL, and a node record attached to it;
+- it follows the job with the agent's own :class:`~rlaunch.agent.generations.GenerationWatch` (the
+  generation's head and the leader key; node records while it holds no ranks), which rebuilds
+  each generation's rank map from the one held, or reads it whole, as an agent does;
+- it decides with the agent's own :func:`~rlaunch.agent.transitions.decide` on every change the
+  watch wakes it for, and carries the actions out as the agent does, with no processes:
+  ``Publish`` puts its node record (and a ``node_state`` event when the state changes, as
+  :class:`~rlaunch.agent.record.RecordPublisher` does); ``Acknowledge`` puts its ack and deletes
+  the previous one; ``Emit`` goes to its own :class:`~rlaunch.events.EventLog` (etcd puts in the
+  background); starting and stopping workers writes the events the supervisor writes; ``Offer``
+  hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
+  ``Settled`` decision (record ``running``). A standby's sandbox is warm at once.
+
+Not simulated: worker processes and what they report beyond that (their hello is taken as
+immediate, so a record says ``runtime`` from the first one after its workers start; no
+``recovering`` reports, heartbeats or metrics), the liveness probe, the GPU detector.
+
+Each node notes when it saw a generation (its watch took it), acted on it (handed it to its
+workers: ``Offer`` or ``StartWorkers``), published it (its first record at that generation was
+put) and ran it (record ``running`` at it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from rlaunch.agent import states as st
+from rlaunch.agent.generations import GenerationWatch
+from rlaunch.agent.transitions import decide
+from rlaunch.controller.view import read_snapshot
+from rlaunch.errors import StoreError
+from rlaunch.events import EventLog
+from rlaunch.store.client import Store
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Ack, Generation, NodeRecord, NodeState, encode
+from rlaunch.waiting import wait_event
+
+log = logging.getLogger(__name__)
+
+#: Simulated nodes' lease TTL: renewed every third of it, as agents do; long enough that a
+#: thousand tasks on a loaded machine renew in time.
+SIM_TTL = 30
+#: A write that fails (a loaded machine) is tried again after this long, as the agent's loop does.
+RETRY_S = 0.5
+
+
+class GatedWrites:
+    """A store whose writes wait while ``gate`` is clear; reads, watches and leases pass at once.
+
+    With the gate closed from a fault until every node has acted, the nodes' own writes do not
+    share this process's CPU with other nodes' receipt of the plan, as they do not when each agent
+    has a machine of its own.
+    """
+
+    def __init__(self, store: Store, gate: asyncio.Event) -> None:
+        self._store, self._gate = store, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        await self._gate.wait()
+        await self._store.put(key, value, lease=lease)
+
+    async def put_all(self, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
+        await self._gate.wait()
+        await self._store.put_all(items, lease=lease)
+
+    async def delete(self, key: str) -> None:
+        await self._gate.wait()
+        await self._store.delete(key)
+
+
+class SimNode:
+    """One simulated agent (see the module's docstring)."""
+
+    def __init__(self, node_id: str, store: Store, keys: JobKeys) -> None:
+        self.node_id, self.store, self.keys = node_id, store, keys
+        self.lease = 0
+        self.node = st.Node()
+        self.record: NodeRecord | None = None
+        self.running = False  # whether its (simulated) workers run
+        self.warm = 0
+        self.settle: tuple[int, str] | None = None  # (generation, role) its workers recover or join in
+        self._unsent = False  # etcd has not taken self.record yet: sent again, as the agent does
+        self.seen: dict[int, float] = {}  # generation number -> monotonic time
+        self.acted: dict[int, float] = {}
+        self.published: dict[int, float] = {}
+        self.ran: dict[int, float] = {}
+        self.stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.watch = GenerationWatch(store, keys, node_id, self._wake.set, lambda: None, self._saw)
+        self.events = EventLog(store, keys, node_id, None, time.time)
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    def _saw(self, gen: Generation) -> None:
+        self.seen.setdefault(gen.number, time.monotonic())
+
+    def make(self, state: NodeState, generation: int, codes: dict[str, int] | None = None,
+             failure: tuple[str, str] = ("", "")) -> NodeRecord:  # fmt: skip
+        return NodeRecord(
+            node_id=self.node_id, host="sim", addr="127.0.0.1", pid=0, nproc=1, standby_only=False, state=state,
+            generation=generation, restarts=0, master_port=29500, updated_at=time.time(),
+            exit_codes=codes or {}, runtime=self.running, failure=failure[0], message=failure[1],
+        )  # fmt: skip
+
+    async def join(self) -> None:
+        """Register under a fresh lease (the first nodes to join hold ranks, later ones stand by)."""
+        self.lease = await self.store.grant_lease(SIM_TTL)
+        self.record = self.make(NodeState.WAITING, 0)
+        await self.store.put(self.keys.node(self.node_id), encode(self.record), lease=self.lease)
+
+    def start(self) -> None:
+        self.events.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(t) for t in (self._keepalive(), self.watch.run(self.stop), self._loop())]
+
+    async def fail(self) -> int:
+        """The node is lost: its tasks end (nothing more is written); returns its lease, to revoke."""
+        lease, self.lease = self.lease, 0
+        await self.close()
+        return lease
+
+    async def close(self) -> None:
+        self.stop.set()
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=5)
+        await self.events.close(timeout=1.0)
+
+    async def _send(self) -> None:
+        record = self.record
+        assert record is not None
+        await self.store.put(self.keys.node(self.node_id), encode(record), lease=self.lease)
+        if record is self.record:
+            self._unsent = False
+        self.published.setdefault(record.generation, time.monotonic())
+        if record.state is NodeState.RUNNING:
+            self.ran.setdefault(record.generation, time.monotonic())
+
+    async def _keepalive(self) -> None:
+        while not await wait_event(self.stop, SIM_TTL / 3):
+            with contextlib.suppress(StoreError):  # a loaded machine: try again at the next renewal
+                await self.store.refresh_lease(self.lease)
+
+    async def _loop(self) -> None:
+        """The agent's loop: look on every wake-up; a failed etcd request is tried again."""
+        while not self.stop.is_set():
+            try:
+                if self._unsent:
+                    await self._send()
+                if self.settle is not None:
+                    (gen, role), self.settle = self.settle, None
+                    self.events.emit("joined" if role == "joiner" else "recovered", gen, seconds=0.0, local_rank=0)
+                    await self._carry_out(decide(self.node, st.Settled()))
+                await self._look()
+            except StoreError:
+                await asyncio.sleep(RETRY_S)
+                self._wake.set()
+                continue
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def _look(self) -> None:
+        gen = self.watch.generation
+        uses_runtime: bool | None = None
+        while True:
+            record = self.record
+            published = st.Published(record.state, record.generation, record.exit_codes) if record else None
+            obs = st.Look(gen, self.node_id, 1, published, "", frozenset(), self.warm, self.watch.nodes_changed,
+                          uses_runtime)  # fmt: skip
+            decision = decide(self.node, obs)
+            await self._carry_out(decision)
+            if decision.need is None or gen is None:
+                return
+            if decision.need is st.Need.RUNTIME and uses_runtime is None:
+                self.watch.nodes_changed = False
+                snap = await read_snapshot(self.store, self.keys)
+                uses_runtime = any(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
+            else:
+                raise st.IllegalTransition(f"The decision needed {decision.need.value} again after it was read.")
+
+    async def _carry_out(self, decision: st.Decision) -> None:
+        for step in decision.steps:
+            self.node = step.node
+            await self._do(step.action)
+        self.node = decision.node
+
+    async def _do(self, action: st.Action) -> None:  # noqa: PLR0912 - one branch per action
+        now = time.monotonic()
+        if isinstance(action, st.StopWorkers):
+            if self.running:
+                self.running, self.warm = False, 0
+                self.events.emit("workers_stopped", action.event_gen, codes={"0": -15})
+        elif isinstance(action, st.StartWorkers):
+            self.running = True
+            self.acted.setdefault(action.gen.number, now)
+            self.events.emit("workers_started", action.gen.number, ranks=action.gen.ranks_of(self.node_id))
+        elif isinstance(action, st.StartSandbox):
+            self.running, self.warm = True, 1  # warm at once
+            self.events.emit("sandbox_started", action.gen.number)
+        elif isinstance(action, st.Offer):
+            self.acted.setdefault(action.gen.number, now)
+            self.settle = (action.gen.number, action.role)
+            self._wake.set()
+        elif isinstance(action, st.Publish):
+            previous = self.record.state if self.record else None
+            self.record = self.make(action.state, action.generation, dict(action.exit_codes or {}), action.failure)
+            if previous is not action.state:
+                self.events.emit("node_state", action.generation, state=action.state.value,
+                                 previous=previous.value if previous else None)  # fmt: skip
+            self._unsent = True
+            await self._send()
+        elif isinstance(action, st.Acknowledge):
+            ack = Ack(node_id=self.node_id, generation=action.gen)
+            await self.store.put(self.keys.ack(action.gen, self.node_id), encode(ack), lease=self.lease)
+            if action.previous:
+                await self.store.delete(self.keys.ack(action.previous, self.node_id))
+        elif isinstance(action, st.Emit):
+            self.events.emit(action.name, action.gen, **action.fields)
+        elif isinstance(action, st.Log):
+            pass
+        else:  # drains, reaps and exits do not happen in this benchmark's events
+            raise st.IllegalTransition(f"A simulated node cannot carry out {action!r}.")
