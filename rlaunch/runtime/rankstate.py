@@ -64,5 +64,7 @@ class RankState:
     #: the last vote said some rank has no replica to serve it: the job takes host snapshots
     #: (a joiner learns it with its state; see rlaunch.runtime.snapshots)
     snapshots_wanted: bool = False
+    #: the host snapshots' interval in steps, alike on every rank (0: none; a joiner learns it with its state)
+    snapshot_every: int = 0
     #: rt.steps() has ended: no more plans are taken
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
