@@ -62,7 +62,8 @@ ENV = "RLAUNCH_SNAPSHOT_EVERY"
 #: the environment variable that bounds each rank's exchange with its buddy, in MB/s (0: unbounded)
 RATE_ENV = "RLAUNCH_SNAPSHOT_MBPS"
 #: ``auto``'s interval before any snapshot's cost was measured, and its grid: it takes multiples of
-#: this many steps only (see :func:`choose`)
+#: this many steps only (see :func:`choose`), so a snapshot that takes two steps to commit leaves
+#: one fault in ten or fewer to restart, and snapshots fall on the same steps whatever it chose
 AUTO_EVERY = 20
 #: the longest interval ``auto`` takes, in steps: past it, snapshots costing more than the target
 #: are kept, so that a fault never redoes more (the log says so)
@@ -538,7 +539,7 @@ class HostSnapshots:
                 f"rank {s.rank}: the survivors agreed that it sends rank {lost} its copy of step {step}, but it does "
                 "not hold it; this worker stops so that the job restarts."
             )
-        hostcopy.verify(held, f"rank {s.rank}'s copy of rank {lost}'s snapshot")  # done at the report, as a rule
+        hostcopy.verify(held, f"rank {s.rank}'s copy of rank {lost}'s snapshot")  # at once: the report checked it
         return hostcopy.send(channel, held, knowledge)
 
 
