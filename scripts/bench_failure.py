@@ -344,14 +344,15 @@ def window_costs(p: dict[int, float], at: list[int], first: int) -> tuple[list[f
     medians of the quiet intervals around it: the machine's load drifts within a run), and the
     same for the window of ``first``, the run's first snapshot (which also builds its pairs)."""
     windows = {s + i for s in [*at, first] for i in range(SNAPSHOT_WINDOW)}
+    quiet = {t: v for t, v in p.items() if t not in windows and t >= 3}  # steps 0 and 1: warm-up
 
     def cost(s: int) -> float | None:
         span = range(s - BASELINE_SPAN, s + SNAPSHOT_WINDOW + BASELINE_SPAN)
-        quiet = [p[t] for t in span if t in p and t not in windows and t >= 3]  # steps 0 and 1: warm-up
+        around = [quiet[t] for t in span if t in quiet] or list(quiet.values())  # the run's, where none is near
         inside = [p.get(s + i) for i in range(SNAPSHOT_WINDOW)]
-        if not quiet or None in inside:
+        if not around or None in inside:
             return None
-        return sum(v for v in inside if v is not None) - SNAPSHOT_WINDOW * statistics.median(quiet)
+        return sum(v for v in inside if v is not None) - SNAPSHOT_WINDOW * statistics.median(around)
 
     costs = [c for c in map(cost, at) if c is not None]
     return costs, cost(first)
@@ -446,6 +447,7 @@ def snapshot_figures(
 
     cpu_total = cpu["copy_s"] + cpu["digest_s"] + cpu["send_and_receive_s"]
     runtime_costs = [float(d["cost_s"]) for run in cost_runs for d in run["events"] if float(d["cost_s"]) > 0]
+    firsts = [r["first"] for r in cost_runs if r["first"] is not None]
     return {
         "snapshot_every_followed": sorted({int(d["every"]) for d in committed}),
         "snapshots_committed": len({(d["rank"], d["step"]) for d in committed}),
@@ -460,7 +462,7 @@ def snapshot_figures(
         "snapshot_cost_s_runs": [
             [round(statistics.median(r["with"]), 4), round(statistics.median(r["without"]), 4)] for r in cost_runs
         ],
-        "snapshot_first_cost_s": round(statistics.median(r["first"] for r in cost_runs), 3),
+        "snapshot_first_cost_s": round(statistics.median(firsts), 3) if firsts else None,
         "runtime_cost_s": round(statistics.median(runtime_costs), 4) if runtime_costs else None,
         "cost_median_step_s": round(step, 4),
         "snapshot_every": every,

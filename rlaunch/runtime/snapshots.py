@@ -298,7 +298,7 @@ class HostSnapshots:
                 "rank %d (generation %d): the previous snapshot's exchange still runs; step %d takes none",
                 s.rank, s.generation, step,
             )  # fmt: skip
-            self.pending, self._gen = step, s.generation
+            self.pending, self._gen, self._measured = step, s.generation, False
             return
         state = rng.capture()
         self.own = hostcopy.capture(s.tracked, step, state, self.own)
@@ -454,8 +454,8 @@ class HostSnapshots:
         if total == s.world_size * mine and s.world_size * squares == total * total and self.pending > self.committed:
             self.committed = self.pending
             self._closing = True
-            if self.auto:
-                self._choose(round(summed[4]), round(summed[5]), s.step - self.pending + 1)
+            if self.auto:  # a generation's first snapshot also built its pairs: its window says nothing of later ones
+                self._choose(round(summed[4]), round(summed[5]), s.step - self.pending + 1 if self._measured else 0)
             if s.link is not None:
                 try:
                     s.link.call(

@@ -302,6 +302,7 @@ def test_auto_moves_every_rank_to_the_same_interval_at_the_same_commit() -> None
     b = _keeper(1, 40, 40, auto=True, median_step=1.25)
     a._s.step = b._s.step = 41  # committed in the vote of step 41: a window of 2 steps
     a._gen = b._gen = 1  # this generation took snapshots already
+    a._measured = b._measured = True  # not the generation's first
     a._costs.extend([0.3, 0.5, 0.4])
     b._costs.append(0.2)
     summed = _vote(a, b)
@@ -310,6 +311,18 @@ def test_auto_moves_every_rank_to_the_same_interval_at_the_same_commit() -> None
     # 0.6 s over 2.25 s of steps: 27 steps keep it within 1 %, 40 on the grid; both ranks read the same sums
     assert a.every == b.every == 40 and a._s.snapshot_every == b._s.snapshot_every == 40
     assert [a.due(s) for s in (60, 80)] == [b.due(s) for s in (60, 80)] == [False, True]
+    # a generation's first snapshot (after a move) also builds its pairs: its long window moves nothing
+    a, b = _keeper(0, 100, 100, auto=True), _keeper(1, 100, 100, auto=True)
+    a._s.step = b._s.step = 104  # five steps from its start to its commit
+    _vote(a, b)
+    assert a.committed == 100 and a.every == b.every == 20
+    for k in (a, b):  # the next snapshot, of step 120, held whole
+        k.pending = 120
+        k.own.header["step"] = k.held.header["step"] = 120  # type: ignore[union-attr]
+        k._measured = True
+    a._s.step = b._s.step = 122  # a later one, three steps: one fault in ten would restart at 30 steps
+    _vote(a, b)
+    assert a.committed == 120 and a.every == b.every == 40
 
 
 def test_ranks_that_follow_other_intervals_commit_nothing_and_take_no_more_snapshots() -> None:
