@@ -75,7 +75,7 @@ gloo pair (both ends), and the check of a held copy when it is used. Host memory
 copy (snapshot_bytes_per_rank) and what a node holds (its ranks' copies and those it holds for the
 other node: twice its own). (c) is left out with fsdp.
 Prints one JSON object. Usage: scripts/bench_failure.py [--layout ddp|fsdp] [--steps 40] [--event-at 30]
-[--overhead-pairs 2] [--cost-every 5] [--cost-steps 60] [--out FILE]
+[--overhead-pairs 2] [--cost-every 5] [--cost-steps 80] [--out FILE]
 """
 
 from __future__ import annotations
@@ -514,7 +514,7 @@ def main() -> None:
     ap.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
     ap.add_argument("--overhead-pairs", type=int, default=2, help="fsdp: pairs of cost runs (with, without)")
     ap.add_argument("--cost-every", type=int, default=5, help="fsdp: the cost runs' snapshot interval")
-    ap.add_argument("--cost-steps", type=int, default=60, help="fsdp: the cost runs' steps")
+    ap.add_argument("--cost-steps", type=int, default=80, help="fsdp: the cost runs' steps")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args()
     end_on_sigterm()
