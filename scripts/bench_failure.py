@@ -53,16 +53,17 @@ rlaunch.runtime.snapshots.choose), rank 0 sends b's copy to c, and the steps sin
 redone (steps_redone; torchrun redoes those since its last checkpoint, torchrun_lost_steps).
 
 What a snapshot costs the steady steps (issue 16's target: 1 % at the default interval). Runs
-without an event differ from each other by far more than 1 % here (pairs of whole runs read
-anywhere from -16 % to +3 %), so the cost is read within runs, per snapshot, against a null:
---overhead-pairs interleaved pairs of --cost-steps-step runs, one with a snapshot every
---cost-every steps (many snapshots per run) and one without. In each run, with p(t) the interval
-that ends when rank 0 begins step t (it holds step t-1's work and step t's snapshot copy), a
-snapshot at step s costs p(s) + p(s+1) + p(s+2) (its copy, then its exchange beside training; it
-commits within that) less three times the median p of the steps outside every such window; the
-run without snapshots gives the same figure at the same steps, which is the estimator's own bias
-and noise. snapshot_cost_s is the median over the snapshots of the runs with, less the median of
-the runs without, with a 90 % bootstrap interval (snapshot_cost_s_ci90; fixed seed).
+without an event differ from each other by far more than 1 % here (pairs of whole runs, with and
+without snapshots, read -16 %, -5 % and -0.4 %), so the cost is read within runs, per snapshot,
+against a null: --overhead-pairs interleaved pairs of --cost-steps-step runs, one with a snapshot
+every --cost-every steps (many snapshots per run) and one without. In each run, with p(t) the
+interval that ends when rank 0 begins step t (it holds step t-1's work and step t's snapshot
+copy), a snapshot at step s costs p(s) + p(s+1) + p(s+2) (its copy, then its exchange beside
+training; it commits within that) less three times the median p of the quiet steps around it
+(outside every such window, up to three on each side: the load drifts within a run); the run
+without snapshots gives the same figure at the same steps, which is the estimator's own bias and
+noise. snapshot_cost_s is the median over the snapshots of the runs with, less the median of the
+runs without, with a 90 % bootstrap interval (snapshot_cost_s_ci90; fixed seed).
 snapshot_every is the interval ``auto`` takes at that cost (rlaunch's own choose(), with the
 median step), and snapshot_overhead_pct the cost over that many median steps, with its interval:
 snapshot_overhead_resolves_1pct says whether the interval lies wholly on one side of 1 %. The
