@@ -126,7 +126,7 @@ class Runtime:
         first, auto = snapshots.interval(os.environ.get(snapshots.ENV, "auto")) if link is not None else (0, False)
         self._host = HostSnapshots(
             self._s, first, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), lambda: self._moves.needs_snapshots,
-            snapshots.rate(os.environ.get(snapshots.RATE_ENV, "0")), auto, self._median_step,
+            snapshots.rate(os.environ.get(snapshots.RATE_ENV, "0")), auto,
         )  # fmt: skip
         self._voting = Voting(
             self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,

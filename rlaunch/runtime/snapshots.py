@@ -19,8 +19,9 @@ snapshots from the vote after any rank said so (a joiner learns it with the stat
 The interval is a value every rank holds alike (``RankState.snapshot_every``; a joiner learns it
 with its state), and the vote carries it, so that ranks that disagree are seen. With ``auto`` it
 is chosen at each commit by :func:`choose`, a pure function of the vote's sums: what the ranks
-measured a snapshot to cost (the excess of the steps it overlapped over the median step,
-:meth:`HostSnapshots.stepped`), their median step, and how many steps the snapshot took to commit.
+measured a snapshot to cost (the excess of the steps it overlapped over the steps no snapshot
+overlapped, :meth:`HostSnapshots.stepped`), their median step, and how many steps the snapshot
+took to commit.
 Every rank reads the same sums in the same vote, so every rank moves to the same interval at the
 same step, never from its own clock.
 
@@ -76,6 +77,9 @@ TARGET_PCT = 1
 WINDOW_SHARE = 10
 #: the snapshots whose measured cost a rank keeps (it votes their median)
 COSTS_KEPT = 5
+#: the periods of steps that no snapshot overlapped a rank keeps (a snapshot's cost is its steps'
+#: excess over their median)
+QUIET_KEPT = 50
 #: the vote section: the snapshot each rank holds both parts of, its square, whether the rank
 #: needs snapshots, the interval it follows, and what it measured (see HostSnapshots.terms)
 SECTION = "snapshot"
@@ -210,14 +214,12 @@ class HostSnapshots:
         needed: Callable[[], bool],
         rate: float = 0.0,
         auto: bool = False,
-        median_step: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._s = state
         self._rate = rate
         self._configured = every if state.world_size > per_node else 0  # one machine: no other host to hold it
         state.snapshot_every = self._configured
         self.auto = auto and self._configured > 0  # the interval follows choose() at each commit
-        self._median_step = median_step
         self._per_node = per_node
         self._needed = needed
         self.own: HostCopy | None = None
@@ -239,8 +241,10 @@ class HostSnapshots:
         self._window: list[float] | None = None
         self._measured = False
         self._closing = False
-        #: this rank's measured costs of its last snapshots, in seconds (see stepped)
+        #: this rank's measured costs of its last snapshots, in seconds, and the periods of its last
+        #: steps that no snapshot overlapped (see stepped)
         self._costs: collections.deque[float] = collections.deque(maxlen=COSTS_KEPT)
+        self._quiet: collections.deque[float] = collections.deque(maxlen=QUIET_KEPT)
         self._warned_max = False
 
     @property
@@ -266,12 +270,14 @@ class HostSnapshots:
         """(main thread, after each step) Measure what a snapshot costs the steps it overlaps.
 
         A snapshot's cost is the sum of the periods of the steps from its start to its commit (its
-        copy, then its exchange beside training), less as many median steps, and never less than
-        its copy on this thread. Its generation's first snapshot is not measured: it also builds
-        the generation's pairs and may allocate its buffers, which later ones do not.
+        copy, then its exchange beside training), less as many median periods of the steps no
+        snapshot overlapped, and never less than its copy on this thread. Its generation's first
+        snapshot is not measured: it also builds the generation's pairs and may allocate its
+        buffers, which later ones do not.
         """
         window = self._window
         if window is None:
+            self._quiet.append(seconds)
             return
         window.append(seconds)
         if not self._closing:
@@ -279,8 +285,8 @@ class HostSnapshots:
                 self._window = None
             return
         self._window = None
-        if self._measured:
-            cost = max(sum(window) - len(window) * self._median_step(), self.last.get("copy_s", 0.0))
+        if self._measured and self._quiet:
+            cost = max(sum(window) - len(window) * self.step_s(), self.last.get("copy_s", 0.0))
             self._costs.append(cost)
             self.last["cost_s"] = cost
 
@@ -418,8 +424,11 @@ class HostSnapshots:
 
     def cost(self) -> float:
         """The median of this rank's measured snapshot costs, in seconds (0 before the first)."""
-        costs = sorted(self._costs)
-        return costs[len(costs) // 2] if costs else 0.0
+        return _median(self._costs)
+
+    def step_s(self) -> float:
+        """The median period of this rank's last steps that no snapshot overlapped (0 before the first)."""
+        return _median(self._quiet)
 
     def terms(self) -> list[float]:
         """This rank's vote section: which snapshot it holds whole (0: none), its square, 1 if no
@@ -430,7 +439,7 @@ class HostSnapshots:
         cost_ms = step_ms = 0.0
         if self._costs:
             cost_ms = float(max(1, round(1000 * self.cost())))
-            step_ms = float(max(1, round(1000 * self._median_step())))
+            step_ms = float(max(1, round(1000 * self.step_s())))
         return [v, v * v, 1.0 if self._needed() else 0.0, float(self.every), cost_ms, step_ms]
 
     def commit(self, summed: Sequence[float]) -> None:
@@ -541,6 +550,12 @@ class HostSnapshots:
             )
         hostcopy.verify(held, f"rank {s.rank}'s copy of rank {lost}'s snapshot")  # at once: the report checked it
         return hostcopy.send(channel, held, knowledge)
+
+
+def _median(values: Collection[float]) -> float:
+    """The upper median of ``values`` (0 when empty); not ``statistics``, which costs every worker 0.5 MB."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def _yield_to_training() -> None:

@@ -216,7 +216,8 @@ def _keeper(
     state = types.SimpleNamespace(
         rank=rank, world_size=2, link=None, snapshots_wanted=False, generation=1, step=max(pending, 0), standby=False
     )
-    keeper = snapshots.HostSnapshots(state, every, 1, lambda: needs, 0.0, auto, lambda: median_step)  # type: ignore[arg-type]
+    keeper = snapshots.HostSnapshots(state, every, 1, lambda: needs, 0.0, auto)  # type: ignore[arg-type]
+    keeper._quiet.extend([median_step] * 3)  # steps no snapshot overlapped
     blob = torch.empty(0, dtype=torch.uint8)
     keeper.pending = pending
     keeper.own = hostcopy.HostCopy({"step": pending}, blob, [])
@@ -282,6 +283,7 @@ def test_a_snapshot_costs_the_excess_of_the_steps_from_its_start_to_its_commit()
     keeper._closing = True
     keeper.stepped(2.0)
     assert keeper.cost() == 0.0 and keeper._window is None
+    assert len(keeper._quiet) == 4 and keeper.step_s() == 1.0, "a snapshot's steps are not in the baseline"
     # a later one: its copy and its exchange slowed two steps by 0.2 s and 0.1 s
     keeper.last = {"copy_s": 0.02}
     keeper._window, keeper._measured, keeper._closing = [], True, False
