@@ -291,7 +291,9 @@ class WorkerLink:
                    rank=require(req, "snapshot", "rank", int), step=require(req, "snapshot", "step", int),
                    bytes=require(req, "snapshot", "bytes", int),
                    copy_s=round(require(req, "snapshot", "copy_s", float), 4),
-                   exchange_s=round(require(req, "snapshot", "exchange_s", float), 4))  # fmt: skip
+                   exchange_s=round(require(req, "snapshot", "exchange_s", float), 4),
+                   every=require(req, "snapshot", "every", int),
+                   cost_s=round(require(req, "snapshot", "cost_s", float), 4))  # fmt: skip
         return {}
 
     async def _phases(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -3,9 +3,15 @@
 A :class:`HostCopy` is what a host snapshot holds for one rank (see :mod:`rlaunch.runtime.snapshots`):
 the transfer header a joiner reads (:mod:`rlaunch.runtime.transfer`), the ``weights_only`` blob of
 the values that are not tensors, a CPU tensor per tracked tensor (a DTensor's local shard) and the
-digest of each tracked object over exactly those bytes. It is laid out as a move's stream, so a
-copy held for another rank is sent to that rank's joiner with the joiner's own :func:`recv_state
-<rlaunch.runtime.transfer.recv_state>`, and verified there as every move is.
+digest of each tracked object over exactly those bytes, computed by the copy's owner when it took
+it (:func:`seal`). It is laid out as a move's stream, so a copy held for another rank is sent to
+that rank's joiner with the joiner's own :func:`recv_state <rlaunch.runtime.transfer.recv_state>`,
+and verified there, against its owner's digests, as every move is.
+
+A copy received for another rank keeps its owner's digests and is checked against them only when
+it is used (:func:`verify`, before it is sent to a joiner): most held copies are never used, and
+the check is a pass over every byte, so it is not paid at every snapshot. The joiner checks what
+lands against the same digests, end to end.
 
 The CPU tensors are allocated once and reused by every later copy of the same shapes: a rank's
 own copy and the copy it holds for its source are all the host memory snapshots take.
@@ -34,8 +40,12 @@ class HostCopy:
     header: dict[str, Any]
     blob: torch.Tensor  # uint8
     tensors: list[torch.Tensor]
-    #: each tracked object's digest over what this copy holds (empty until :func:`seal`)
+    #: each tracked object's digest over what this copy holds, as its owner computed it when it took
+    #: the copy (empty until :func:`seal`; a received copy carries its sender's)
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: this copy's bytes were digested here and matched :attr:`digests` (an owner's sealed copy, or a
+    #: received copy once :func:`verify` passed)
+    checked: bool = False
 
     @property
     def step(self) -> int:
@@ -98,8 +108,24 @@ def _digests(copy: HostCopy) -> dict[str, str]:
 
 
 def seal(copy: HostCopy) -> None:
-    """Digest what ``copy`` holds (off the main thread: its bytes no longer change)."""
+    """(the copy's owner) Digest what ``copy`` holds (off the main thread: its bytes no longer change)."""
     copy.digests = _digests(copy)
+    copy.checked = True
+
+
+def verify(copy: HostCopy, what: str) -> None:
+    """Digest what a received ``copy`` holds and compare it with its owner's digests, once (see the
+    module docstring); :class:`TransferError` names the object that differs (``what``: whose copy)."""
+    if copy.checked:
+        return
+    mine = _digests(copy)
+    for name in sorted(set(mine) | set(copy.digests)):
+        if mine.get(name) != copy.digests.get(name):
+            raise transfer.TransferError(
+                f"{what} of step {copy.step} holds {name!r} with digest {mine.get(name)}, but its owner computed "
+                f"{copy.digests.get(name)} when it took the copy; it is never used"
+            )
+    copy.checked = True
 
 
 #: the pieces a paced copy crosses in (the rate is kept between pieces)
@@ -144,8 +170,7 @@ def send(channel: ProcessGroup, copy: HostCopy, knowledge: dict[str, Any] | None
 def receive(channel: ProcessGroup, into: HostCopy | None = None) -> HostCopy:
     """Receive a copy from rank 0 of ``channel`` into host memory (``into``'s buffers where they fit).
 
-    It is digested as it landed and must equal the sender's digests, or :class:`TransferError`
-    says which object differs: a snapshot that would restore other bytes is never held.
+    It keeps its sender's digests, unchecked: :func:`verify` checks it when it is used.
     """
     header = transfer.recv_json(channel, "snapshot header")
     if not isinstance(header, dict) or header.get("version") != transfer.HEADER_VERSION:
@@ -164,17 +189,14 @@ def receive(channel: ProcessGroup, into: HostCopy | None = None) -> HostCopy:
     works = [channel.recv([p], 0, transfer.TAG) for t in tensors for p in (_pieces(t, size) if size else [t])]
     for work in works:
         work.wait()
-    copy = HostCopy({**header, "runtime": {}}, blob, tensors)
-    seal(copy)
     trailer = transfer.recv_json(channel, "snapshot digests")
     theirs = trailer.get("digests") if isinstance(trailer, dict) else None
-    for name in sorted(set(copy.digests) | set(theirs or {})):
-        if not isinstance(theirs, dict) or copy.digests.get(name) != theirs.get(name):
-            raise transfer.TransferError(
-                f"The snapshot of step {copy.step} landed with {name!r} of digest {copy.digests.get(name)}, but its "
-                f"sender computed {(theirs or {}).get(name)}; it is not kept."
-            )
-    return copy
+    if not isinstance(theirs, dict) or not theirs or not all(isinstance(v, str) for v in theirs.values()):
+        raise transfer.TransferError(
+            f"The snapshot of step {header.get('step')} ended without its sender's digests; is the sender another "
+            "version? It is not kept."
+        )
+    return HostCopy({**header, "runtime": {}}, blob, tensors, {str(k): v for k, v in theirs.items()})
 
 
 def restore(copy: HostCopy, tracked: dict[str, Any], rank: int) -> None:

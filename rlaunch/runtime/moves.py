@@ -34,6 +34,7 @@ class Moves:
         self._snapshot_every = snapshot_every  # the host snapshots' interval (0: none taken)
         self._reported: tuple[bool, bool, str] | None = None
         self._seen: tuple[Any, ...] | None = None  # what the last report was computed from
+        self._every_said = 0  # the snapshots' interval the last report named
 
     def drain_refusal(self) -> str:
         """Why this rank's state cannot be moved live by a drain ("" when it can)."""
@@ -94,6 +95,7 @@ class Moves:
         seen = (
             s.generation, s.rank, len(s.tracked), len(s.per_rank), s.refused, s.declared, tuple(sorted(s.vote.differs)),
             tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())), registry.known_groups(),
+            self._snapshot_every(),
         )  # fmt: skip
         if s.link is None or seen == self._seen:
             return
@@ -101,9 +103,10 @@ class Moves:
         drain = self.drain_refusal()
         replace = drain or self.replace_refusal() or self._no_replica()
         moves = (not drain, not replace, drain or replace)
-        if moves != self._reported:
+        every = self._snapshot_every()
+        if moves != self._reported or (every and self.needs_snapshots and every != self._every_said):
             self._reported = moves
-            every = self._snapshot_every()
+            self._every_said = every
             if every and self.needs_snapshots:  # a fault rolls back live: the replacement is possible
                 note = (
                     f"a fault rolls back to the last committed host snapshot (one every {every} steps: about "
@@ -129,6 +132,7 @@ class Moves:
             "partitions": dict(self._voting.partitions),
             "declared": [list(m) for m in declared.sets] if declared is not None else None,
             "snapshots": self._s.snapshots_wanted,
+            "snapshot_every": self._s.snapshot_every,
         }
 
     def learn(self, known: dict[str, Any]) -> None:
@@ -147,3 +151,5 @@ class Moves:
         self._voting.verifier.learn(known["verify"])
         self._voting.partitions = {str(k): str(v) for k, v in known["partitions"].items()}
         self._s.snapshots_wanted = bool(known.get("snapshots"))
+        if self._s.snapshot_every:  # the interval auto chose, which this rank must follow from its first step
+            self._s.snapshot_every = int(known.get("snapshot_every") or self._s.snapshot_every)

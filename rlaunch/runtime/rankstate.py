@@ -66,5 +66,7 @@ class RankState:
     snapshots_wanted: bool = False
     #: why this rank's state must not move live, as the script said (rt.refuse_moves); "" when it may
     refused: str = ""
+    #: the host snapshots' interval in steps, alike on every rank (0: none; a joiner learns it with its state)
+    snapshot_every: int = 0
     #: rt.steps() has ended: no more plans are taken
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)

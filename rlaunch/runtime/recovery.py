@@ -179,7 +179,7 @@ class Recovery:
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
             report = {
                 "rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge(),
-                "refused": refused, "undrainable": self._undrainable(), "snapshot": self._host.report(),
+                "refused": refused, "undrainable": self._undrainable(), "snapshot": self._host.report(moved),
             }  # fmt: skip
             s.store.set(f"g{gen}/recover/{s.rank}", json.dumps(report))
             try:

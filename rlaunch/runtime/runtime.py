@@ -125,10 +125,10 @@ class Runtime:
         self._migration: Migration
         self._moves: Moves
         # host snapshots where no replica can serve a lost rank (under an agent only)
+        first, auto = snapshots.interval(os.environ.get(snapshots.ENV, "auto")) if link is not None else (0, False)
         self._host = HostSnapshots(
-            self._s, snapshots.interval(os.environ.get(snapshots.ENV, "auto")) if link is not None else 0,
-            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), lambda: self._moves.needs_snapshots,
-            snapshots.rate(os.environ.get(snapshots.RATE_ENV, "0")),
+            self._s, first, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), lambda: self._moves.needs_snapshots,
+            snapshots.rate(os.environ.get(snapshots.RATE_ENV, "0")), auto,
         )  # fmt: skip
         self._voting = Voting(
             self._s, self.group, Verifier(every, world_size), lambda: self._migration.ready,
@@ -443,6 +443,7 @@ class Runtime:
                 self._in_step = False
                 now = time.perf_counter()
                 self._after_step(now - last)
+                self._host.stepped(now - last)  # what a host snapshot costs the steps it overlaps
                 if s.resume_at is not None:
                     step, s.resume_at = s.resume_at, None
                     if self._recovery.rollback is not None:

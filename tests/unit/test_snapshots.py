@@ -14,6 +14,7 @@ import torch
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import hostcopy, rng, snapshots
+from rlaunch.runtime.moves import Moves
 from rlaunch.runtime.snapshots import Rollback, rollback
 from rlaunch.runtime.transfer import TransferError, recv_state
 from tests.unit.test_transfer import _objects, _pair, _state
@@ -101,19 +102,68 @@ def test_a_paced_copy_crosses_in_pieces_no_faster_than_its_rate(monkeypatch: pyt
     assert all(torch.equal(a, b) for a, b in zip(held["copy"].tensors, copy.tensors, strict=True))
 
 
-def test_a_copy_that_differs_from_its_digests_is_not_held() -> None:
-    copy = hostcopy.capture(_objects(1), 40, rng.capture())
+def test_a_held_copy_that_differs_from_its_owners_digests_is_refused_where_it_is_used() -> None:
+    """A received copy is not digested as it lands (most are never used): it keeps its owner's
+    digests and is checked against them when it is used, and its joiner checks it again, end to end."""
+    owner = _objects(1)
+    copy = hostcopy.capture(owner, 40, rng.capture())
     hostcopy.seal(copy)
-    copy.tensors[0].view(-1).view(torch.int32)[0] ^= 1 << 3  # a bit flips in host memory after sealing
     ch0, ch1 = _pair()
-    t = threading.Thread(target=lambda: hostcopy.send(ch0, copy))
+    held: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
     t.start()
-    with pytest.raises(TransferError, match="snapshot of step 40 landed with 'model'"):
-        hostcopy.receive(ch1)
+    hostcopy.send(ch0, copy)
     t.join(30)
-    objs = _objects(0)
+    got = held["copy"]
+    assert not got.checked and got.digests == copy.digests, "the owner's digests, taken with the copy"
+    got.tensors[0].view(-1).view(torch.int32)[0] ^= 1 << 3  # a bit flips in the holder's memory
+    with pytest.raises(TransferError, match="rank 1's copy of rank 0's snapshot of step 40 holds 'model'"):
+        hostcopy.verify(got, "rank 1's copy of rank 0's snapshot")
+    # the survivors hear it in the holder's report and refuse the rollback, naming the copy
+    keeper = _keeper(1, None, 40)
+    keeper.held = got
+    keeper.committed = 40
+    keeper.own.digests = dict(copy.digests)  # type: ignore[union-attr]  # sealed: it can roll back
+    report = keeper.report(lost=[0])
+    assert "holds 'model' with digest" in report["held_refused"]
+    assert keeper.report(lost=[])["held_refused"] == "", "only a copy about to be used is checked"
+    found = rollback([{"rank": 1, "snapshot": report}], [0], lambda r: snapshots.buddy(r, 2, 1))
+    assert isinstance(found, str) and found.startswith("rank 1's copy of rank 0's snapshot failed its check:")
+    with pytest.raises(TransferError, match="holds 'model' with digest"):
+        keeper.send_to(None, 0, 40, {})
+    # were it sent anyway, its joiner would refuse it against the owner's digests
+    ch2, ch3 = _pair()
+    t = threading.Thread(target=lambda: hostcopy.send(ch2, got, {}))
+    t.start()
+    with pytest.raises(TransferError, match="'model' that landed on this joiner has digest"):
+        recv_state(ch3, _objects(0))
+    t.join(30)
+    # an own copy that changed after it was sealed is refused where it is put back
+    copy.tensors[0].view(-1).view(torch.int32)[0] ^= 1 << 3
     with pytest.raises(TransferError, match="after rolling back to the snapshot of step 40, 'model'"):
-        hostcopy.restore(copy, objs, rank=3)
+        hostcopy.restore(copy, _objects(0), rank=3)
+
+
+def test_an_intact_held_copy_passes_its_check_once_and_lands_on_its_joiner() -> None:
+    owner = _objects(1)
+    copy = hostcopy.capture(owner, 60, rng.capture())
+    hostcopy.seal(copy)
+    ch0, ch1 = _pair()
+    held: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
+    t.start()
+    hostcopy.send(ch0, copy)
+    t.join(30)
+    keeper = _keeper(1, None, 60)
+    keeper.held = held["copy"]
+    assert keeper.report(lost=[0])["held_refused"] == "" and keeper.held.checked
+    expected = copy_module.deepcopy(_state(owner))
+    joiner = _objects(0)
+    ch2, ch3 = _pair()
+    t = threading.Thread(target=lambda: keeper.send_to(ch2, 0, 60, {}))
+    t.start()
+    assert recv_state(ch3, joiner).step == 60 and _same(_state(joiner), expected)
+    t.join(30)
 
 
 def _report(rank: int, committed: int, own: int, held: int, source: int) -> dict[str, Any]:
@@ -149,8 +199,8 @@ def test_a_rank_lost_with_the_rank_that_holds_its_snapshot_cannot_roll_back() ->
 
 
 def test_the_interval_reads_steps_auto_or_off_and_refuses_anything_else() -> None:
-    assert snapshots.interval("auto") == snapshots.AUTO_EVERY and snapshots.interval("7") == 7
-    assert snapshots.interval("0") == 0
+    assert snapshots.interval("auto") == (snapshots.AUTO_EVERY, True) and snapshots.interval("7") == (7, False)
+    assert snapshots.interval("0") == (0, False)
     with pytest.raises(UsageError, match="RLAUNCH_SNAPSHOT_EVERY='-3' is not valid"):
         snapshots.interval("-3")
     assert snapshots.rate("0") == 0 and snapshots.rate("250") == 250e6
@@ -159,9 +209,15 @@ def test_the_interval_reads_steps_auto_or_off_and_refuses_anything_else() -> Non
             snapshots.rate(bad)
 
 
-def _keeper(rank: int, held_step: int | None, pending: int, needs: bool = True) -> snapshots.HostSnapshots:
-    state = types.SimpleNamespace(rank=rank, world_size=2, link=None, snapshots_wanted=False, generation=1)
-    keeper = snapshots.HostSnapshots(state, 20, 1, lambda: needs)  # type: ignore[arg-type]
+def _keeper(
+    rank: int, held_step: int | None, pending: int, needs: bool = True, every: int = 20, auto: bool = False,
+    median_step: float = 1.0,
+) -> snapshots.HostSnapshots:  # fmt: skip
+    state = types.SimpleNamespace(
+        rank=rank, world_size=2, link=None, snapshots_wanted=False, generation=1, step=max(pending, 0), standby=False
+    )
+    keeper = snapshots.HostSnapshots(state, every, 1, lambda: needs, 0.0, auto)  # type: ignore[arg-type]
+    keeper._quiet.extend([median_step] * 3)  # steps no snapshot overlapped
     blob = torch.empty(0, dtype=torch.uint8)
     keeper.pending = pending
     keeper.own = hostcopy.HostCopy({"step": pending}, blob, [])
@@ -169,10 +225,12 @@ def _keeper(rank: int, held_step: int | None, pending: int, needs: bool = True) 
     return keeper
 
 
-def _vote(*keepers: snapshots.HostSnapshots) -> None:
-    summed = [sum(k.terms()[i] for k in keepers) for i in range(3)]
+def _vote(*keepers: snapshots.HostSnapshots) -> list[float]:
+    terms = [k.terms() for k in keepers]
+    summed = [sum(t[i] for t in terms) for i in range(len(terms[0]))]
     for k in keepers:
         k.commit(summed)
+    return summed
 
 
 def test_a_snapshot_commits_only_when_every_rank_holds_the_same_one() -> None:
@@ -196,3 +254,101 @@ def test_the_job_takes_snapshots_once_any_rank_said_no_replica_serves_it() -> No
     a, b = _keeper(0, None, -1, needs=False), _keeper(1, None, -1, needs=False)
     _vote(a, b)
     assert not a._s.snapshots_wanted and not b._s.snapshots_wanted
+
+
+def test_auto_takes_the_smallest_multiple_of_20_steps_whose_snapshots_cost_at_most_1_percent() -> None:
+    choose = snapshots.choose
+    assert choose(20, 0, 0, 1) == 20, "before any cost was measured: 20 steps"
+    assert choose(20, 2 * 100, 2 * 1000, 1) == 20, "0.1 s on a 1 s step: 10 steps would do; 20 is the least"
+    assert choose(20, 2 * 300, 2 * 1000, 1) == 40, "0.3 s on a 1 s step: 30 steps, on the grid 40"
+    assert choose(20, 2 * 300, 2 * 1250, 2) == 40, "0.3 s on a 1.25 s step: 24 steps, on the grid 40"
+    assert choose(20, 60, 100, 1) == 60, "60 % of a step: 60 steps"
+    assert choose(20, 2 * 5000, 2 * 1000, 1) == snapshots.AUTO_MAX, "never more than AUTO_MAX: the redo is bounded"
+    assert choose(20, 2, 2000, 3) == 40, "3 steps from start to commit: a fault restarts 1 step in 10 at most"
+    # the noise of the measurement does not move it at every commit: it grows at once, shrinks to half or less
+    assert choose(60, 2 * 300, 2 * 1000, 1) == 60, "40 would do, 60 is kept"
+    assert choose(80, 2 * 300, 2 * 1000, 1) == 40
+    assert choose(40, 2 * 450, 2 * 1000, 1) == 60
+    # whole milliseconds: the same sums give the same interval on every rank, whatever their order
+    assert choose(20, 3 * 333, 3 * 1000, 1) == choose(20, 333 + 333 + 333, 1000 + 1000 + 1000, 1) == 40
+
+
+def test_a_snapshot_costs_the_excess_of_the_steps_from_its_start_to_its_commit() -> None:
+    keeper = _keeper(0, None, -1, median_step=1.0)
+    keeper._s.snapshots_wanted = True
+    keeper.stepped(1.0)  # no snapshot under way: nothing measured
+    # the generation's first snapshot also builds its pairs: it is not measured
+    keeper._window, keeper._measured, keeper._closing = [], False, False
+    keeper.stepped(3.0)
+    keeper._closing = True
+    keeper.stepped(2.0)
+    assert keeper.cost() == 0.0 and keeper._window is None
+    assert len(keeper._quiet) == 4 and keeper.step_s() == 1.0, "a snapshot's steps are not in the baseline"
+    # a later one: its copy and its exchange slowed two steps by 0.2 s and 0.1 s
+    keeper.last = {"copy_s": 0.02}
+    keeper._window, keeper._measured, keeper._closing = [], True, False
+    keeper.stepped(1.2)
+    keeper._closing = True  # its commit came in the next step's vote
+    keeper.stepped(1.1)
+    assert keeper.cost() == pytest.approx(0.3) and keeper.last["cost_s"] == pytest.approx(0.3)
+    # steps that ran faster than the median never make it cost less than its copy on the training thread
+    keeper._window, keeper._measured, keeper._closing = [], True, True
+    keeper.stepped(0.9)
+    assert sorted(keeper._costs) == [pytest.approx(0.02), pytest.approx(0.3)]
+    terms = keeper.terms()
+    assert terms[3:] == [20.0, 300.0, 1000.0], "the interval it follows, its median cost and step, in ms"
+
+
+def test_auto_moves_every_rank_to_the_same_interval_at_the_same_commit() -> None:
+    a = _keeper(0, 40, 40, auto=True, median_step=1.0)
+    b = _keeper(1, 40, 40, auto=True, median_step=1.25)
+    a._s.step = b._s.step = 41  # committed in the vote of step 41: a window of 2 steps
+    a._gen = b._gen = 1  # this generation took snapshots already
+    a._measured = b._measured = True  # not the generation's first
+    a._costs.extend([0.3, 0.5, 0.4])
+    b._costs.append(0.2)
+    summed = _vote(a, b)
+    assert summed[3:] == [40.0, 600.0, 2250.0]
+    assert a.committed == b.committed == 40
+    # 0.6 s over 2.25 s of steps: 27 steps keep it within 1 %, 40 on the grid; both ranks read the same sums
+    assert a.every == b.every == 40 and a._s.snapshot_every == b._s.snapshot_every == 40
+    assert [a.due(s) for s in (60, 80)] == [b.due(s) for s in (60, 80)] == [False, True]
+    # a generation's first snapshot (after a move) also builds its pairs: its long window moves nothing
+    a, b = _keeper(0, 100, 100, auto=True), _keeper(1, 100, 100, auto=True)
+    a._s.step = b._s.step = 104  # five steps from its start to its commit
+    _vote(a, b)
+    assert a.committed == 100 and a.every == b.every == 20
+    for k in (a, b):  # the next snapshot, of step 120, held whole
+        k.pending = 120
+        k.own.header["step"] = k.held.header["step"] = 120  # type: ignore[union-attr]
+        k._measured = True
+    a._s.step = b._s.step = 122  # a later one, three steps: one fault in ten would restart at 30 steps
+    _vote(a, b)
+    assert a.committed == 120 and a.every == b.every == 40
+
+
+def test_ranks_that_follow_other_intervals_commit_nothing_and_take_no_more_snapshots() -> None:
+    a, b = _keeper(0, 40, 40, every=20), _keeper(1, 40, 40, every=40)  # another RLAUNCH_SNAPSHOT_EVERY on b's node
+    for k in (a, b):
+        k._s.snapshots_wanted = True
+    _vote(a, b)
+    assert a.committed == b.committed == -1
+    assert not a.due(60) and not b.due(80), "the generation takes no more: they would not meet"
+
+
+def test_a_joiner_learns_the_interval_the_job_follows_with_its_state() -> None:
+    def moves(every: int) -> Moves:
+        state = types.SimpleNamespace(
+            snapshots_wanted=True, snapshot_every=every, declared=None,
+            vote=types.SimpleNamespace(knowledge=lambda: {}, learn=lambda known: None),
+        )  # fmt: skip
+        verifier = types.SimpleNamespace(knowledge=lambda: {}, learn=lambda known: None)
+        return Moves(state, types.SimpleNamespace(verifier=verifier, partitions={}), lambda: every)  # type: ignore[arg-type]
+
+    survivor, joiner = moves(60), moves(20)
+    joiner._s.snapshots_wanted = False
+    joiner.learn(survivor.knowledge())
+    assert joiner._s.snapshot_every == 60 and joiner._s.snapshots_wanted
+    off = moves(0)  # snapshots off on this rank: it stays off
+    off.learn(survivor.knowledge())
+    assert off._s.snapshot_every == 0
