@@ -616,7 +616,6 @@ class Runtime:
         s.applied = landing.step - 1
         s.generation = plan.generation
         s.verify_due = True  # the first vote after joining compares the replicas
-        self._moves.report()  # from what it learnt: it takes host snapshots when the others do
         self._start_listener()
         return landing.step
 
@@ -643,6 +642,9 @@ class Runtime:
             # The first vote compares what landed, as digested: no second pass over it. (The other
             # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
             self._voting.prime(landed.terms)
+            # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
+            # optimizer state: not before it is whole, or the first step would wait for it.)
+            self._moves.report()
 
     @contextlib.contextmanager
     def _broken_transfer(self) -> Iterator[None]:

@@ -170,12 +170,14 @@ def digests_of(
 
 def send_state(
     channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_state: rng.RngState,
-    knowledge: dict[str, Any] | None = None,
+    knowledge: dict[str, Any] | None = None, first_sent: Callable[[], None] | None = None,
 ) -> int:  # fmt: skip
     """Send the state of ``tracked`` to rank 1 of ``channel``; return the bytes sent.
 
     ``knowledge``: what the runtime knows that the joiner must know too (JSON values; see
-    ``Runtime._knowledge``). The digests of what was sent follow the tensors.
+    ``Runtime._knowledge``). The digests of what was sent follow the tensors. ``first_sent`` is
+    called once the tensors the joiner's first step waits for are sent (all but the optimizer
+    state, see :func:`first_needs`).
     """
     pairs, kinds, values = tensors_of(tracked)
     blob = dump_values(values)
@@ -193,24 +195,33 @@ def send_state(
     if blob:
         send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total, staging, on_the_wire = 0, Staging(), []
+    first = first_needs(header["tensors"], kinds)
+    early = waited = 0  # the posted sends among the first ``first`` tensors; those waited for (once each:
+    # a gloo send's second wait waits for another send's completion)
     try:
-        for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
+        for i, (_, t) in enumerate(pairs):  # every whole tensor's send is posted at once: the wire never idles
             data = shards.local(t).detach().contiguous()
             if _staged(channel, data):
                 staging.send(channel, data, 1, TAG)
             else:
                 on_the_wire.append((data, channel.send([data], 1, TAG)))
+                early += i < first
             total += data.numel() * data.element_size()
+        if first_sent is not None:
+            for _, work in on_the_wire[:early]:
+                work.wait()
+                waited += 1
+            first_sent()
         # over what is sent, read while it is on the wire (no second state_dict() call: some draw
         # from the RNG, as a loader's does)
         digests = digests_of(list(tracked), pairs, kinds, values, step, rng_state)
     except BaseException:
         # nothing the posted sends still read may change before they end (a caller restores buffers next)
-        for _, work in on_the_wire:
+        for _, work in on_the_wire[waited:]:
             with contextlib.suppress(RuntimeError):
                 work.wait()
         raise
-    for _, work in on_the_wire:
+    for _, work in on_the_wire[waited:]:
         work.wait()
     send_json(channel, {"digests": digests})
     backends.current().settle(channel)  # sent means done on the GPU, not queued: the sender may exit next

@@ -373,3 +373,17 @@ def test_a_sender_that_sends_the_optimizer_state_first_still_lands_whole() -> No
     assert transfer.first_needs(entries, {"model": "module", "opt": "optimizer"}) == 4
     assert transfer.first_needs(entries[:1], {"opt": "optimizer"}) == 0
     assert transfer.first_needs(entries, {"model": "module", "opt": "module"}) == 5
+
+
+def test_the_sender_hears_once_the_part_a_first_step_waits_for_is_sent() -> None:
+    """A leaver lowers its priority then (the joiner's first step comes first); the rest still lands."""
+    sender, receiver = _objects(1), _objects(0)
+    ch0, ch1 = _pair()
+    heard: list[bool] = []
+    landing: list[transfer.Landing] = []
+    t = threading.Thread(target=lambda: landing.append(transfer.receive_state(ch1, receiver, rank=1)))
+    t.start()
+    send_state(ch0, sender, 5, rng.capture(), first_sent=lambda: heard.append(bool(landing) or t.is_alive()))
+    t.join(60)
+    assert heard == [True] and landing[0].finish().step == 5
+    assert str(_state(sender)[1]) == str(_state(receiver)[1])
