@@ -6,19 +6,28 @@ plus standbys, one process per node, 1 thread each. For each layout (plain DDP, 
 the JSON's top level, and FSDP2 sharding the same model over both ranks, under
 ``layouts.fsdp`` with the same keys; ``--layouts`` picks them):
   steady   rlaunch with no event, and plain DDP under torchrun with no event, --steady-repeats
-           times each (default 4), interleaved: the reference digests and the steady step-time
-           overhead (two pairs read anywhere from -4 % to +12 % on this machine: too few);
+           times each (default 4), interleaved: the reference digests and the steady overhead,
+           pair by pair in wall time and in CPU time per step, with the 95 % interval of the
+           mean (``steady_overhead``; ``why`` says how many pairs +-1 % would take here);
   memory   the same pair twice more with glibc's mmap threshold fixed in both (see below);
   (a)      one rlaunch job, the node holding rank 1 drained onto a warm standby --repeats times;
   (b)      torchrun, --repeats times in one job's life: the second node's agent gets SIGTERM, its
            worker checkpoints and exits, the job exits and torchrun starts every worker again on
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
-  (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0).
-Downtime of an event = wall time of the 6 steps around it minus 6 median steps. ``phases`` (and
-``phases_cold``): where each drain's time went, as its ranks measured it on one clock (plan seen,
-phase 1 done, ready voted, the boundary, the transfer, groups swapped, the first step; see
-rlaunch.runtime.phases), each phase's median over the drains, and the runtime's downtime
-(boundary to the last first step's end, less a median step) against the bench's. ``verification``:
+  (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0); then a fresh
+           process's first steps, part by part (scripts/bench_warmup.py: ``warm_vs_cold``).
+A drain's downtime (``rlaunch_downtime_s``) is read on rank 0's timeline around its switch
+(scripts/drain_windows.py): the excess over the job's steady period of the periods from the one
+in which the plan was seen to two after the switch's. A torchrun restart's is the wall time of
+the 6 steps around the event less 6 median steps (``rlaunch_downtime_6step_s`` reads drains so
+too, for comparison). ``phases`` (and ``phases_cold``): where each drain's time went, as its
+ranks measured it on one clock (plan seen, phase 1 done, ready voted, the boundary, the
+transfer and the parameters' part of it, groups swapped, the first step, the joiner's digests
+compared; see rlaunch.runtime.phases), each phase's median over the drains, and the runtime's
+downtime (boundary to the last first step's end, less the steady period) against the bench's,
+part by part (``bench_before_s``, ``bench_switch_s``, ``bench_after_s``, with the noise of such
+a window). The drain command runs at the lowest CPU priority, as if from another machine
+(``drain_command_cpu_s``: what it took). ``verification``:
 what comparing replicas costs (the runtime's own timing, from its agents' events): at steady state
 with the default ``--verify-every auto``, the seconds of digests over the seconds of training, and
 for each drain the joiner's digests of what landed plus the first vote's replica digests, also
@@ -96,6 +105,7 @@ sys.path.insert(0, str(REPO))
 from rlaunch.cli.status import fetch_status  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
 from scripts import drain_windows, migration_figures  # noqa: E402
+from scripts.cpu_sampler import CpuSampler  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 from tests.netns import Hosts, rate_bytes  # noqa: E402
 
@@ -271,6 +281,7 @@ def run_rlaunch(
                        f"{name}: standby {node} to be ready")  # fmt: skip
         if start:
             (work / "start").touch()  # every standby is warm: the active ranks begin step 0
+        sampler = CpuSampler(0.2).start() if events else None  # who spends the CPU around each drain
         for at in events:
             at = next_event(name, at, steps_done(timeline / "rank0.txt"), steps)
             wait_until(lambda a=at: steps_done(timeline / "rank0.txt") >= a, 300, f"{name}: step {at}")
@@ -287,10 +298,13 @@ def run_rlaunch(
                 raise RuntimeError(f"{name}: rlaunch drain {leaver} failed: {drain.stderr}")
             drained.append({"t_event": t_event, "leaver": leaver, "stdout": drain.stdout.strip(),
                             "cli_cpu_s": round(_children_cpu() - cpu, 3)})  # fmt: skip
+        if sampler is not None:
+            time.sleep(3.0)  # the last drain's first steps and what follows them
+            sampler.stop()
         codes = [procs.wait(n, 600) for n in nodes]
         if any(codes):
             raise RuntimeError(f"{name}: agents exited {codes}; logs in {work}")
-        result: dict[str, Any] = {"finals": {}, "events": drained, "timeline": timeline, "work": work}
+        result: dict[str, Any] = {"finals": {}, "events": drained, "timeline": timeline, "work": work, "cpu": sampler}
         for n in nodes:  # a leaver's worker prints no FINAL line: only the last holder of each rank does
             result["finals"].update(finals(procs.output(n)))
         return result
@@ -542,14 +556,50 @@ def phase_report(result: dict[str, Any]) -> dict[str, Any]:
     downtime against the bench's, read period by period on rank 0's timeline around each switch
     (scripts/drain_windows.py: the periods before the boundary, the switch's, and the ones after)."""
     by_gen: dict[int, list[dict[str, Any]]] = {}
-    for _, gen, data in agent_events(result["work"], "move_phases"):
+    nodes: dict[int, dict[str, str]] = {}  # generation -> node -> its role in the move
+    for node, gen, data in agent_events(result["work"], "move_phases"):
         by_gen.setdefault(gen, []).append(data)
+        nodes.setdefault(gen, {})[node] = data["role"]
     if not by_gen:
         return {"agree_within_10pct": False, "why_not": "no drain reported its phases"}
     out = drain_windows.summary(drain_windows.read(read_timeline(result["timeline"] / "rank0.txt"), by_gen))
+    if result.get("cpu") is not None:
+        out["cpu_s"] = cpu_report(result["cpu"], out["drains"], [by_gen[g] for g in sorted(by_gen)],
+                                  [nodes[g] for g in sorted(by_gen)])  # fmt: skip
     cli = [e.get("cli_cpu_s") for e in result["events"] if e.get("cli_cpu_s") is not None]
     if cli:  # the drain command's own CPU, at the lowest priority (it would run on another machine)
         out["drain_command_cpu_s"] = round(statistics.median(cli), 3)
+    return out
+
+
+def cpu_report(sampler: CpuSampler, moves: list[dict[str, Any]], reports: list[list[dict[str, Any]]],
+               nodes: list[dict[str, str]]) -> dict[str, Any]:  # fmt: skip
+    """CPU seconds spent between the plan and the boundary (``before``) and between the boundary and
+    the last first step's end (``switch``), by who spent them (medians over the drains): the
+    survivors', the leaver's and the joiner's workers, the other standbys' workers, the agents (the
+    controller's included), etcd, and the drain command; ``wall_s``: the window, widened to samples."""
+    parts: dict[str, list[dict[str, float]]] = {"before": [], "switch": []}
+    for move, reps, roles in zip(moves, reports, nodes, strict=True):
+        seen = min(r["marks"]["plan_seen"] for r in reps if "plan_seen" in r["marks"])
+        if move.get("boundary_at") is None or move.get("trained_at") is None:
+            continue
+        for part, (a, b) in (
+            ("before", (seen, move["boundary_at"])),
+            ("switch", (move["boundary_at"], move["trained_at"])),
+        ):
+            spent: dict[str, float] = {}
+            for who, cpu in sampler.spent(a, b).items():
+                kind, _, node = who.partition(":")
+                key = (
+                    f"{roles.get(node, 'other standby')}s" if kind == "worker" else {"agent": "agents"}.get(kind, kind)
+                )
+                spent[key] = spent.get(key, 0.0) + cpu
+            if spent:
+                parts[part].append(spent)
+    out: dict[str, Any] = {}
+    for part, found in parts.items():
+        keys = sorted({k for f in found for k in f})
+        out[part] = {k: round(statistics.median(f.get(k, 0.0) for f in found), 3) for k in keys}
     return out
 
 
@@ -660,6 +710,11 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "downtime_max_le_2x_bound_plus_half_step": out["rlaunch_downtime_s_max"] <= 2 * lower + 0.5 * med_warm,
         "phase_downtime_le_bound_plus_quarter_step": out["phases"].get("downtime_s", float("inf"))
         <= lower + 0.25 * med_warm,
+        "phase_downtime_max_le_2x_bound_plus_half_step": max(
+            (d["downtime_s"] for d in out["phases"].get("drains", []) if d.get("downtime_s") is not None),
+            default=float("inf"),
+        )
+        <= 2 * lower + 0.5 * med_warm,
     }
     return out
 
