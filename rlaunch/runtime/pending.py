@@ -25,10 +25,17 @@ class Held:
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer], land: Callable[[], None]) -> None:
         self._lock = threading.Lock()
         self._held: list[tuple[torch.optim.Optimizer, type, type]] = []
+        #: every optimizer is held (False: one's class could not be swapped, so nothing guards its
+        #: state; the caller must land at once)
+        self.whole = True
         for opt in optimizers:
             original = type(opt)
             guarded = _guarded(original, land)
-            opt.__class__ = guarded
+            try:
+                opt.__class__ = guarded
+            except TypeError:  # a class whose layout a subclass cannot share (__slots__ of its own)
+                self.whole = False
+                continue
             self._held.append((opt, original, guarded))
 
     def release(self) -> None:

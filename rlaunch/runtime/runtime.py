@@ -612,10 +612,13 @@ class Runtime:
         s.after_move = phases
         # The first step runs while the optimizer state lands: whatever reads it first waits for it.
         optimizers = [o for o in s.tracked.values() if isinstance(o, torch.optim.Optimizer)]
-        self._landing = (landing, comms["channel"], pending.hold(optimizers, self._land))
+        hold = pending.hold(optimizers, self._land)
+        self._landing = (landing, comms["channel"], hold)
         s.applied = landing.step - 1
         s.generation = plan.generation
         s.verify_due = True  # the first vote after joining compares the replicas
+        if not hold.whole:
+            self._land()  # an optimizer whose state nothing could guard: it is whole before the step
         self._start_listener()
         return landing.step
 
