@@ -110,7 +110,9 @@ def assert_phases(cluster: Cluster) -> None:
         apart = ("transfer_end", "verified") if role == "joiner" else ()
         assert [m for m in sorted(marks, key=marks.__getitem__) if m not in apart] == order[role], (role, marks)
     leaver, survivor, joiner = (reports[r]["data"]["marks"] for r in ("leaver", "survivor", "joiner"))
-    assert joiner["params_landed"] <= joiner["transfer_end"] <= joiner["verified"] <= joiner["first_step_end"]
+    # (a small state may land whole before the joiner has digested its first part and marked params_landed)
+    assert joiner["transfer_start"] <= joiner["transfer_end"] <= joiner["verified"] <= joiner["first_step_end"]
+    assert joiner["params_landed"] <= joiner["verified"]
     assert leaver["transfer_start"] < leaver["transfer_end"]
     assert abs(leaver["boundary"] - survivor["boundary"]) < 5.0, "both switch at the same step boundary"
     assert leaver["transfer_start"] <= joiner["transfer_end"] and survivor["boundary"] < joiner["first_step_end"]
