@@ -6,19 +6,28 @@ plus standbys, one process per node, 1 thread each. For each layout (plain DDP, 
 the JSON's top level, and FSDP2 sharding the same model over both ranks, under
 ``layouts.fsdp`` with the same keys; ``--layouts`` picks them):
   steady   rlaunch with no event, and plain DDP under torchrun with no event, --steady-repeats
-           times each (default 4), interleaved: the reference digests and the steady step-time
-           overhead (two pairs read anywhere from -4 % to +12 % on this machine: too few);
+           times each (default 4), interleaved: the reference digests and the steady overhead,
+           pair by pair in wall time and in CPU time per step, with the 95 % interval of the
+           mean (``steady_overhead``; ``why`` says how many pairs +-1 % would take here);
   memory   the same pair twice more with glibc's mmap threshold fixed in both (see below);
   (a)      one rlaunch job, the node holding rank 1 drained onto a warm standby --repeats times;
   (b)      torchrun, --repeats times in one job's life: the second node's agent gets SIGTERM, its
            worker checkpoints and exits, the job exits and torchrun starts every worker again on
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
-  (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0).
-Downtime of an event = wall time of the 6 steps around it minus 6 median steps. ``phases`` (and
-``phases_cold``): where each drain's time went, as its ranks measured it on one clock (plan seen,
-phase 1 done, ready voted, the boundary, the transfer, groups swapped, the first step; see
-rlaunch.runtime.phases), each phase's median over the drains, and the runtime's downtime
-(boundary to the last first step's end, less a median step) against the bench's. ``verification``:
+  (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0); then a fresh
+           process's first steps, part by part (scripts/bench_warmup.py: ``warm_vs_cold``).
+A drain's downtime (``rlaunch_downtime_s``) is read on rank 0's timeline around its switch
+(scripts/drain_windows.py): the excess over the job's steady period of the periods from the one
+in which the plan was seen to two after the switch's. A torchrun restart's is the wall time of
+the 6 steps around the event less 6 median steps (``rlaunch_downtime_6step_s`` reads drains so
+too, for comparison). ``phases`` (and ``phases_cold``): where each drain's time went, as its
+ranks measured it on one clock (plan seen, phase 1 done, ready voted, the boundary, the
+transfer and the parameters' part of it, groups swapped, the first step, the joiner's digests
+compared; see rlaunch.runtime.phases), each phase's median over the drains, and the runtime's
+downtime (boundary to the last first step's end, less the steady period) against the bench's,
+part by part (``bench_before_s``, ``bench_switch_s``, ``bench_after_s``, with the noise of such
+a window). The drain command runs at the lowest CPU priority, as if from another machine
+(``drain_command_cpu_s``: what it took). ``verification``:
 what comparing replicas costs (the runtime's own timing, from its agents' events): at steady state
 with the default ``--verify-every auto``, the seconds of digests over the seconds of training, and
 for each drain the joiner's digests of what landed plus the first vote's replica digests, also
@@ -78,6 +87,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -93,8 +103,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlaunch.cli.status import fetch_status  # noqa: E402
-from rlaunch.runtime.phases import breakdown  # noqa: E402
 from rlaunch.store.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from scripts import drain_windows, migration_figures  # noqa: E402
+from scripts.cpu_sampler import CpuSampler  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 from tests.netns import Hosts, rate_bytes  # noqa: E402
 
@@ -270,28 +281,45 @@ def run_rlaunch(
                        f"{name}: standby {node} to be ready")  # fmt: skip
         if start:
             (work / "start").touch()  # every standby is warm: the active ranks begin step 0
+        sampler = CpuSampler(0.2).start() if events else None  # who spends the CPU around each drain
         for at in events:
             at = next_event(name, at, steps_done(timeline / "rank0.txt"), steps)
             wait_until(lambda a=at: steps_done(timeline / "rank0.txt") >= a, 300, f"{name}: step {at}")
             leaver = next(n["node_id"] for n in _status(etcd, job)["nodes"] if n["node_rank"] == 1)
-            t_event = time.time()
+            t_event, cpu = time.time(), _children_cpu()
+            # At the lowest priority, as if run from another machine: its start-up (imports) and its
+            # polling take a second of CPU or more, here on the 2 cores the job trains on.
             drain = subprocess.run(
                 [sys.executable, "-m", "rlaunch", "drain", leaver, "--rdzv-endpoint", etcd, "--rdzv-id", job],
-                capture_output=True, text=True, timeout=300, env=procs.env,
+                capture_output=True, text=True, timeout=300, env=procs.env, preexec_fn=_lowest_priority,
             )  # fmt: skip
             log(f"{name}: drain {leaver} at step {at}: {drain.stdout.strip() or drain.stderr.strip()}")
             if drain.returncode != 0:
                 raise RuntimeError(f"{name}: rlaunch drain {leaver} failed: {drain.stderr}")
-            drained.append({"t_event": t_event, "leaver": leaver, "stdout": drain.stdout.strip()})
+            drained.append({"t_event": t_event, "leaver": leaver, "stdout": drain.stdout.strip(),
+                            "cli_cpu_s": round(_children_cpu() - cpu, 3)})  # fmt: skip
+        if sampler is not None:
+            time.sleep(3.0)  # the last drain's first steps and what follows them
+            sampler.stop()
         codes = [procs.wait(n, 600) for n in nodes]
         if any(codes):
             raise RuntimeError(f"{name}: agents exited {codes}; logs in {work}")
-        result: dict[str, Any] = {"finals": {}, "events": drained, "timeline": timeline, "work": work}
+        result: dict[str, Any] = {"finals": {}, "events": drained, "timeline": timeline, "work": work, "cpu": sampler}
         for n in nodes:  # a leaver's worker prints no FINAL line: only the last holder of each rank does
             result["finals"].update(finals(procs.output(n)))
         return result
     finally:
         procs.close()
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the children waited for so far (a drain command's, measured around its run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _lowest_priority() -> None:  # runs in the child between fork and exec
+    os.nice(19)
 
 
 def _status(etcd: str, job: str) -> dict[str, Any]:
@@ -415,6 +443,52 @@ def with_spread(out: dict[str, Any], key: str, values: Sequence[float], digits: 
     out[key], out[f"{key}_runs"], out[f"{key}_min"], out[f"{key}_max"] = s["median"], s["runs"], s["min"], s["max"]
 
 
+def fresh_process_steps(layout: str) -> dict[str, Any]:
+    """scripts/bench_warmup.py's JSON for ``layout``: a fresh process's first steps, part by part."""
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_warmup.py"), "--layout", layout], capture_output=True,
+        text=True, timeout=600, env=ENV,
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise RuntimeError(f"bench_warmup.py --layout {layout} failed: {res.stderr[-2000:]}")
+    found: dict[str, Any] = json.loads(res.stdout)
+    return found
+
+
+def drain_downtimes(phases: dict[str, Any]) -> tuple[list[float], float]:
+    """Each drain's downtime around its switch (its window's excess over the steady period, see
+    scripts/drain_windows.py) and the steady period, from :func:`phase_report`."""
+    found = [d["bench_s"] for d in phases.get("drains", []) if d.get("bench_s") is not None]
+    if not found:
+        raise RuntimeError(f"no drain could be read around its switch: {phases.get('why_not', 'no phases')}")
+    return found, phases["steady_period_s"]
+
+
+def cpu_per_step(result: dict[str, Any], rank: int) -> float:
+    """The median CPU seconds of one rank's process per real step (all its threads, between steps too)."""
+    path = result["timeline"] / f"cpu{rank}.txt"
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    cpu = [(int(step), float(t), pid) for step, t, role, pid in rows if role in ("real", "active")]
+    spent = [b[1] - a[1] for a, b in itertools.pairwise(cpu) if b[0] == a[0] + 1 and a[2] == b[2] and b[0] >= 3]
+    return statistics.median(spent)
+
+
+def steady_overhead(rl: list[dict[str, Any]], tr: list[dict[str, Any]]) -> dict[str, Any]:
+    """rlaunch's steady step against torchrun's, pair by pair (run i of each ran back to back), in wall
+    time per step and in CPU time per step (scripts/migration_figures.py)."""
+
+    def both(result: dict[str, Any], of: Callable[[dict[str, Any], int], float]) -> float:
+        return statistics.median(of(result, k) for k in (0, 1))
+
+    def wall(result: dict[str, Any], k: int) -> float:
+        return median_step(read_timeline(result["timeline"] / f"rank{k}.txt"))
+
+    out: dict[str, Any] = {"pairs": len(rl)}
+    for name, of in (("wall", wall), ("cpu", cpu_per_step)):
+        out[name] = migration_figures.paired_overhead([(both(a, of), both(b, of)) for a, b in zip(rl, tr, strict=True)])
+    return out
+
+
 def event_downtimes(result: dict[str, Any]) -> tuple[list[float], list[int], float]:
     """Each event's downtime and step on rank 0's timeline, and the job's median step."""
     rows = read_timeline(result["timeline"] / "rank0.txt")
@@ -433,53 +507,6 @@ def joiner_first_steps(result: dict[str, Any], median: float) -> list[float]:
         if pid not in first:
             first[pid] = (float(end) - float(start)) / median
     return list(first.values())[1:]
-
-
-def memory_report(rl: list[dict[str, Any]], tr: list[dict[str, Any]]) -> dict[str, Any]:
-    """Peak and steady RSS of rlaunch's workers against plain DDP's, from the FINAL records of
-    runs that pair up (run i of each mode ran back to back), and the overhead stage by stage.
-    """
-
-    def workers(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [f for r in results for f in r["finals"].values()]
-
-    def med(results: list[dict[str, Any]], get: Any) -> float:
-        return float(statistics.median(get(f) for f in workers(results)))
-
-    peak = lambda f: f["memory_kb"]["end"]["peak"]  # noqa: E731 - VmHWM: the same as ru_maxrss, read with the rest
-    steady = lambda f: f["memory_kb"]["end"]["rss"]  # noqa: E731
-    out: dict[str, Any] = {
-        "peak_rlaunch_kb": med(rl, peak),
-        "peak_torchrun_kb": med(tr, peak),
-        "steady_rlaunch_kb": med(rl, steady),
-        "steady_torchrun_kb": med(tr, steady),
-    }
-    out["peak_overhead_pct"] = round((out["peak_rlaunch_kb"] / out["peak_torchrun_kb"] - 1) * 100, 2)
-    out["steady_overhead_pct"] = round((out["steady_rlaunch_kb"] / out["steady_torchrun_kb"] - 1) * 100, 2)
-    out["peak_overhead_pct_runs"] = [
-        round((med([a], peak) / med([b], peak) - 1) * 100, 2) for a, b in zip(rl, tr, strict=True)
-    ]
-    # every rlaunch worker against every plain one, the worst pair: what "in every run" must hold for
-    out["peak_overhead_worst_pct"] = round(
-        (max(peak(f) for f in workers(rl)) / min(peak(f) for f in workers(tr)) - 1) * 100, 2
-    )
-    out["peak_spread_within_mode_pct"] = round(max(
-        (max(peak(f) for f in workers(x)) / min(peak(f) for f in workers(x)) - 1) * 100 for x in (rl, tr)
-    ), 2)  # fmt: skip
-    stages = ("imported", "runtime_imported", "initialized", "model", "end")
-    names = ("imports", "init_communicators_threads", "model_and_ddp", "training_steps")
-    breakdown = {}
-    for name, (a, b) in zip(names, itertools.pairwise(stages), strict=True):
-        delta = lambda f, a=a, b=b: f["memory_kb"][b]["rss"] - f["memory_kb"][a]["rss"]  # noqa: E731
-        breakdown[name] = med(rl, delta) - med(tr, delta)
-    breakdown["total_steady"] = out["steady_rlaunch_kb"] - out["steady_torchrun_kb"]
-    breakdown["extra_os_threads"] = med(rl, lambda f: f["memory_kb"]["end"]["threads"]) - med(
-        tr, lambda f: f["memory_kb"]["end"]["threads"]
-    )
-    out["breakdown_kb"] = breakdown
-    out["rlaunch_python_threads"] = sorted({t for f in workers(rl) for t in f["threads"]})
-    out["worker_heavy_modules"] = sorted({m for f in workers(rl) for m in f["heavy_modules"]})
-    return out
 
 
 EVENT = re.compile(r"\] \[(\S+)\] event (\w+) \(generation (\d+)\) (\{.*\})$")
@@ -523,44 +550,56 @@ def verification_report(steady: list[dict[str, Any]], warm: dict[str, Any], down
     return out
 
 
-def phase_report(result: dict[str, Any], median: float) -> dict[str, Any]:
+def phase_report(result: dict[str, Any]) -> dict[str, Any]:
     """Where each drain's time went, as the ranks measured it (their ``move_phases`` events; see
     rlaunch.runtime.phases), the median of each phase over the drains, and the runtime's own
-    downtime (boundary to the last first step's end, less a median step) against the bench's (the
-    6 steps around the event on rank 0's timeline, less 6 median steps), the bench's split in
-    three: the steps of its window before the boundary, the switch (the runtime's figure), and
-    what follows the last first step's end, each less its median steps."""
-    rows = read_timeline(result["timeline"] / "rank0.txt")
+    downtime against the bench's, read period by period on rank 0's timeline around each switch
+    (scripts/drain_windows.py: the periods before the boundary, the switch's, and the ones after)."""
     by_gen: dict[int, list[dict[str, Any]]] = {}
-    for _, gen, data in agent_events(result["work"], "move_phases"):
+    nodes: dict[int, dict[str, str]] = {}  # generation -> node -> its role in the move
+    for node, gen, data in agent_events(result["work"], "move_phases"):
         by_gen.setdefault(gen, []).append(data)
-    moves = [breakdown(by_gen[g], median) for g in sorted(by_gen)]
-    for gen, move, event in zip(sorted(by_gen), moves, result["events"], strict=False):
-        start, end, steps, _ = window(rows, event["t_event"])
-        if move["boundary_at"] is None or move["trained_at"] is None:
+        nodes.setdefault(gen, {})[node] = data["role"]
+    if not by_gen:
+        return {"agree_within_10pct": False, "why_not": "no drain reported its phases"}
+    out = drain_windows.summary(drain_windows.read(read_timeline(result["timeline"] / "rank0.txt"), by_gen))
+    if result.get("cpu") is not None:
+        out["cpu_s"] = cpu_report(result["cpu"], out["drains"], [by_gen[g] for g in sorted(by_gen)],
+                                  [nodes[g] for g in sorted(by_gen)])  # fmt: skip
+    cli = [e.get("cli_cpu_s") for e in result["events"] if e.get("cli_cpu_s") is not None]
+    if cli:  # the drain command's own CPU, at the lowest priority (it would run on another machine)
+        out["drain_command_cpu_s"] = round(statistics.median(cli), 3)
+    return out
+
+
+def cpu_report(sampler: CpuSampler, moves: list[dict[str, Any]], reports: list[list[dict[str, Any]]],
+               nodes: list[dict[str, str]]) -> dict[str, Any]:  # fmt: skip
+    """CPU seconds spent between the plan and the boundary (``before``) and between the boundary and
+    the last first step's end (``switch``), by who spent them (medians over the drains): the
+    survivors', the leaver's and the joiner's workers, the other standbys' workers, the agents (the
+    controller's included), etcd, and the drain command; ``wall_s``: the window, widened to samples."""
+    parts: dict[str, list[dict[str, float]]] = {"before": [], "switch": []}
+    for move, reps, roles in zip(moves, reports, nodes, strict=True):
+        seen = min(r["marks"]["plan_seen"] for r in reps if "plan_seen" in r["marks"])
+        if move.get("boundary_at") is None or move.get("trained_at") is None:
             continue
-        # rank 0's steps up to its own boundary (the leaver's can come first: the timeline is rank 0's)
-        own = next((r["marks"].get("boundary") for r in by_gen[gen] if r["rank"] == 0), None) or move["boundary_at"]
-        before = sum(1 for _, _, e, role in rows if role in ("real", "active") and start < e <= own)
-        move["bench_s"] = round(end - start - steps * median, 4)
-        move["bench_before_boundary_s"] = round(move["boundary_at"] - start - before * median, 4)
-        move["bench_after_switch_s"] = round(move["bench_s"] - move["bench_before_boundary_s"] - move["downtime_s"], 4)
-    out: dict[str, Any] = {"drains": moves}
-    for key in moves[0] if moves else {}:
-        values = [m[key] for m in moves if m.get(key) is not None]
-        if values and not key.endswith("_at"):
-            out[key] = round(statistics.median(values), 4)
-    diffs = [100 * (m["downtime_s"] - m["bench_s"]) / m["bench_s"] for m in moves if m.get("bench_s", 0) > 0]
-    out["runtime_vs_bench_downtime_pct"] = [round(d, 1) for d in diffs]
-    out["agree_within_10pct"] = bool(diffs) and all(abs(d) <= 10 for d in diffs)
-    if not moves:
-        out["why_not"] = "no drain reported its phases"
-    elif not out["agree_within_10pct"]:
-        out["why_not"] = (
-            "the bench's window holds 3 steps before the boundary and 2 after the first step besides the switch; "
-            "bench_before_boundary_s and bench_after_switch_s are their excess over median steps (either sign: "
-            "step-time noise is in both), the switch alone is the runtime's downtime_s"
-        )
+        for part, (a, b) in (
+            ("before", (seen, move["boundary_at"])),
+            ("switch", (move["boundary_at"], move["trained_at"])),
+        ):
+            spent: dict[str, float] = {}
+            for who, cpu in sampler.spent(a, b).items():
+                kind, _, node = who.partition(":")
+                key = (
+                    f"{roles.get(node, 'other standby')}s" if kind == "worker" else {"agent": "agents"}.get(kind, kind)
+                )
+                spent[key] = spent.get(key, 0.0) + cpu
+            if spent:
+                parts[part].append(spent)
+    out: dict[str, Any] = {}
+    for part, found in parts.items():
+        keys = sorted({k for f in found for k in f})
+        out[part] = {k: round(statistics.median(f.get(k, 0.0) for f in found), 3) for k in keys}
     return out
 
 
@@ -589,6 +628,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     tr = run_torchrun(root, f"{layout}-torchrun-restart", args.steps, events, train_args)
     log(f"{layout}: (c) rlaunch: {len(events)} drains onto cold standbys (--sandbox-steps 0)")
     cold = run_rlaunch(root, etcd, f"{layout}-rlaunch-cold", args.steps, events, 0, train_args)
+    log(f"{layout}: what the first steps of a fresh process pay here, part by part (scripts/bench_warmup.py)")
+    warmup = fresh_process_steps(layout)
 
     median_rl = statistics.median(
         median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_rl for k in (0, 1)
@@ -596,9 +637,13 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     median_tr = statistics.median(
         median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_tr for k in (0, 1)
     )
-    down_warm, steps_warm, med_warm = event_downtimes(warm)
-    down_cold, _, med_cold = event_downtimes(cold)
+    overhead = steady_overhead(steady_rl, steady_tr)
+    old_warm, steps_warm, _ = event_downtimes(warm)  # the 6-step window torchrun's restarts are read with
+    old_cold, _, _ = event_downtimes(cold)
     down_tr, _, _ = event_downtimes(tr)
+    phases_warm, phases_cold = phase_report(warm), phase_report(cold)
+    down_warm, med_warm = drain_downtimes(phases_warm)
+    down_cold, med_cold = drain_downtimes(phases_cold)
     state_bytes = int(_events_bytes(warm))  # fp32 params + AdamW's two moments, as the first leaver sent them
     reference = {r: (f["params"], f["optim"]) for r, f in steady_rl[0]["finals"].items()}
 
@@ -608,7 +653,7 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
 
     default_rl = [f["peak_rss_kb"] for r in steady_rl for f in r["finals"].values()]
     default_tr = [f["peak_rss_kb"] for r in steady_tr for f in r["finals"].values()]
-    memory = memory_report(mem_rl, mem_tr)
+    memory = migration_figures.memory_report(mem_rl, mem_tr)
     lower = state_bytes / bandwidth
     out: dict[str, Any] = {
         "steps": args.steps,
@@ -620,6 +665,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     }
     with_spread(out, "rlaunch_downtime_s", down_warm)
     with_spread(out, "rlaunch_cold_downtime_s", down_cold)
+    with_spread(out, "rlaunch_downtime_6step_s", old_warm)
+    with_spread(out, "rlaunch_cold_downtime_6step_s", old_cold)
     with_spread(out, "torchrun_downtime_s", down_tr)
     out["ratio_torchrun_over_rlaunch"] = round(statistics.median(down_tr) / max(statistics.median(down_warm), 1e-3), 1)
     out["ratio_torchrun_over_rlaunch_worst"] = round(min(down_tr) / max(max(down_warm), 1e-3), 1)
@@ -631,7 +678,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "torchrun_resume_bit_identical": same(tr),
         "steady_median_step_rlaunch_s": round(median_rl, 4),
         "steady_median_step_torchrun_s": round(median_tr, 4),
-        "steady_overhead_pct": round((median_rl / median_tr - 1) * 100, 2),
+        "steady_overhead_pct": overhead["wall"]["median_pct"],
+        "steady_overhead": overhead,
         "peak_rss_rlaunch_kb": memory["peak_rlaunch_kb"],
         "peak_rss_torchrun_kb": memory["peak_torchrun_kb"],
         "rss_overhead_pct": memory["peak_overhead_pct"],
@@ -643,8 +691,9 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         },
         "drain_reported": warm["events"][0]["stdout"],
         "verification": verification_report(steady_rl, warm, down_warm),
-        "phases": phase_report(warm, med_warm),
-        "phases_cold": phase_report(cold, med_cold),
+        "phases": phases_warm,
+        "phases_cold": phases_cold,
+        "warm_vs_cold": migration_figures.warm_vs_cold(phases_warm, phases_cold, warmup, layout),
     })  # fmt: skip
     out["targets"] = {
         "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,
@@ -661,6 +710,11 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "downtime_max_le_2x_bound_plus_half_step": out["rlaunch_downtime_s_max"] <= 2 * lower + 0.5 * med_warm,
         "phase_downtime_le_bound_plus_quarter_step": out["phases"].get("downtime_s", float("inf"))
         <= lower + 0.25 * med_warm,
+        "phase_downtime_max_le_2x_bound_plus_half_step": max(
+            (d["downtime_s"] for d in out["phases"].get("drains", []) if d.get("downtime_s") is not None),
+            default=float("inf"),
+        )
+        <= 2 * lower + 0.5 * med_warm,
     }
     return out
 
@@ -684,7 +738,8 @@ def measure_links(root: Path, args: Any, rates: Sequence[str]) -> dict[str, Any]
                                    where=lambda i, hs=hosts: hs.argv(hs[i], []))  # fmt: skip
         finally:
             hosts.close()
-        down, _, med = event_downtimes(warm)
+        entry_phases = phase_report(warm)
+        down, med = drain_downtimes(entry_phases)
         state_bytes = int(_events_bytes(warm))
         bound = state_bytes / rate_bytes(rate)
         entry: dict[str, Any] = {
@@ -695,7 +750,7 @@ def measure_links(root: Path, args: Any, rates: Sequence[str]) -> dict[str, Any]
             "median_step_s": round(med, 4),
         }
         with_spread(entry, "rlaunch_downtime_s", down)
-        entry["phases"] = phase_report(warm, med)
+        entry["phases"] = entry_phases
         entry["targets"] = {"downtime_le_2x_bound_plus_step": entry["rlaunch_downtime_s"] <= 2 * bound + med}
         out[rate] = entry
     return out

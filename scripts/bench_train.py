@@ -10,7 +10,8 @@ rank's own shards (``CKPT.rank<r>``); since a SIGTERM reaches one node only, eve
 a one-flag allreduce "someone was asked to stop", so that all ranks save the same step before
 they exit, as a careful FSDP script does on preemption (a few microseconds a step: torchrun's
 side pays it, not rlaunch's). Both write one line
-per step to ``--timeline`` (append-only, so restarted processes add to it) and print their final
+per step to ``--timeline`` (append-only, so restarted processes add to it; ``cpu<rank>.txt`` beside
+each, the process's CPU time at each step's end) and print their final
 digests, peak RSS and the memory at each stage (after imports, after the runtime's or torch's
 init, after the model, after the first step, at the end), measured the same way in both modes.
 """
@@ -199,6 +200,8 @@ def main() -> None:
             stages["first_step"] = memory_kb()
         with open(os.path.join(args.timeline, f"rank{rank}.txt"), "a") as f:
             f.write(f"{step} {began:.6f} {end:.6f} {role} {os.getpid()}\n")
+        with open(os.path.join(args.timeline, f"cpu{rank}.txt"), "a") as f:  # the process's CPU seconds, all threads
+            f.write(f"{step} {time.process_time():.6f} {role} {os.getpid()}\n")
         if shard_ckpt:
             asked = torch.tensor([1.0 if stop["now"] else 0.0])
             dist.all_reduce(asked)  # a SIGTERM reaches one node: every rank saves the same step

@@ -16,6 +16,7 @@ same plans (``Runtime._join`` uses :meth:`wait_plan` and :meth:`prepare`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -198,16 +199,31 @@ class Migration:
         if agreed.plan.role is Role.LEAVER:
             began = time.perf_counter()
             phases.mark(Phase.TRANSFER_START)
-            sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge())
+            # Once the joiner can start its first step, the rest of the state (the optimizer's) and this
+            # process's end take what CPU the job leaves them: on a machine short of cores, the joiner's
+            # and the survivors' steps come first.
+            sent = send_state(
+                comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge(), first_sent=_yield_cpu
+            )
             phases.mark(Phase.TRANSFER_END)
             phases.transfer_bytes = sent
             report(s.link, s.rank, phases)  # before "left": the agent may stop this worker as soon as it hears that
             s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
-            # Tearing this process down must not take CPU from the job it just left.
-            os.nice(19)
             raise SystemExit(0)
         self._groups.swap(comms, gen)
         phases.mark(Phase.GROUPS_SWAPPED)
         s.generation = gen
         s.after_move = phases
         s.verify_due = True  # the first vote of the new generation compares the replicas
+
+
+def _yield_cpu() -> None:
+    """Lower every thread of this process (gloo's included: Linux nice values are per thread) to the
+    lowest priority."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = []
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)

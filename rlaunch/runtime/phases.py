@@ -10,7 +10,11 @@ its groups before its transfer, the others after the boundary):
 - ``prepared``: phase 1 done, the next generation's communicators built;
 - ``ready_voted``: the first vote that said "ready for this generation" (leaver and survivors);
 - ``boundary``: the switch began, after the step every rank voted ready in (leaver and survivors);
-- ``transfer_start``, ``transfer_end``: the state transfer (leaver and joiner; with its bytes);
+- ``transfer_start``, ``transfer_end``: the state transfer (leaver and joiner; with its bytes): on
+  the joiner, its last tensor landed;
+- ``params_landed`` (joiner): every tensor but the optimizer state landed, and the joiner may start
+  its first step while the rest lands (see :class:`rlaunch.runtime.transfer.Landing`);
+- ``verified`` (joiner): every digest compared with the sender's, before its first vote;
 - ``groups_swapped``: the rank's groups hold the new communicators (survivors and joiner);
 - ``first_step_start``, ``first_step_end``: the rank's first step in the new generation.
 
@@ -39,7 +43,9 @@ class Phase(str, enum.Enum):
     READY_VOTED = "ready_voted"
     BOUNDARY = "boundary"
     TRANSFER_START = "transfer_start"
+    PARAMS_LANDED = "params_landed"
     TRANSFER_END = "transfer_end"
+    VERIFIED = "verified"
     GROUPS_SWAPPED = "groups_swapped"
     FIRST_STEP_START = "first_step_start"
     FIRST_STEP_END = "first_step_end"
@@ -54,9 +60,10 @@ class MovePhases:
     marks: dict[str, float] = dataclasses.field(default_factory=dict)
     transfer_bytes: int = 0
 
-    def mark(self, phase: Phase) -> None:
-        """Mark ``phase`` now; a phase is marked once, at its first moment."""
-        self.marks.setdefault(phase.value, time.time())
+    def mark(self, phase: Phase, at: float | None = None) -> None:
+        """Mark ``phase`` now (or at ``at``, a ``time.time()`` taken earlier); a phase is marked once,
+        at its first moment."""
+        self.marks.setdefault(phase.value, time.time() if at is None else at)
 
     def report(self) -> dict[str, Any]:
         """The JSON values the rank sends its agent."""
@@ -91,7 +98,9 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     (last rank prepared to the boundary: the steps trained meanwhile). On it, each from the
     earliest boundary: ``to_transfer_s`` (to the leaver's first byte), ``transfer_s`` (the
     leaver's first byte to the joiner's last; ``transfer_gbps`` is the largest rank's bytes over
-    it, so with several local ranks moving at once it understates their sum), ``swap_s`` (to the last
+    it, so with several local ranks moving at once it understates their sum), ``params_s`` (the
+    leaver's first byte to the last joiner's parameters landed: the part of the transfer the
+    first step waits for), ``verified_s`` (to the last joiner's digests compared), ``swap_s`` (to the last
     rank's groups swapped), ``to_first_step_s`` (to the last rank's first step start),
     ``first_step_s`` (the longest first step), ``switch_to_trained_s`` (to the last rank's first
     step end) and ``downtime_s``, that less one ``median_step``. A phase no rank reported is None.
@@ -122,6 +131,8 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
         "transfer_s": transfer,
         "transfer_bytes": moved,
         "transfer_gbps": round(moved / transfer / 1e9, 3) if transfer and moved else None,
+        "params_s": span(sent_from, _at(reports, Phase.PARAMS_LANDED, ("joiner",))),
+        "verified_s": span(boundary, _at(reports, Phase.VERIFIED, ("joiner",))),
         "swap_s": span(boundary, _at(reports, Phase.GROUPS_SWAPPED, ("survivor",))),
         "to_first_step_s": span(boundary, starts),
         "first_step_s": round(max(firsts), 4) if firsts else None,

@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import contract, devicework, partition, replicas, reshard, rng, snapshots, verify
+from rlaunch.runtime import contract, devicework, partition, pending, replicas, reshard, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
@@ -77,7 +77,7 @@ from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
 from rlaunch.runtime.store import AgentStore
-from rlaunch.runtime.transfer import TransferError, recv_state
+from rlaunch.runtime.transfer import Landing, TransferError, receive_state
 from rlaunch.runtime.untracked import live_schedulers, untracked_state
 from rlaunch.runtime.verify import Verifier
 from rlaunch.runtime.vote import RefusedError, StepVote
@@ -155,6 +155,10 @@ class Runtime:
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
+        #: (joiner) the transfer whose optimizer state still lands during the first step: the landing,
+        #: its channel and the hold on the optimizers' state (see _land)
+        self._landing: tuple[Landing, Any, pending.Held] | None = None
+        self._landing_lock = threading.Lock()
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
@@ -441,6 +445,7 @@ class Runtime:
                 self._in_step = True
                 yield step
                 self._in_step = False
+                self._land()  # a joiner's first step that never voted: its state is whole before the next
                 now = time.perf_counter()
                 self._after_step(now - last)
                 self._host.stepped(now - last)  # what a host snapshot costs the steps it overlaps
@@ -463,9 +468,11 @@ class Runtime:
                 step += 1
         except GeneratorExit:  # the loop left early (a break, or a framework's loop ended): done stepping too
             self._in_step = False
+            self._land()  # what the script does after its loop may read the optimizer state: whole
             with contextlib.suppress(OSError, AgentLinkError):  # the agent may be gone (at exit)
                 self._done_stepping()
             raise
+        self._land()  # a joiner given the job's last step has nothing left to run: its state is whole all the same
         self._done_stepping()
 
     def _done_stepping(self) -> None:
@@ -486,6 +493,7 @@ class Runtime:
         if self._s.after_move is not None:
             self._s.after_move.mark(Phase.FIRST_STEP_START)
         if self._host.due(step):  # before anything of the step draws from the generators
+            self._land()  # a snapshot copies the optimizer state: all of it
             self._host.take(step)
         if self._s.seed is not None:
             self._reseed(step)
@@ -510,6 +518,7 @@ class Runtime:
         objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
         s = self._s
+        self._land()  # a joiner's first step: its state is whole and verified before its vote
         if not optimizers:
             raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
         names = ", ".join(type(o).__name__ for o in optimizers)
@@ -651,29 +660,76 @@ class Runtime:
         phases.mark(Phase.GROUPS_SWAPPED)
         reshard.to_coordinate(s.tracked)  # uneven shards: rank 0's shapes become this rank's
         phases.mark(Phase.TRANSFER_START)
+        link = s.link
+
+        def joined(landing: Landing) -> None:
+            """(landing thread) Every byte is here: the sender may go. The agent hears it now, before the
+            leaver is drained (a leaver gone before its joiner joined is a stalled move, restarted)."""
+            try:
+                link.call(
+                    "joined", generation=plan.generation, seconds=time.perf_counter() - began,
+                    verify_s=landing.verify_s,
+                )  # fmt: skip
+            except (OSError, AgentLinkError) as exc:  # the agent is gone: it stops this worker anyway
+                log.warning("rank %d: the agent did not hear that the state landed: %s", s.rank, exc)
+
+        with self._broken_transfer():
+            landing = receive_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn, on_landed=joined)
+        phases.mark(Phase.PARAMS_LANDED)
+        s.after_move = phases
+        # The first step runs while the optimizer state lands: whatever reads it first waits for it.
+        optimizers = [o for o in s.tracked.values() if isinstance(o, torch.optim.Optimizer)]
+        hold = pending.hold(optimizers, self._land)
+        self._landing = (landing, comms["channel"], hold)
+        s.applied = landing.step - 1
+        s.generation = plan.generation
+        s.verify_due = True  # the first vote after joining compares the replicas
+        if not hold.whole:
+            self._land()  # an optimizer whose state nothing could guard: it is whole before the step
+        self._start_listener()
+        return landing.step
+
+    def _land(self) -> None:
+        """(joiner) Wait for the rest of the state and verify all of it, once, before anything reads
+        the optimizer state: before the first vote (a move that does not verify is committed nowhere:
+        this rank never votes, the others' vote fails and they redo the step without it), before a host
+        snapshot, at the first step's end, and wherever the script reads an optimizer's ``state``."""
+        with self._landing_lock:
+            held, self._landing = self._landing, None
+            if held is None:
+                return
+            landing, channel, hold = held
+            s = self._s
+            assert s.after_move is not None
+            try:
+                with self._broken_transfer():
+                    landed = landing.finish()  # reads no optimizer's state: the hold stands until it is whole
+            finally:
+                hold.release()
+                retire(channel)  # one use only (an NCCL channel is aborted when retired)
+            s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
+            s.after_move.mark(Phase.VERIFIED)
+            # The first vote compares what landed, as digested: no second pass over it. (The other
+            # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
+            self._voting.prime(landed.terms)
+            # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
+            # optimizer state: not before it is whole, or the first step would wait for it.)
+            self._moves.report()
+
+    @contextlib.contextmanager
+    def _broken_transfer(self) -> Iterator[None]:
+        """A transfer whose sender went away or never came (the job ended, or it died) is a
+        :class:`TransferBrokenError`; a refused one stays a :class:`TransferError`."""
         try:
-            landed = recv_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn)
+            yield
         except TransferError:
             raise
-        except (RuntimeError, TimeoutError) as exc:  # the sender went away or never came: the job ended, or it died
+        except (RuntimeError, TimeoutError) as exc:
             raise TransferBrokenError(
-                f"The state transfer for rank {s.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
+                f"The state transfer for rank {self._s.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
                 "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
                 "again."
             ) from exc
-        phases.mark(Phase.TRANSFER_END)
-        s.after_move = phases
-        retire(comms["channel"])  # one use only (an NCCL channel is aborted when retired)
-        # The first vote compares what just landed, as digested: no second pass over it. (The other
-        # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
-        self._voting.prime(landed.terms)
-        s.applied = landed.step - 1
-        s.generation = plan.generation
-        s.verify_due = True  # the first vote after joining compares the replicas
-        s.link.call("joined", generation=s.generation, seconds=time.perf_counter() - began, verify_s=landed.verify_s)
-        self._moves.report()  # from what it learnt: it takes host snapshots when the others do
-        self._start_listener()
-        return landed.step
 
     def _leave_sandbox(self, comms: dict[str, Any], generation: int) -> None:
         """(joiner) Take this rank's place in every group: a group with this rank gets its communicator

@@ -14,10 +14,13 @@ go GPU to GPU (NCCL send/recv); over a gloo channel each is staged through host 
 (:func:`wire`), in chunks through two pinned buffers (:mod:`rlaunch.runtime.staging`), so the
 staging never holds more than two chunks.
 
+The optimizer state travels last (:func:`tensors_of`), and the joiner does not wait for it: once
+the other tensors have landed it starts its first step while the rest lands (:class:`Landing`).
+
 Every move is verified end to end: after the tensors, the sender sends a digest of each tracked
 object's state as it sent it (and of the RNG states and the step), computed on the tensors' own
-device (:mod:`rlaunch.runtime.digest`); the joiner digests what it holds once everything landed
-and refuses the move, before any step is applied, if one differs. State the joiner holds that
+device (:mod:`rlaunch.runtime.digest`); the joiner digests what landed and refuses the move,
+before any step is applied (before its first vote), if one differs. State the joiner holds that
 the sender did not send (optimizer state a sandbox made for a parameter the sender's optimizer
 never stepped) is dropped when the state is loaded, and would show in the joiner's digest if
 it were not.
@@ -33,7 +36,9 @@ import collections
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,9 +67,12 @@ def tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]],
     """(name, live tensor) pairs to move, the kind of each tracked object, and their other values.
 
     The kinds go into the JSON header; the other values (optimizer hyperparameters and scalar
-    state, other objects' ``state_dict()``) into the ``weights_only`` blob.
+    state, other objects' ``state_dict()``) into the ``weights_only`` blob. Every optimizer's
+    state comes after all other tensors: a joiner starts its first step once those have landed
+    (see :class:`Landing`).
     """
     pairs: list[tuple[str, torch.Tensor]] = []
+    later: list[tuple[str, torch.Tensor]] = []  # optimizer state: after every other object's tensors
     kinds: dict[str, str] = {}
     values: dict[str, Any] = {}
     for name, obj in tracked.items():
@@ -81,7 +89,7 @@ def tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]],
             for i, p in enumerate(params):
                 for key, value in obj.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        pairs.append((f"{name}.state.{i}.{key}", value))
+                        later.append((f"{name}.state.{i}.{key}", value))
                     else:
                         scalars[f"{i}.{key}"] = value
             groups = [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]
@@ -92,7 +100,7 @@ def tensors_of(tracked: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]],
             values[name] = obj.state_dict()
         else:
             raise TransferError(f"The tracked object {name!r} ({type(obj).__name__}) has no state_dict().")
-    return pairs, kinds, values
+    return pairs + later, kinds, values
 
 
 def describe(name: str, t: torch.Tensor) -> dict[str, Any]:
@@ -162,12 +170,14 @@ def digests_of(
 
 def send_state(
     channel: ProcessGroup, tracked: dict[str, Any], step: int, rng_state: rng.RngState,
-    knowledge: dict[str, Any] | None = None,
+    knowledge: dict[str, Any] | None = None, first_sent: Callable[[], None] | None = None,
 ) -> int:  # fmt: skip
     """Send the state of ``tracked`` to rank 1 of ``channel``; return the bytes sent.
 
     ``knowledge``: what the runtime knows that the joiner must know too (JSON values; see
-    ``Runtime._knowledge``). The digests of what was sent follow the tensors.
+    ``Runtime._knowledge``). The digests of what was sent follow the tensors. ``first_sent`` is
+    called once the tensors the joiner's first step waits for are sent (all but the optimizer
+    state, see :func:`first_needs`).
     """
     pairs, kinds, values = tensors_of(tracked)
     blob = dump_values(values)
@@ -185,24 +195,33 @@ def send_state(
     if blob:
         send_host(channel, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     total, staging, on_the_wire = 0, Staging(), []
+    first = first_needs(header["tensors"], kinds)
+    early = waited = 0  # the posted sends among the first ``first`` tensors; those waited for (once each:
+    # a gloo send's second wait waits for another send's completion)
     try:
-        for _, t in pairs:  # every whole tensor's send is posted at once: the wire never idles between them
+        for i, (_, t) in enumerate(pairs):  # every whole tensor's send is posted at once: the wire never idles
             data = shards.local(t).detach().contiguous()
             if _staged(channel, data):
                 staging.send(channel, data, 1, TAG)
             else:
                 on_the_wire.append((data, channel.send([data], 1, TAG)))
+                early += i < first
             total += data.numel() * data.element_size()
+        if first_sent is not None:
+            for _, work in on_the_wire[:early]:
+                work.wait()
+                waited += 1
+            first_sent()
         # over what is sent, read while it is on the wire (no second state_dict() call: some draw
         # from the RNG, as a loader's does)
         digests = digests_of(list(tracked), pairs, kinds, values, step, rng_state)
     except BaseException:
         # nothing the posted sends still read may change before they end (a caller restores buffers next)
-        for _, work in on_the_wire:
+        for _, work in on_the_wire[waited:]:
             with contextlib.suppress(RuntimeError):
                 work.wait()
         raise
-    for _, work in on_the_wire:
+    for _, work in on_the_wire[waited:]:
         work.wait()
     send_json(channel, {"digests": digests})
     backends.current().settle(channel)  # sent means done on the GPU, not queued: the sender may exit next
@@ -249,12 +268,24 @@ def recv_state(
     channel: ProcessGroup, tracked: dict[str, Any], *, rank: int = -1,
     learn: Callable[[dict[str, Any]], None] | None = None,
 ) -> Landed:  # fmt: skip
-    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return the next step.
+    """Receive state from rank 0 of ``channel`` into ``tracked`` in place, all of it, and verify it
+    (:func:`receive_state`, then :meth:`Landing.finish`)."""
+    return receive_state(channel, tracked, rank=rank, learn=learn).finish()
+
+
+def receive_state(
+    channel: ProcessGroup, tracked: dict[str, Any], *, rank: int = -1,
+    learn: Callable[[dict[str, Any]], None] | None = None, on_landed: Callable[[Landing], None] | None = None,
+) -> Landing:  # fmt: skip
+    """Receive state from rank 0 of ``channel`` into ``tracked`` in place; return once every tensor
+    but the optimizer state has landed, while that goes on landing (:class:`Landing`; ``on_landed``
+    is called on its thread once every byte is here, before the digests are compared).
 
     Every tensor is checked before the first one is received; ``learn`` is given the sender's
-    runtime knowledge before any object's state is loaded; the RNG states are restored. Once all
-    has landed, the joiner's own digests must equal the sender's, or :class:`TransferError` says
-    which object differs (``rank``: the rank this joiner takes, for the sentence).
+    runtime knowledge before any object's state is loaded; the RNG states are restored. What has
+    landed is digested here, before the caller's first step can change it (buffers, a loader's
+    position); the optimizer state's digests, and the comparison with the sender's, come in
+    :meth:`Landing.finish`.
     """
     backends.current().wait_ready(channel, READY_TIMEOUT_S)  # its first use: its NCCL setup must be done
     header = recv_json(channel, "header")
@@ -271,26 +302,13 @@ def recv_state(
     if learn is not None:
         learn(dict(header.get("runtime") or {}))
     load_values(tracked, header, values)
-    landed, spent, batch_bytes = digest.Terms(), 0.0, 0
-    batch: list[torch.Tensor] = []
-
-    def read_batch() -> None:  # their digests' terms, read while the next tensors land
-        nonlocal spent
-        began = time.perf_counter()
-        landed.read(batch)  # one host read per batch, not per tensor
-        spent += time.perf_counter() - began
-        batch.clear()
-
+    entries = header["tensors"]
+    reader = _Reader()
+    arrivals = _receive(channel, entries, targets)
     with torch.no_grad():
-        for arrived in _receive(channel, header["tensors"], targets):
-            batch.append(arrived)
-            batch_bytes += arrived.nbytes
-            if batch_bytes >= DIGEST_BATCH_BYTES:
-                read_batch()
-                batch_bytes = 0
-        if batch:
-            read_batch()
-    backends.current().settle(channel)  # every tensor written on the GPU before the channel is retired
+        for arrived in itertools.islice(arrivals, first_needs(entries, header["objects"])):
+            reader.add(arrived)
+        reader.flush()
     rng_state = rng.from_json(header["rng"])
     rng.restore(rng_state)
     step = int(header["step"])
@@ -298,21 +316,120 @@ def recv_state(
     # from the global generator (a raw StatefulDataLoader's does): put the sender's streams back.
     began = time.perf_counter()
     restored = rng.capture()
-    mine = state_digests(tracked, step, restored, landed)
+    pairs, kinds, now = tensors_of(tracked)  # ``now`` is a copy: the optimizers' values as loaded
     rng.restore(restored)
-    spent += time.perf_counter() - began
-    trailer = recv_json(channel, "digests")
-    theirs = trailer.get("digests") if isinstance(trailer, dict) else None
-    if not isinstance(theirs, dict):
-        raise TransferError("The transfer ended without the digests of what was sent; is the sender another version?")
-    for name in sorted(set(mine) | set(theirs)):
-        if mine.get(name) != theirs.get(name):
+    early = [n for n in tracked if kinds[n] != "optimizer"]
+    mine = digests_of(early, pairs, kinds, now, step, restored, reader.terms)
+    reader.spent += time.perf_counter() - began
+    late = [n for n in tracked if kinds[n] == "optimizer"]
+    return Landing(channel, rank, step, arrivals, reader, mine, lambda: digests_of(
+        late, pairs, kinds, now, step, restored, reader.terms), on_landed)  # fmt: skip
+
+
+def first_needs(entries: list[dict[str, Any]], objects: dict[str, str]) -> int:
+    """How many of the header's tensors come before the optimizer state: the ones a step needs
+    first (its forward and backward read parameters and buffers; only the optimizer step reads
+    the optimizer's state). Counted up to the last other tensor, whatever order a sender used."""
+    late = tuple(f"{name}.state." for name, kind in objects.items() if kind == "optimizer")
+    needed = [i for i, e in enumerate(entries) if not str(e["name"]).startswith(late)] if late else []
+    return (needed[-1] + 1 if needed else 0) if late else len(entries)
+
+
+class _Reader:
+    """The digest terms of tensors as they land, read in batches of :data:`DIGEST_BATCH_BYTES`
+    (one host read each) while the next ones arrive, and the seconds that took."""
+
+    def __init__(self) -> None:
+        self.terms = digest.Terms()
+        self.spent = 0.0
+        self._batch: list[torch.Tensor] = []
+        self._bytes = 0
+
+    def add(self, arrived: torch.Tensor) -> None:
+        self._batch.append(arrived)
+        self._bytes += arrived.nbytes
+        if self._bytes >= DIGEST_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._batch:
+            began = time.perf_counter()
+            self.terms.read(self._batch)
+            self.spent += time.perf_counter() - began
+        self._batch, self._bytes = [], 0
+
+
+class Landing:
+    """A transfer whose tensors a step needs first have landed, while the optimizer state lands.
+
+    The optimizer state is two thirds of the bytes with Adam, and only the optimizer step reads
+    it: the joiner runs its first forward and backward meanwhile. A thread waits for the rest
+    (and takes staged tensors' chunks through the staging buffers), reads its digest terms and
+    receives the sender's digests.
+    :meth:`finish` must come before anything reads the optimizer state (the runtime calls it
+    before the first vote, so a transfer that does not verify is never committed anywhere), and
+    it is where a broken channel's error surfaces. ``landed_at``: when the last tensor landed
+    (``time.time()``).
+    """
+
+    def __init__(
+        self, channel: ProcessGroup, rank: int, step: int, rest: Iterator[torch.Tensor], reader: _Reader,
+        early: dict[str, str], late: Callable[[], dict[str, str]], on_landed: Callable[[Landing], None] | None,
+    ) -> None:  # fmt: skip
+        self.step = step
+        self.landed_at = 0.0
+        self._channel, self._rank, self._rest, self._reader = channel, rank, rest, reader
+        self._early, self._late, self._on_landed = early, late, on_landed
+        self._trailer: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._land, name="rlaunch-landing", daemon=True)
+        self._thread.start()
+
+    def _land(self) -> None:
+        try:
+            with torch.no_grad():
+                for arrived in self._rest:
+                    self._reader.add(arrived)
+                self._reader.flush()
+            backends.current().settle(self._channel)  # every tensor written on the GPU before the channel is retired
+            self.landed_at = time.time()
+            # at once: the sender's last send (this trailer) ends only when it is received, and the
+            # sender exits then (a leaver's process, freeing its memory, is better gone before the vote)
+            self._trailer = recv_json(self._channel, "digests")
+        except BaseException as exc:  # noqa: BLE001 - raised by finish, on the caller's thread
+            self._error = exc
+            return
+        if self._on_landed is not None:
+            self._on_landed(self)
+
+    @property
+    def verify_s(self) -> float:
+        """The seconds spent on digests so far."""
+        return self._reader.spent
+
+    def finish(self) -> Landed:
+        """Wait for the rest to land, then compare every digest with the sender's: the move stands,
+        or :class:`TransferError` says which object differs (the caller's step must not be applied)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        began = time.perf_counter()
+        mine = {**self._early, **self._late()}
+        self._reader.spent += time.perf_counter() - began
+        trailer = self._trailer
+        theirs = trailer.get("digests") if isinstance(trailer, dict) else None
+        if not isinstance(theirs, dict):
             raise TransferError(
-                f"rank {rank}: the state of {name!r} that landed on this joiner has digest {mine.get(name)} but its "
-                f"sender computed {theirs.get(name)} over what it sent, so the move is refused before any step is "
-                "applied; this joiner stops rather than train on it."
+                "The transfer ended without the digests of what was sent; is the sender another version?"
             )
-    return Landed(step, spent, landed)
+        for name in sorted(set(mine) | set(theirs)):
+            if mine.get(name) != theirs.get(name):
+                raise TransferError(
+                    f"rank {self._rank}: the state of {name!r} that landed on this joiner has digest {mine.get(name)} "
+                    f"but its sender computed {theirs.get(name)} over what it sent, so the move is refused before any "
+                    "step is applied; this joiner stops rather than train on it."
+                )
+        return Landed(self.step, self._reader.spent, self._reader.terms)
 
 
 def live_targets(tracked: dict[str, Any], header: dict[str, Any]) -> list[torch.Tensor]:

@@ -21,14 +21,15 @@ def test_the_breakdown_times_each_phase_from_the_earliest_boundary() -> None:
         _report("survivor", 0, plan_seen=t + 0.002, prepared=t + 0.08, ready_voted=t + 0.3, boundary=t + 1.004,
                 groups_swapped=t + 1.02, first_step_start=t + 1.02, first_step_end=t + 1.72),
         _report("joiner", 1, plan_seen=t + 0.001, prepared=t + 0.1, groups_swapped=t + 0.1, transfer_start=t + 0.1,
-                transfer_end=t + 1.23, first_step_start=t + 1.24, first_step_end=t + 1.74),
+                params_landed=t + 1.08, first_step_start=t + 1.09, transfer_end=t + 1.23, verified=t + 1.5,
+                first_step_end=t + 1.74),
     ]  # fmt: skip
     got = breakdown(reports, median_step=0.5)
     assert got == {
         "prepare_s": 0.1, "vote_wait_s": 0.9, "to_transfer_s": 0.01, "transfer_s": 0.22,
-        "transfer_bytes": 400_000_000, "transfer_gbps": 1.818, "swap_s": 0.02, "to_first_step_s": 0.24,
-        "first_step_s": 0.7, "switch_to_trained_s": 0.74, "downtime_s": 0.24, "boundary_at": t + 1.0,
-        "trained_at": t + 1.74,
+        "transfer_bytes": 400_000_000, "transfer_gbps": 1.818, "params_s": 0.07, "verified_s": 0.5, "swap_s": 0.02,
+        "to_first_step_s": 0.09, "first_step_s": 0.7, "switch_to_trained_s": 0.74, "downtime_s": 0.24,
+        "boundary_at": t + 1.0, "trained_at": t + 1.74,
     }  # fmt: skip
 
 

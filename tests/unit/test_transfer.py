@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import HashStore, ProcessGroup
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from rlaunch.runtime import rng, staging, transfer
+from rlaunch.runtime import pending, rng, staging, transfer
 from rlaunch.runtime.staging import Staging, chunks
 from rlaunch.runtime.transfer import TransferError, recv_state, send_state
 
@@ -293,3 +293,97 @@ def test_the_joiner_receives_each_tensor_as_the_sender_sent_it(monkeypatch: pyte
     sender = _moved_bit_identical()
     if mismatch == "devices_differ":
         assert len(landed_apart) == len(transfer.tensors_of(sender)[0]), "every tensor landed apart, then in place"
+
+
+class _Holding:
+    """A channel that holds back every tensor after the first ``n`` until ``go`` is set (a slow
+    wire for the optimizer state), as a sender whose bytes are still on their way."""
+
+    def __init__(self, inner: ProcessGroup, n: int) -> None:
+        self._inner, self._n, self._sent = inner, n, 0
+        self.go = threading.Event()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self._sent += 1
+        if self._sent > self._n:
+            assert self.go.wait(30), "the joiner never asked for the rest"
+        return self._inner.send(tensors, dst, tag)
+
+
+def _frames_before_the_optimizer_state(objs: dict[str, Any]) -> int:
+    """The sender's frames up to its last tensor before the optimizer state: header size, header,
+    blob, then the tensors in tensors_of order."""
+    pairs, _, _ = transfer.tensors_of(objs)
+    return 3 + sum(1 for name, _ in pairs if not name.startswith("opt.state."))
+
+
+def test_the_first_step_starts_on_the_parameters_and_a_read_of_the_optimizer_state_waits_for_it() -> None:
+    """The joiner gets control once the model's tensors landed, while its optimizer state is still on
+    the wire; its script reading ``opt.state`` then (a checkpoint at a step's top) waits for the whole
+    state, verified, and the optimizer is its own class again."""
+    sender, receiver = _objects(1), _objects(0)
+    assert [n for n, _ in transfer.tensors_of(sender)[0]][-1].startswith("opt.state."), "optimizer state last"
+    ch0, ch1 = _pair()
+    slow = _Holding(ch0, _frames_before_the_optimizer_state(sender))
+    t = threading.Thread(target=lambda: send_state(slow, sender, 5, rng.capture()))  # type: ignore[arg-type]
+    t.start()
+    landing = transfer.receive_state(ch1, receiver, rank=1)
+    assert landing.step == 5
+    sent = _state(sender)
+    assert all(torch.equal(v, receiver["model"].state_dict()[k]) for k, v in sent[0].items()), "the model landed"
+    opt = receiver["opt"]
+    exp_avg = next(iter(opt.state.values()))["exp_avg"]  # read before the hold: the tensor the rest lands in
+    assert not torch.equal(exp_avg, next(iter(sender["opt"].state.values()))["exp_avg"]), "still on the wire"
+    landed: list[transfer.Landed] = []
+
+    def land() -> None:
+        slow.go.set()
+        try:
+            landed.append(landing.finish())
+        finally:
+            held.release()
+
+    held = pending.hold([opt], land)
+    assert isinstance(opt, torch.optim.AdamW) and type(opt).__name__ == "AdamW" and type(opt) is not torch.optim.AdamW
+    state = opt.state_dict()  # the script's read: it waits for the landing
+    assert landed and type(opt) is torch.optim.AdamW
+    t.join(60)
+    assert str(state) == str(sent[1]) and str(opt.state_dict()) == str(sent[1])
+
+
+def test_optimizer_state_that_lands_tampered_is_refused_at_the_finish() -> None:
+    """The first step may run on the parameters, but the move is refused before its vote: the
+    optimizer's state that landed differs from what was sent."""
+    sender, receiver = _objects(1), _objects(0)
+    ch0, ch1 = _pair()
+    tamper = _Tampering(ch0, _frames_before_the_optimizer_state(sender) + 2)  # an optimizer tensor
+    t = threading.Thread(target=lambda: send_state(tamper, sender, 5, rng.capture()))  # type: ignore[arg-type]
+    t.start()
+    landing = transfer.receive_state(ch1, receiver, rank=1)
+    with pytest.raises(TransferError) as refused:
+        landing.finish()
+    t.join(60)
+    assert "rank 1: the state of 'opt' that landed on this joiner has digest 0x" in str(refused.value)
+
+
+def test_a_sender_that_sends_the_optimizer_state_first_still_lands_whole() -> None:
+    """A joiner does not rely on the order: the first part runs up to the last tensor that is not
+    optimizer state, wherever the sender put it."""
+    entries = [{"name": n} for n in ("opt.state.0.exp_avg", "model.w", "opt.state.0.step", "model.b", "opt.state.1.s")]
+    assert transfer.first_needs(entries, {"model": "module", "opt": "optimizer"}) == 4
+    assert transfer.first_needs(entries[:1], {"opt": "optimizer"}) == 0
+    assert transfer.first_needs(entries, {"model": "module", "opt": "module"}) == 5
+
+
+def test_the_sender_hears_once_the_part_a_first_step_waits_for_is_sent() -> None:
+    """A leaver lowers its priority then (the joiner's first step comes first); the rest still lands."""
+    sender, receiver = _objects(1), _objects(0)
+    ch0, ch1 = _pair()
+    heard: list[bool] = []
+    landing: list[transfer.Landing] = []
+    t = threading.Thread(target=lambda: landing.append(transfer.receive_state(ch1, receiver, rank=1)))
+    t.start()
+    send_state(ch0, sender, 5, rng.capture(), first_sent=lambda: heard.append(bool(landing) or t.is_alive()))
+    t.join(60)
+    assert heard == [True] and landing[0].finish().step == 5
+    assert str(_state(sender)[1]) == str(_state(receiver)[1])
