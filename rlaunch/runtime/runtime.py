@@ -266,7 +266,7 @@ class Runtime:
         steps it has left behind, so the job takes no host snapshots to roll back to: where no replica
         can serve a lost rank, a live replacement is refused and the job restarts.
         """
-        self._host.every = 0
+        self._host.turn_off()
         return DrivenSteps(self)
 
     def declare_replicas(self, sets: Sequence[Sequence[int]]) -> None:

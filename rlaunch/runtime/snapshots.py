@@ -248,6 +248,13 @@ class HostSnapshots:
         self._quiet: collections.deque[float] = collections.deque(maxlen=QUIET_KEPT)
         self._warned_max = False
 
+    def turn_off(self) -> None:
+        """Take no snapshots in this job: every rank calls it alike, before its first step (a loop
+        that can redo only its current step has no use for them)."""
+        self._configured = 0
+        self._s.snapshot_every = 0
+        self.auto = False
+
     @property
     def enabled(self) -> bool:
         """Snapshots are configured and possible (every rank answers alike: the vote's layout depends on it)."""
