@@ -28,7 +28,8 @@ class Held:
         #: every optimizer is held (False: one's class could not be swapped, so nothing guards its
         #: state; the caller must land at once)
         self.whole = True
-        for opt in optimizers:
+        unique = {id(opt): opt for opt in optimizers}  # one optimizer tracked under two names is held once
+        for opt in unique.values():
             original = type(opt)
             guarded = _guarded(original, land)
             try:
@@ -42,7 +43,7 @@ class Held:
         """Every held optimizer is itself again (idempotent, from any thread)."""
         with self._lock:
             held, self._held = self._held, []
-        for opt, original, guarded in held:
+        for opt, original, guarded in reversed(held):
             if type(opt) is guarded:
                 opt.__class__ = original
 
@@ -55,14 +56,28 @@ def hold(optimizers: Iterable[torch.optim.Optimizer], land: Callable[[], None]) 
 
 
 def _guarded(cls: type, land: Callable[[], None]) -> type:
+    # After land() the hold is released and the object is of its own class again; these read the
+    # instance's own attribute all the same, so that a copy made while held (copy.deepcopy keeps
+    # the guarded class) never recurses.
     def read(obj: Any) -> Any:
         land()
-        return obj.state
+        if "state" in obj.__dict__:
+            return obj.__dict__["state"]
+        return super(guarded, obj).state
 
     def write(obj: Any, value: Any) -> None:
         land()
-        obj.state = value
+        obj.__dict__["state"] = value
 
-    return type(cls.__name__, (cls,), {
-        "state": property(read, write), "__qualname__": cls.__qualname__, "__module__": cls.__module__,
+    def reduce_ex(obj: Any, protocol: Any) -> Any:
+        # Pickled or copied (torch.save, copy.deepcopy) as its own class, with its state whole.
+        land()
+        if type(obj) is guarded:
+            obj.__class__ = cls
+        return obj.__reduce_ex__(protocol)
+
+    guarded = type(cls.__name__, (cls,), {
+        "state": property(read, write), "__reduce_ex__": reduce_ex,
+        "__qualname__": cls.__qualname__, "__module__": cls.__module__,
     })  # fmt: skip
+    return guarded

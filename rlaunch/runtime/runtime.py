@@ -159,6 +159,9 @@ class Runtime:
         #: its channel and the hold on the optimizers' state (see _land)
         self._landing: tuple[Landing, Any, pending.Held] | None = None
         self._landing_lock = threading.Lock()
+        self._landing_owner: int | None = None  # the thread inside _land (a signal handler may re-enter it)
+        #: a landing that failed: every later _land raises it again, so no step applies on partial state
+        self._landing_failed: BaseException | None = None
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
@@ -694,27 +697,55 @@ class Runtime:
         the optimizer state: before the first vote (a move that does not verify is committed nowhere:
         this rank never votes, the others' vote fails and they redo the step without it), before a host
         snapshot, at the first step's end, and wherever the script reads an optimizer's ``state``."""
-        with self._landing_lock:
-            held, self._landing = self._landing, None
-            if held is None:
-                return
-            landing, channel, hold = held
-            s = self._s
-            assert s.after_move is not None
-            try:
-                with self._broken_transfer():
-                    landed = landing.finish()  # reads no optimizer's state: the hold stands until it is whole
-            finally:
-                hold.release()
-                retire(channel)  # one use only (an NCCL channel is aborted when retired)
-            s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
-            s.after_move.mark(Phase.VERIFIED)
-            # The first vote compares what landed, as digested: no second pass over it. (The other
-            # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
-            self._voting.prime(landed.terms)
-            # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
-            # optimizer state: not before it is whole, or the first step would wait for it.)
-            self._moves.report()
+        if not self._landing_lock.acquire(blocking=False):
+            if self._landing_owner == threading.get_ident():
+                raise RlaunchError(
+                    f"rank {self._s.rank}: the optimizer state was read by code that interrupted its own landing (a "
+                    "signal handler that saves a checkpoint during a joiner's first step); it cannot wait for itself, "
+                    "so this worker stops: save from the training loop, or after rt.optimizer_step(), instead."
+                )
+            self._landing_lock.acquire()
+        self._landing_owner = threading.get_ident()
+        try:
+            self._land_locked()
+        finally:
+            self._landing_owner = None
+            self._landing_lock.release()
+
+    def _land_locked(self) -> None:
+        if self._landing_failed is not None:
+            # Caught by the script once (a retry loop, a logging hook): the state is still partial, so
+            # no step may apply on it.
+            raise RlaunchError(
+                f"rank {self._s.rank}: the state this joiner received did not land whole ({self._landing_failed}); "
+                "it cannot train on, so this worker stops."
+            ) from self._landing_failed
+        held, self._landing = self._landing, None
+        if held is None:
+            return
+        landing, channel, hold = held
+        s = self._s
+        assert s.after_move is not None
+        try:
+            with self._broken_transfer():
+                landed = landing.finish()  # reads no optimizer's state: the hold stands until it is whole
+        except BaseException as exc:
+            # The hold stays: every later read of the partial state (a checkpoint a script saves after
+            # catching this) raises too.
+            self._landing_failed = exc
+            raise
+        else:
+            hold.release()
+        finally:
+            retire(channel)  # one use only (an NCCL channel is aborted when retired)
+        s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
+        s.after_move.mark(Phase.VERIFIED)
+        # The first vote compares what landed, as digested: no second pass over it. (The other
+        # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
+        self._voting.prime(landed.terms)
+        # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
+        # optimizer state: not before it is whole, or the first step would wait for it.)
+        self._moves.report()
 
     @contextlib.contextmanager
     def _broken_transfer(self) -> Iterator[None]:
