@@ -95,7 +95,7 @@ def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster:
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     ddp = finals(res.stdout)
-    assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stderr[-3000:]
+    assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     gate = cluster.tmp / "gate"
     a, b, c = cluster.agents_in_order(
         ["a", "b", "c"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *manual,
