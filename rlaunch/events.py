@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
@@ -29,6 +28,29 @@ log = logging.getLogger(__name__)
 EVENT_TTL_S = 24 * 3600
 #: Queued events written in one etcd transaction at most (etcd's default limit is 128 operations).
 EVENTS_PER_REQUEST = 64
+#: Bytes (keys and values) of queued events written in one transaction at most, unless one event is
+#: larger alone: etcd refuses a request over 1.5 MiB by default, and a ``generation`` event carries
+#: the rank map (~80 KB at 4,096 nodes).
+BYTES_PER_REQUEST = 512 * 1024
+
+
+class _Queued(NamedTuple):
+    """An event on its way to etcd, with its key (from its nanosecond)."""
+
+    key: str
+    event: Event
+
+
+class _Put(NamedTuple):
+    """An event ready to be written: its key, its encoded value, its kind (for the log)."""
+
+    key: str
+    value: bytes
+    kind: str
+
+    @staticmethod
+    def of(queued: _Queued) -> _Put:
+        return _Put(queued.key, encode(queued.event), queued.event.kind)
 
 
 class EventLog:
@@ -45,12 +67,13 @@ class EventLog:
         self._node_id = node_id
         self._jsonl = jsonl
         self._clock = clock
-        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Queued | None] = asyncio.Queue()
         self._lines: asyncio.Queue[Event | None] = asyncio.Queue()  # for events.jsonl, written apart from etcd
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._file_task: asyncio.Task[None] | None = None
-        self._last = -math.inf  # the time of the last event: each event's is later (its etcd key is its time)
+        self._last_ns = 0  # the nanosecond of the last event (its etcd key): each event's is later
+        self._last_time = 0.0  # the time of the last event (``_last_ns`` in seconds): each event's is later
         #: called with every event as it is emitted (the agent's metrics count them); must not raise
         self.observers: list[Callable[[Event], None]] = []
 
@@ -67,40 +90,84 @@ class EventLog:
         self._record(kind, generation, data, to_etcd=True)
 
     def _record(self, kind: str, generation: int, data: dict[str, Any], to_etcd: bool) -> None:
-        # Two events in one tick of the clock (time.time() moves in 238 ns steps today) would share an
-        # etcd key, the later overwriting the earlier (a progress batch right after the event it rides on).
-        now = self._clock()
-        self._last = now if now > self._last else math.nextafter(self._last, math.inf)
-        event = Event(time=self._last, node_id=self._node_id, kind=kind, generation=generation, data=data)
+        ns, when = self._stamp()
+        event = Event(time=when, node_id=self._node_id, kind=kind, generation=generation, data=data)
         log.info("[%s] event %s (generation %d) %s", self._node_id, kind, generation, data)
         if to_etcd:
-            self._queue.put_nowait(event)
+            self._queue.put_nowait(_Queued(self._keys.event(ns, self._node_id), event))
         if self._jsonl is not None:
             self._lines.put_nowait(event)
         for observe in self.observers:
             observe(event)
 
+    def _stamp(self) -> tuple[int, float]:
+        """The next event's nanosecond (its etcd key) and time (that nanosecond in seconds), each later
+        than the last event's even within one tick of the clock.
+
+        Two events in one tick (time.time() moves in 238 ns steps today) would otherwise share a key:
+        the later would overwrite the earlier, and a transaction putting both is refused by etcd, which
+        loses its whole batch. Nanoseconds are counted as integers: neighbouring float times often
+        round to one nanosecond. A float time has a coarser step than a nanosecond (238 ns at 1.8e9 s),
+        so the count moves on until the time moves too: the report takes events of one node, kind and
+        time for copies of one event.
+        """
+        ns = max(int(self._clock() * 1e9), self._last_ns + 1)
+        while ns / 1e9 <= self._last_time:
+            ns += 1  # a few hundred steps at most, and only within one tick
+        self._last_ns, self._last_time = ns, ns / 1e9
+        return ns, self._last_time
+
     async def _writer(self) -> None:
         """Write the queued events in order; those queued together go in one request (an agent emits
         a few at once, such as a move's offer and the node state it publishes with it)."""
+        carried: _Put | None = None  # taken from the queue but over the last batch's byte limit
         while True:
-            batch = [await self._queue.get()]
-            while batch[-1] is not None and len(batch) < EVENTS_PER_REQUEST and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            events = [e for e in batch if e is not None]
-            try:
-                if events and self._lease is None:
-                    self._lease = await self._store.grant_lease(EVENT_TTL_S)
-                items = [(self._keys.event(int(e.time * 1e9), self._node_id), encode(e)) for e in events]
-                if len(items) == 1:
-                    await self._store.put(*items[0], lease=self._lease)
-                elif items:
-                    await self._store.put_all(items, lease=self._lease)
-            except StoreError as exc:
-                kinds = ", ".join(e.kind for e in events)
-                log.warning("[%s] event(s) %s were not written to etcd: %s", self._node_id, kinds, exc)
-            if batch[-1] is None:
+            if carried is None:
+                first = await self._queue.get()
+                if first is None:
+                    return
+                carried = _Put.of(first)
+            batch, carried, closing = [carried], None, False
+            size = len(batch[0].key) + len(batch[0].value)
+            while len(batch) < EVENTS_PER_REQUEST and not self._queue.empty():
+                queued = self._queue.get_nowait()
+                if queued is None:
+                    closing = True
+                    break
+                nxt = _Put.of(queued)
+                if size + len(nxt.key) + len(nxt.value) > BYTES_PER_REQUEST:
+                    carried = nxt
+                    break
+                batch.append(nxt)
+                size += len(nxt.key) + len(nxt.value)
+            if len(batch) > 1:
+                await self._put_batch(batch)
+            else:
+                await self._put_one(batch[0])
+            if closing:
                 return
+
+    async def _put_batch(self, batch: list[_Put]) -> None:
+        """Write ``batch`` in one transaction or, if that fails, its events one by one (so an outage
+        loses no more events than when each went alone)."""
+        try:
+            if self._lease is None:
+                self._lease = await self._store.grant_lease(EVENT_TTL_S)
+            await self._store.put_all([(q.key, q.value) for q in batch], lease=self._lease)
+            return
+        except StoreError as exc:
+            log.info("[%s] %d events were not written to etcd together (%s); writing them one by one",
+                     self._node_id, len(batch), exc)  # fmt: skip
+        for queued in batch:
+            await self._put_one(queued)
+
+    async def _put_one(self, queued: _Put) -> None:
+        try:
+            if self._lease is None:
+                self._lease = await self._store.grant_lease(EVENT_TTL_S)
+            await self._store.put(queued.key, queued.value, lease=self._lease)
+        except StoreError as exc:
+            log.warning("[%s] event %s was not written to etcd: %s", self._node_id, queued.kind, exc)
 
     async def _file_writer(self) -> None:
         """Append each event to events.jsonl, off the event loop and never waiting on etcd."""

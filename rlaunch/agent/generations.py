@@ -50,14 +50,9 @@ class GenerationWatch:
         self._wake_controller = wake_controller
         self._on_generation = on_generation
         self.generation: Generation | None = None
-        #: node records may have changed since :meth:`take_nodes_changed` was last called
+        #: node records may have changed since the agent last cleared this (a standby re-reads them only then)
         self.nodes_changed = True
         self._reported: set[str] = set()
-
-    def take_nodes_changed(self) -> bool:
-        """Whether node records changed since the last call (the standby re-reads them only then)."""
-        changed, self.nodes_changed = self.nodes_changed, False
-        return changed
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the keys this node acts on until ``stop``: keep the latest generation, wake the loops."""

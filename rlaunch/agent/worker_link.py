@@ -339,7 +339,7 @@ class WorkerLink:
         """
         prefix, done, count = self._key(req["prefix"]), self._key(req["done"]), int(req["count"])
         timeout = float(req["timeout"])
-        if await self._store.count_prefix(prefix) >= count:
+        if len(await self._store.keys_under(prefix)) >= count:
             kvs, _ = await self._store.get_prefix(prefix)
             values = [base64.b64encode(kv.value).decode() for kv in sorted(kvs, key=lambda kv: kv.key)]
             await self._store.put(done, json.dumps(values).encode(), lease=self._lease())

@@ -22,7 +22,7 @@ from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
 from rlaunch.detectors.straggler import StragglerWatch
-from rlaunch.errors import StoreError
+from rlaunch.errors import PlanError, StoreError
 from rlaunch.events import EventLog
 from rlaunch.store import generations
 from rlaunch.store.client import Store
@@ -64,6 +64,7 @@ class Controller:
         self._events = events
         self._clock = clock
         self._last_reason = ""
+        self._plan_error = ""  # the last plan refused as a planner's bug (said once until a write succeeds)
         self._reported: set[str] = set()
         self._deadline_pending = False
         self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
@@ -250,10 +251,20 @@ class Controller:
             await self._prune(snap)
             return
         fence = (self._keys.leader, self._term)
-        written = await generations.write(
-            self._store, self._keys, new, snap.generation, snap.generation_revision, fence=fence
-        )
+        try:
+            written = await generations.write(
+                self._store, self._keys, new, snap.generation, snap.generation_revision, fence=fence
+            )
+        except PlanError as exc:
+            # A bug in the planner: nothing is written, and the next wake plans again. Raised on, it
+            # would end this task while the agent keeps the leader key alive: the job would stall.
+            if str(exc) != self._plan_error:
+                self._plan_error = str(exc)
+                log.error("[%s] controller: %s", self.node_id, exc)
+                self._events.emit("plan_failed", new.number, reason=str(exc), plan=new.kind)
+            return
         if written:
+            self._plan_error = ""
             self._events.emit(
                 "generation", new.number, status=new.status.value, reason=reason, plan=new.kind,
                 assignment=new.assignment, restart_count=new.restart_count,

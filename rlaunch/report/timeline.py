@@ -55,6 +55,7 @@ FINDINGS = {
     "migration_abandoned": "migration abandoned",
     "replacement_refused": "replacement refused",
     "agent_signalled": "agent signalled",
+    "plan_failed": "plan failed",
 }
 #: Findings that start an outage (the next generation's incident is measured from them).
 FAULTS = ("workers_failed", "node_dead", "worker_hung", "gpu_fault", "sdc_suspected", "fenced")

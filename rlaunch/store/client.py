@@ -467,11 +467,6 @@ class Store:
         rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
         return [kv.key.decode() for kv in rng]
 
-    async def count_prefix(self, prefix: str) -> int:
-        """How many keys are under ``prefix`` (their keys alone are read, not their values)."""
-        rng = await self._call(lambda c: c.get_prefix(prefix.encode(), keys_only=True))
-        return sum(1 for _ in rng)
-
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(lambda c: c.put(key.encode(), value, lease=lease))
 

@@ -25,6 +25,12 @@ from rlaunch.store.records import Assignment, Generation, GenerationHead, decode
 
 #: How often :func:`read` reads again when the generation changed between its two reads.
 READ_TRIES = 5
+#: What a head and a map that do not match mean, and what to do. Not "delete the keys": without a
+#: generation, the controller would plan generation 1 under the running workers.
+MISMATCH_ADVICE = (
+    "rlaunch writes both in one transaction, so this is a bug in rlaunch, or something else wrote to the job's "
+    "keys; stop the job (a new run clears its keys)."
+)
 
 
 async def write(
@@ -61,7 +67,7 @@ async def follow(store: Store, keys: JobKeys, raw: bytes, held: Generation | Non
     if kv is None:
         raise RecordError(
             f"The generation {head.number} at {keys.generation} has no rank map at {keys.assignment}; "
-            "delete or rewrite both keys."
+            + MISMATCH_ADVICE
         )
     whole = decode(Assignment, kv.value, kv.key)
     if whole.number > head.number:
@@ -69,8 +75,7 @@ async def follow(store: Store, keys: JobKeys, raw: bytes, held: Generation | Non
     if whole.number < head.number or len(whole.nodes) != head.assigned:
         raise RecordError(
             f"The rank map at {keys.assignment} is generation {whole.number}'s with {len(whole.nodes)} node(s), "
-            f"not that of generation {head.number} at {keys.generation} ({head.assigned} node(s)); "
-            "delete or rewrite both keys."
+            f"not that of generation {head.number} at {keys.generation} ({head.assigned} node(s)); " + MISMATCH_ADVICE
         )
     return head.whole(whole.nodes)
 
@@ -80,7 +85,9 @@ async def read(
 ) -> tuple[int, Generation | None]:
     """The current generation and its head's mod revision (the fencing token of the next write;
     ``(0, None)``: none yet). ``held``: a ``(mod revision, generation)`` read before, reused while
-    the head is unchanged, and the map to rebuild from. Raises :class:`RecordError`."""
+    the head is unchanged, and the map to rebuild from. Raises :class:`RecordError` for a malformed
+    head or map; :class:`StoreUnavailableError` when the generation changed at each of its
+    ``READ_TRIES`` reads, and any :class:`~rlaunch.errors.StoreError` of etcd's."""
     for _ in range(READ_TRIES):
         kv = await store.get(keys.generation)
         if kv is None:

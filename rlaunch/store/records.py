@@ -289,14 +289,14 @@ class GenerationHead:
         return self.whole(assignment) if len(assignment) == self.assigned else None
 
     def whole(self, assignment: dict[str, int]) -> Generation:
-        """The :class:`Generation` of this head with ``assignment`` as its rank map."""
-        return Generation(
-            number=self.number, status=self.status, assignment=assignment, nnodes=self.nnodes,
-            nproc_per_node=self.nproc_per_node, master_addr=self.master_addr, master_port=self.master_port,
-            restart_count=self.restart_count, reason=self.reason, controller=self.controller,
-            created_at=self.created_at, deadline=self.deadline, kind=self.kind, leavers=list(self.leavers),
-            joiners=list(self.joiners), all_acked=self.all_acked,
-        )  # fmt: skip
+        """The :class:`Generation` of this head with ``assignment`` as its rank map (every other field
+        taken by name, so that a field added to both records is carried; lists copied)."""
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(Generation):
+            if f.name != "assignment":
+                value = getattr(self, f.name)
+                fields[f.name] = list(value) if isinstance(value, list) else value
+        return Generation(**fields, assignment=assignment)
 
 
 @dataclasses.dataclass(frozen=True)

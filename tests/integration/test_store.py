@@ -9,11 +9,12 @@ import uuid
 import pytest
 
 from rlaunch.errors import PlanError, StoreUnavailableError
+from rlaunch.events import EVENTS_PER_REQUEST, EventLog
 from rlaunch.store import generations
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import Generation, GenerationStatus
+from rlaunch.store.records import Event, Generation, GenerationStatus, decode
 from tests.cluster import run_store
 
 
@@ -88,6 +89,30 @@ def test_create_all_is_atomic(endpoint: str) -> None:
         assert not await store.create_all([(p + "a", b"1", None), (p + "b", b"2", None)])
         assert await store.get(p + "a") is None, "nothing is written when one key exists"
         assert await store.create_all([(p + "a", b"1", None), (p + "c", b"2", None)])
+
+    run_store(endpoint, go)
+
+
+def test_events_queued_in_one_clock_tick_all_reach_etcd(endpoint: str) -> None:
+    """A batch of events emitted within one tick of the clock goes in one transaction, which etcd
+    refuses if two share a key (1_800_000_000.007 s made neighbouring times one nanosecond); and
+    generation-sized events past etcd's 1.5 MiB request limit all arrive too."""
+    keys = JobKeys(f"events-{uuid.uuid4().hex[:8]}")
+    big = {"assignment": {f"node-{i:05d}": i for i in range(5_000)}}  # ~100 KB encoded
+
+    async def go(store: Store) -> None:
+        log = EventLog(store, keys, "n1", clock=lambda: 1_800_000_000.007)
+        log.start()
+        for i in range(EVENTS_PER_REQUEST):
+            log.emit("progress", 1, i=i)
+        for i in range(20):
+            log.emit("generation", 2, i=i, **big)
+        await log.close(timeout=20.0)
+        kvs, _ = await store.get_prefix(keys.events_prefix)
+        events = [decode(Event, kv.value, kv.key) for kv in sorted(kvs, key=lambda kv: kv.key)]
+        assert [(e.kind, e.data["i"]) for e in events] == [("progress", i) for i in range(EVENTS_PER_REQUEST)] + [
+            ("generation", i) for i in range(20)
+        ], "every event is in etcd, its key in the order emitted"
 
     run_store(endpoint, go)
 

@@ -1,25 +1,44 @@
-"""Every event of an agent gets its own etcd key, even within one tick of the clock."""
+"""The event log: every event of an agent gets its own etcd key, even within one tick of the clock;
+events queued together go in one request, within a count and a byte limit, and a failed request's
+events are written one by one."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
-from rlaunch.events import EventLog
+import pytest
+
+from rlaunch.errors import StoreUnavailableError
+from rlaunch.events import BYTES_PER_REQUEST, EVENTS_PER_REQUEST, EventLog
 from rlaunch.store.keys import JobKeys
 
 
-def test_events_in_one_clock_tick_get_distinct_increasing_keys() -> None:
-    keys = JobKeys("job")
-    log = EventLog(store=None, keys=keys, node_id="n1", jsonl=None, clock=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
-    seen: list[Any] = []
-    log.observers.append(seen.append)
-    for kind in ("generation", "progress", "switched"):
-        log.emit(kind, 1)
-    stamps = [keys.event(int(e.time * 1e9), e.node_id) for e in seen]
-    assert len(set(stamps)) == 3 and stamps == sorted(stamps), stamps
+@pytest.mark.parametrize("tick", [1_800_000_000.0, 1_800_000_000.007, 1_712_345_678.123456, 1.5])
+def test_events_in_one_clock_tick_get_distinct_increasing_keys(tick: float) -> None:
+    """Neighbouring float times often round to one nanosecond (1_800_000_000.007 did), and etcd
+    refuses a transaction that puts one key twice: keys come from a count of nanoseconds."""
+    etcd, keys, seen = _CountingEtcd(), JobKeys("job"), []
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: tick)  # type: ignore[arg-type]
+        log.observers.append(seen.append)
+        log.start()
+        for i in range(EVENTS_PER_REQUEST + 10):
+            log.emit("progress" if i % 2 else "generation", 1)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    stamps = [key for request in etcd.requests for key in request]
+    assert len(stamps) == EVENTS_PER_REQUEST + 10 and len(set(stamps)) == len(stamps), stamps
+    assert stamps == sorted(stamps), "keys sort in the order of the events"
+    times = [e.time for e in seen]
+    assert all(a < b for a, b in itertools.pairwise(times)), "each event's time is later than the last one's"
+    assert all(abs(t - tick) < 1e-4 for t in times)
+    assert [int(k.rsplit("/", 1)[1].split("-")[0]) / 1e9 for k in stamps] == times, "a key is its event's time"
 
 
 class _StuckEtcd:
@@ -46,17 +65,32 @@ def test_events_jsonl_is_written_whatever_etcd_does(tmp_path: Path) -> None:
 
 
 class _CountingEtcd:
-    def __init__(self) -> None:
-        self.puts: list[str] = []
+    """Records each request's keys and sizes; ``down``: the requests that fail (``put_all``, or a
+    ``put`` of the key ending with the given text)."""
+
+    def __init__(self, down: tuple[str, ...] = ()) -> None:
+        self.requests: list[list[str]] = []
+        self.sizes: list[int] = []
+        self.down = down
+
+    @property
+    def puts(self) -> list[str]:
+        return [",".join(request) for request in self.requests]
 
     async def grant_lease(self, ttl: int) -> int:
         return 1
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
-        self.puts.append(key)
+        if any(key.endswith(d) for d in self.down):
+            raise StoreUnavailableError(f"etcd did not take {key}")
+        self.requests.append([key])
+        self.sizes.append(len(key) + len(value))
 
     async def put_all(self, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
-        self.puts.append(",".join(k for k, _ in items))
+        if "put_all" in self.down:
+            raise StoreUnavailableError("etcd did not answer within 5.0 s")
+        self.requests.append([k for k, _ in items])
+        self.sizes.append(sum(len(k) + len(v) for k, v in items))
 
 
 def test_a_local_event_reaches_the_file_and_the_observers_but_not_etcd(tmp_path: Path) -> None:
@@ -95,3 +129,42 @@ def test_events_queued_together_go_in_one_request_in_order() -> None:
     asyncio.run(run())
     first, second = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
     assert etcd.puts == [f"{first},{second}", keys.event(int(3.0 * 1e9), "n1")]
+
+
+def _emit_all(etcd: _CountingEtcd, *events: tuple[str, dict[str, Any]]) -> JobKeys:
+    """Emit ``events`` (kind, data) at once, one second apart (keys 1e9, 2e9, ... ns), and flush them."""
+    keys = JobKeys("job")
+    times = iter(range(1, len(events) + 1))
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: float(next(times)))  # type: ignore[arg-type]
+        log.start()
+        for kind, data in events:
+            log.emit(kind, 2, **data)
+        await log.close(timeout=2.0)
+
+    asyncio.run(run())
+    return keys
+
+
+def test_a_failed_batch_is_written_event_by_event() -> None:
+    """An outage loses no more events than when each went alone: a request that fails is tried
+    again one event at a time (each once), in order."""
+    etcd = _CountingEtcd(down=("put_all", f"{3 * 10**9:020d}-n1"))
+    keys = _emit_all(etcd, *((f"kind{i}", {}) for i in range(1, 6)))
+    written = [keys.event(t * 10**9, "n1") for t in (1, 2, 4, 5)]
+    assert etcd.puts == written, "every event but the third (whose own put failed too) is written, in order"
+
+
+def test_a_batch_is_capped_by_its_bytes() -> None:
+    """A generation event carries the rank map (~80 KB at 4,096 nodes); etcd refuses a request over
+    1.5 MiB, so a batch holds at most BYTES_PER_REQUEST (an event larger alone goes alone)."""
+    etcd = _CountingEtcd()
+    big = {"assignment": {f"node-{i:05d}": i for i in range(5_000)}}  # ~100 KB encoded
+    huge = {"blob": "x" * (BYTES_PER_REQUEST + 1)}
+    _emit_all(etcd, *(("generation", big) for _ in range(12)), ("huge", huge), ("generation", big))
+    assert sum(len(r) for r in etcd.requests) == 14 and len(etcd.requests) >= 4, etcd.sizes
+    over = [len(r) for size, r in zip(etcd.sizes, etcd.requests, strict=True) if size > BYTES_PER_REQUEST]
+    assert over == [1], f"only the huge event goes over the limit, alone: {etcd.sizes}"
+    keys = [k for r in etcd.requests for k in r]
+    assert keys == sorted(keys), "in order"

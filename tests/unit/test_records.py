@@ -329,3 +329,16 @@ def test_a_first_head_gives_the_whole_map_and_one_written_again_changes_nothing(
     again = done.head(first)
     assert (again.base, again.given, again.taken) == (1, {}, [])
     assert again.follow(first) == done and again.follow(None) is None
+
+
+def test_a_head_has_every_field_of_its_generation_but_the_map() -> None:
+    """A field added to Generation alone would be dropped by the head and reset by every reader that
+    rebuilds the generation from it (GenerationHead.whole)."""
+    names = {f.name for f in dataclasses.fields(Generation)} - {"assignment"}
+    head_names = {f.name for f in dataclasses.fields(GenerationHead)} - {"base", "given", "taken", "assigned"}
+    assert names == head_names
+    unusual = generation(
+        number=3, deadline=9.5, kind="migrate", leavers=["b"], joiners=["d"], all_acked=True, restart_count=2
+    )  # every field away from its default
+    rebuilt = unusual.head(None).whole(dict(unusual.assignment))
+    assert rebuilt == unusual and rebuilt.leavers is not unusual.leavers

@@ -152,6 +152,8 @@ def test_a_map_newer_than_its_head_is_read_again_and_an_older_one_is_malformed()
     snap = read(store, RecordCache())
     assert snap.generation is None and snap.generation_malformed
     assert "is generation 2's with 2 node(s), not that of generation 3" in snap.problems[0]
+    # deleting the generation key would make the controller plan generation 1 under running workers
+    assert "stop the job" in snap.problems[0] and "delete" not in snap.problems[0], snap.problems[0]
 
 
 def test_acks_are_read_only_while_a_restart_waits_for_them() -> None:
