@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import pytorch_lightning as pl
@@ -192,11 +193,14 @@ def main() -> None:
     optim = [t for s in opt.state.values() for t in s.values()]
     optim += [sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict().items())]
     val = trainer.callback_metrics.get("val_loss")
-    print(
+    line = (
         f"rank {trainer.global_rank} final: params={digest(list(model.state_dict().values()))} "
-        f"optim={digest(optim)} steps={trainer.global_step} val_loss={float(val) if val is not None else None!r}",
-        flush=True,
+        f"optim={digest(optim)} steps={trainer.global_step} val_loss={float(val) if val is not None else None!r}\n"
     )
+    # One write: under torchrun both ranks share one pipe, and a line the buffer split in two could
+    # be cut by the other rank's output.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
 
 
 if __name__ == "__main__":
