@@ -74,10 +74,12 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     found = checks.refusals(trainer, Strategy())
     assert any(s.startswith("Trainer(limit_train_batches=5) ends epochs before their loader does") for s in found)
     assert any("reload_dataloaders_every_n_epochs=1" in s for s in found)
-    assert any(s.startswith("training_step(dataloader_iter) reads batches itself") for s in found)
+    assert any(s.startswith("The training_step takes dataloader_iter and reads batches itself") for s in found)
     assert any("model averaging" in s for s in found)
-    assert any(s.startswith("the callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
+    assert any(s.startswith("The callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
+    for sentence in found:  # each names the value and what to do instead, as a sentence
+        assert sentence[0].isupper() and sentence.endswith(".") and "; " in sentence, sentence
     assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
-    assert "LBFGS" in checks.stepping(trainer, trainer.precision_plugin, [lbfgs])
+    assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
     assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
