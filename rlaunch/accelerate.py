@@ -66,6 +66,8 @@ def init(timeout_s: float = 300.0) -> Runtime:
     """
     import rlaunch
 
+    report_errors_as_sentences()
+    require("accelerate", f"{NAME}.init")
     rt = rlaunch.init(timeout_s)
     if rt.standby:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -31,7 +31,7 @@ from lightning_fabric.utilities.data import _set_sampler_epoch
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import require
+from rlaunch.frameworks import refuse_unified_lightning, require
 from rlaunch.lightning.data import resumable, unmovable
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
@@ -86,6 +86,7 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
         require("lightning-fabric", "rlaunch.lightning.FabricStrategy")
+        refuse_unified_lightning("rlaunch.lightning.FabricStrategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s

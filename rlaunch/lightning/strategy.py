@@ -48,7 +48,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import require
+from rlaunch.frameworks import refuse_unified_lightning, require
 from rlaunch.lightning import checks
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
@@ -99,6 +99,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
         require("pytorch-lightning", "rlaunch.lightning.Strategy")
+        refuse_unified_lightning("rlaunch.lightning.Strategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s

@@ -3,7 +3,9 @@ the sentences the Lightning integration says at fit time for what it does not ca
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,48 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
     assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
     assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
+
+
+def _fresh_import(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> pytest.ExceptionInfo[UsageError]:
+    """``import rlaunch.lightning`` afresh with only ``versions`` installed: Lightning's own modules cannot be
+    imported (as when it is missing), so the sentence must come before anything imports them."""
+
+    def version(name: str) -> str:
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    for name in [m for m in sys.modules if m == "rlaunch.lightning" or m.startswith("rlaunch.lightning.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("pytorch_lightning", "lightning_fabric"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    with pytest.raises(UsageError) as err:
+        importlib.import_module("rlaunch.lightning")
+    return err
+
+
+def test_a_missing_or_unsupported_lightning_is_refused_at_import_with_a_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    err = _fresh_import(monkeypatch, {"lightning-fabric": "2.6.6"})
+    assert str(err.value).startswith("rlaunch.lightning needs pytorch-lightning >=2.6,<2.7, which is not installed")
+    err = _fresh_import(monkeypatch, {"pytorch-lightning": "2.6.6", "lightning-fabric": "2.7.0"})
+    assert str(err.value).startswith("rlaunch.lightning supports lightning-fabric >=2.6,<2.7")
+    # The unified package installed instead: the sentence says what to install and import.
+    err = _fresh_import(monkeypatch, {"lightning": "2.6.6"})
+    assert "uses the unified lightning package (import lightning as L)" in str(err.value)
+    assert "import pytorch_lightning as pl" in str(err.value) and str(err.value).endswith(".")
+
+
+def test_a_script_on_the_unified_lightning_package_is_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import lightning as L``: its Trainer takes only lightning.pytorch strategies (a traceback from inside it)."""
+    pytest.importorskip("pytorch_lightning")
+    import types
+
+    import rlaunch.lightning
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", types.ModuleType("lightning.pytorch"))
+    for strategy in (rlaunch.lightning.Strategy, rlaunch.lightning.FabricStrategy):
+        with pytest.raises(UsageError, match=r"uses the unified lightning package \(import lightning as L\)"):
+            strategy()
