@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 from pytorch_lightning import LightningModule
+from pytorch_lightning.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 
 #: precision plugins whose optimizer step the strategy reproduces around the vote
 CARRIED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+#: Lightning's callbacks that change the model, its optimizer or its schedulers by epoch, or keep a model
+#: of their own, outside what a joiner receives (GradientAccumulationScheduler's window is carried)
+UNCARRIED_CALLBACKS = (BaseFinetuning, StochasticWeightAveraging, WeightAveraging, ModelPruning)
 
 
 def stepping(trainer: Any, precision: Any, optimizers: list[torch.optim.Optimizer]) -> str:
@@ -93,15 +97,22 @@ def refusals(trainer: Any, strategy: Any) -> list[str]:
 
 def carried_callbacks(trainer: Any) -> list[Any]:
     """The callbacks whose ``state_dict()`` holds state a joiner must take (and can: see :func:`_uncarried`)."""
-    return [c for c in trainer.callbacks if c.state_dict() and not _uncarried(c)]
+    return [c for c in trainer.callbacks if not _uncarried(c) and c.state_dict()]
 
 
 def _uncarried(callback: Any) -> str:
     """Why ``callback``'s state cannot travel to a joiner ("" when it can, or it has none).
 
     The transfer loads received state with ``torch.load(weights_only=True)`` (nothing received is
-    unpickled freely), so the state must be tensors, numbers, strings, lists and dicts.
+    unpickled freely), so the state must be tensors, numbers, strings, lists and dicts. Some of
+    Lightning's own callbacks change more than their state (:data:`UNCARRIED_CALLBACKS`).
     """
+    if isinstance(callback, UNCARRIED_CALLBACKS):
+        return (
+            f"The callback {type(callback).__name__} changes the model, its optimizer or its schedulers by "
+            "epoch, or keeps a model of its own, outside what a joiner receives (its sandbox's would stand); "
+            "leave it out for live moves."
+        )
     state = callback.state_dict()
     if not state:
         return ""

@@ -63,8 +63,9 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
         def state_dict(self) -> dict[str, object]:
             return {"best": Score(0.5)}  # an object of its own class: torch.load(weights_only=True) refuses it
 
+    swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)
     trainer = pl.Trainer(
-        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps()], logger=False,
+        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.strategy._lightning_module = Module()
@@ -81,6 +82,7 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     assert any(s.startswith("The callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
     for sentence in found:  # each names the value and what to do instead, as a sentence
         assert sentence[0].isupper() and sentence.endswith(".") and "; " in sentence, sentence
+    assert any(s.startswith("The callback StochasticWeightAveraging changes the model") for s in found)
     assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
     assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
