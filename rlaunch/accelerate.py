@@ -142,6 +142,7 @@ def _vote_in(opt: Any, loop: UserLoop) -> None:
                 "cannot split that; call optimizer.step() after accelerator.backward(loss), without a closure."
             )
             return original(closure)
+        loop.enter()  # the tutorial's loop over the loader's epochs: the runtime's steps begin here
         if not loop.rt.in_step:
             return loop.vote(opt.optimizer, None, original)  # refuses moves, steps as Accelerate would
         inner, scaler = opt.optimizer, opt.scaler

@@ -120,6 +120,15 @@ class UserLoop:
         if self._window is None:
             self._window = self.rt.step
 
+    def enter(self) -> None:
+        """At an optimizer step: outside a step of the runtime, after a loader was iterated as it is, this
+        is the framework's loop over that loader's epochs; the runtime's steps begin here (see :meth:`vote`)."""
+        if not self.rt.in_step and self._driven is None and self._last_read is not None:
+            self.refuse(LOOP_REFUSAL)
+            self._driving = self._last_read
+            self._driven = self.rt.drive()
+            self._driven.begin()
+
     def vote(self, optimizer: Any, scaler: Any, plain: Callable[[], Any]) -> Any:
         """The framework's optimizer step: the per-step vote, then the step (``plain`` steps without one).
 
@@ -132,11 +141,7 @@ class UserLoop:
         redone step would not run its earlier micro-batches again), and when a loader iterated as it
         is read this step's batches (see the module docstring).
         """
-        if not self.rt.in_step and self._driven is None and self._last_read is not None:
-            self.refuse(LOOP_REFUSAL)
-            self._driving = self._last_read
-            self._driven = self.rt.drive()
-            self._driven.begin()
+        self.enter()
         window, self._window = self._window, None
         if window is not None and window != self.rt.step:
             self.refuse(
