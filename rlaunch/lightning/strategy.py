@@ -170,8 +170,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._trainer = trainer
         if self._fitted:
             self._refuse(
-                "trainer.fit() ran a second time in this process, and the runtime's steps are driven by one fit "
-                "only; run one fit per process"
+                "A second trainer.fit() ran in this process, and the runtime's steps are driven by one fit only; "
+                "run one fit per process."
             )
             return
         self._fitted = True
