@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from rlaunch.runtime.groups import SandboxComm
 from rlaunch.runtime.runtime import Runtime
+from rlaunch.runtime.vote import RefusedError
 
 pl = pytest.importorskip("pytorch_lightning")
 torchmetrics = pytest.importorskip("torchmetrics")
@@ -163,6 +164,15 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
     rt = _runtime()
     _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInValidation()])
     assert _sentence(rt._s.refused).startswith("A fault was seen after an epoch's end ran past step 3's vote")
+
+    # In the last epoch's validation no step follows to refuse at: the fit ends with the sentence.
+    class FaultInLastValidation(pl.Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            failed[0] = not trainer.sanity_checking and trainer.current_epoch == 1
+
+    with pytest.raises(RefusedError, match=r"^rank 0: A fault was seen after an epoch's end ran past step 7's vote"):
+        _fit(_runtime(), Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInLastValidation()])
+    failed[0] = False
     # A fault inside a step (seen at its second micro-batch's read), after the validation that ended the step
     # before it, is redone with the step: no refusal.
     rt = _runtime()
