@@ -165,6 +165,18 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
     _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInValidation()])
     assert _sentence(rt._s.refused).startswith("A fault was seen after an epoch's end ran past step 3's vote")
 
+    # Validation in the middle of an epoch (every 2 batches), the same.
+    class FaultInMidEpochValidation(pl.Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            failed[0] = trainer.global_step == 2
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            failed[0] = False
+
+    rt = _runtime()
+    _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInMidEpochValidation()], val_check_interval=2)
+    assert _sentence(rt._s.refused).startswith("A fault was seen after validation ran past step 1's vote")
+
     # In the last epoch's validation no step follows to refuse at: the fit ends with the sentence.
     class FaultInLastValidation(pl.Callback):
         def on_validation_end(self, trainer: Any, module: Any) -> None:
