@@ -24,7 +24,7 @@ import pytest
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
 
-FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)(?: eval=(\S+))?")
+FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)(?: eval=([-+0-9.e,]+))?")
 pytestmark = pytest.mark.timeout(600)
 
 

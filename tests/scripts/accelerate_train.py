@@ -42,6 +42,20 @@ def digest(values: list[object]) -> str:
     return h.hexdigest()[:16]
 
 
+class Evals:
+    """The evaluation losses so far: the port tracks them (``rt.track``), so a joiner continues the list of the
+    rank it replaces (a script's own state, as any such loop would keep it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = list(state["values"])
+
+
 def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
     """The test's faults and gates, at the start of an optimizer step's window."""
     active = os.environ.get("RLAUNCH_ROLE") == "active"
@@ -92,7 +106,7 @@ def main() -> None:
     else:
         prepared = accelerator.prepare(*objects)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = prepared
-    evals: list[float] = []
+    evals = Evals()
 
     def evaluate() -> None:
         model.eval()
@@ -100,7 +114,7 @@ def main() -> None:
         with torch.no_grad():
             for inputs, targets in eval_dataloader:
                 total += nn.functional.mse_loss(model(inputs).float(), targets, reduction="sum")
-        evals.append(float(accelerator.reduce(total, reduction="sum")))
+        evals.values.append(float(accelerator.reduce(total, reduction="sum")))
         model.train()
 
     def train_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -127,6 +141,7 @@ def main() -> None:
                 evaluate()
     else:  # the port: one runtime step per accumulation window
         assert rt is not None
+        rt.track(evals=evals)
         per_epoch = len(train_dataloader) // args.accum
         for step in rt.steps(args.epochs * per_epoch):
             hooks(args, accelerator.process_index, step)
@@ -139,7 +154,7 @@ def main() -> None:
     inner = optimizer.optimizer
     optim = [t for s in inner.state.values() for t in s.values()] + [sorted(lr_scheduler.state_dict().items())]
     unwrapped = accelerator.unwrap_model(model)
-    shown = f" eval={','.join(repr(v) for v in evals)}" if args.eval else ""
+    shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""
     print(
         f"rank {accelerator.process_index} final: params={digest(list(unwrapped.state_dict().values()))} "
         f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}{shown}",

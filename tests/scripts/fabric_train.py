@@ -38,6 +38,20 @@ def digest(values: list[object]) -> str:
     return h.hexdigest()[:16]
 
 
+class Evals:
+    """The evaluation losses so far: the port tracks them (``rt.track``), so a joiner continues the list of the
+    rank it replaces (a script's own state, as any such loop would keep it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = list(state["values"])
+
+
 def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
     """The test's faults and gates, at the start of a step (see the module docstring)."""
     active = os.environ.get("RLAUNCH_ROLE") == "active"
@@ -95,7 +109,7 @@ def main() -> None:
         dataloader, val_dataloader = fabric.setup_dataloaders(dataloader, val_dataloader)
     else:
         dataloader = fabric.setup_dataloaders(dataloader)
-    evals: list[float] = []
+    evals = Evals()
 
     def evaluate() -> None:
         model.eval()
@@ -103,7 +117,7 @@ def main() -> None:
         with torch.no_grad():
             for inputs, target in val_dataloader:
                 total += nn.functional.mse_loss(model(inputs).float(), target, reduction="sum")
-        evals.append(float(fabric.all_reduce(total, reduce_op="sum")))
+        evals.values.append(float(fabric.all_reduce(total, reduce_op="sum")))
         model.train()
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -129,14 +143,14 @@ def main() -> None:
                 evaluate()
     else:  # the port: the same body on the runtime's steps
         rt = fabric.strategy.rt
-        rt.track(scheduler=scheduler)
+        rt.track(scheduler=scheduler, evals=evals)
         for step in rt.steps(args.epochs * len(dataloader)):
             hooks(args, fabric.global_rank, step)
             train_step(dataloader.batch())
             if args.eval and (step + 1) % len(dataloader) == 0:
                 evaluate()
     optim = [t for s in optimizer.state.values() for t in s.values()] + [sorted(scheduler.state_dict().items())]
-    shown = f" eval={','.join(repr(v) for v in evals)}" if args.eval else ""
+    shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""
     print(
         f"rank {fabric.global_rank} final: params={digest(list(model.state_dict().values()))} optim={digest(optim)} "
         f"steps={scheduler.last_epoch}{shown}",
