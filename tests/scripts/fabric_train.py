@@ -156,6 +156,9 @@ def main() -> None:
         f"steps={scheduler.last_epoch}{shown}",
         flush=True,
     )
+    if args.strategy == "ddp":  # torch's group, released now: left to interpreter teardown, gloo may abort there
+        fabric.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
