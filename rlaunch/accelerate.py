@@ -20,13 +20,20 @@ It calls ``accelerator.prepare`` and then:
   wrappers, the ``GradScaler``, and Accelerate's gradient-accumulation counter (``accelerator.step``);
 - votes in the optimizer's ``step()`` (Accelerate's ``AcceleratedOptimizer.step``) at each step that
   syncs gradients; a discarded step is not applied, and ``rt.steps()`` yields it again;
-- replaces the prepared loader (Accelerate's ``DataLoaderShard``) by one whose ``batch()`` reads
-  through ``rt.epochs``: a joiner resumes at the same sample with its own shard. It avoids the two
-  things Accelerate's loader does that a joiner cannot follow: it broadcasts the shuffling
-  generator's state from rank 0 at every epoch's start (a joiner that starts mid-epoch would wait in
-  that broadcast alone; the adapter broadcasts it once, here, and carries its state at each epoch's
-  start instead), and it reads one batch ahead (a step's position would be one batch off);
-- after a joiner's state lands, Accelerate's process index is the rank it took (``is_main_process``).
+- replaces each prepared loader (Accelerate's ``DataLoaderShard``) by one whose ``batch()`` reads
+  through ``rt.epochs`` (made at its first ``batch()``, each loader under its own name: ``data``,
+  ``data1``...): a joiner resumes at the same sample with its own shard. It avoids the two things
+  Accelerate's loader does that a joiner cannot follow: it broadcasts the shuffling generator's
+  state from rank 0 at every epoch's start (a joiner that starts mid-epoch would wait in that
+  broadcast alone; the adapter broadcasts it once, at the first ``batch()``, and carries its state at
+  each epoch's start instead), and it reads one batch ahead (a step's position would be one batch
+  off). A loader iterated as it is (an evaluation loader: ``for batch in eval_loader``) is
+  Accelerate's own iteration, inside ``rt.steps()`` or outside it;
+- after a joiner's state lands, Accelerate's process index is the rank it took (``is_main_process``),
+  and so is the shard of each loader iterated as it is.
+
+``prepare`` may be called more than once (the model and optimizer, then the loaders): every call
+shares the runtime's one :class:`rlaunch.userloop.UserLoop`.
 
 A loop over the loader's epochs (``for batch in loader``, as Accelerate's tutorials write it) trains
 as under Accelerate alone, but its place lives in the script's own variables, so live moves are
@@ -59,6 +66,8 @@ def init(timeout_s: float = 300.0) -> Runtime:
     """
     import rlaunch
 
+    report_errors_as_sentences()
+    require("accelerate", f"{NAME}.init")
     rt = rlaunch.init(timeout_s)
     if rt.standby:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -74,57 +83,49 @@ def prepare(accelerator: Any, rt: Runtime, *objects: Any) -> Any:
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
 
-    loop = UserLoop(rt, NAME)
+    loop = UserLoop.of(rt, NAME)
     prepared = accelerator.prepare(*objects)
     out = list(prepared) if isinstance(prepared, tuple) else [prepared]
-    names: dict[str, int] = {}
-
-    def track(kind: str, obj: Any) -> None:
-        n = names.get(kind, 0)
-        names[kind] = n + 1
-        rt.track(**{kind if n == 0 else f"{kind}{n}": obj})
-
     for i, obj in enumerate(out):
         if isinstance(obj, AcceleratedOptimizer):
             _vote_in(obj, loop)
-            track("optimizer", obj.optimizer)
+            loop.track("optimizer", obj.optimizer)
         elif isinstance(obj, AcceleratedScheduler):
-            track("scheduler", obj.scheduler)
+            loop.track("scheduler", obj.scheduler)
         elif type(obj) is DataLoaderShard:
             out[i] = _data(loop, obj)
         elif type(obj) is DataLoaderDispatcher:
-            loop.refuse(
-                "the prepared loader dispatches batches from rank 0 (dispatch_batches=True), so a rank's batches "
-                "come from another process; use Accelerate's default, a loader per process"
-            )
+            out[i] = _dispatched(loop, obj)
         elif isinstance(obj, torch.nn.Module):
-            track("model", obj)
+            loop.track("model", obj)
     if accelerator.scaler is not None:
-        rt.track(scaler=accelerator.scaler)
-    rt.track(accelerate=_AccelerateState(accelerator, rt))
+        loop.track_once("scaler", accelerator.scaler)
+    loop.track_once("accelerate", _AccelerateState(accelerator, loop))
     return tuple(out) if isinstance(prepared, tuple) else out[0]
 
 
 class _AccelerateState:
     """Accelerate's gradient-accumulation counter (the same on every rank), and, when a joiner's state
-    lands, Accelerate's process index made the rank it took."""
+    lands, Accelerate's process index made the rank it took (the loaders' shards too)."""
 
-    def __init__(self, accelerator: Any, rt: Runtime) -> None:
+    def __init__(self, accelerator: Any, loop: UserLoop) -> None:
         self._accelerator = accelerator
-        self._rt = rt
+        self._loop = loop
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": int(self._accelerator.step)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._accelerator.step = int(state["step"])
-        if self._rt.rank >= 0:
+        rank = self._loop.rt.rank
+        if rank >= 0:
             from accelerate.state import AcceleratorState, PartialState
 
             for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # each holds a copy
                 if "process_index" in shared:
-                    shared["process_index"] = self._rt.rank
-            os.environ["RANK"] = str(self._rt.rank)  # Accelerate set it from a sandbox's environment
+                    shared["process_index"] = rank
+            os.environ["RANK"] = str(rank)  # Accelerate set it from a sandbox's environment
+            self._loop.joined()
 
 
 def _vote_in(opt: Any, loop: UserLoop) -> None:
@@ -136,8 +137,12 @@ def _vote_in(opt: Any, loop: UserLoop) -> None:
             loop.micro_step()
             return None
         if closure is not None:
-            loop.refuse("optimizer.step(closure) evaluates the closure inside the step, which a vote cannot split")
+            loop.refuse(
+                "The optimizer's step was given a closure, which it evaluates inside the step, and the per-step vote "
+                "cannot split that; call optimizer.step() after accelerator.backward(loss), without a closure."
+            )
             return original(closure)
+        loop.enter()  # the tutorial's loop over the loader's epochs: the runtime's steps begin here
         if not loop.rt.in_step:
             return loop.vote(opt.optimizer, None, original)  # refuses moves, steps as Accelerate would
         inner, scaler = opt.optimizer, opt.scaler
@@ -180,34 +185,57 @@ class _ShardPart:
         self._loader.set_epoch(epoch)
 
 
-def _data(loop: UserLoop, shard_loader: Any) -> LoopData:
-    """The prepared loader's data, read through ``rt.epochs`` (see the module docstring)."""
-    from accelerate.data_loader import BatchSamplerShard
-    from accelerate.utils import send_to_device, synchronize_rng_states
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    base = shard_loader.base_dataloader
+def _to_device(shard_loader: Any) -> Any:
+    from accelerate.utils import send_to_device
 
     def to_device(batch: Any) -> Any:
         return send_to_device(batch, shard_loader.device) if shard_loader.device is not None else batch
 
-    batch_sampler = base.batch_sampler
+    return to_device
+
+
+def _dispatched(loop: UserLoop, loader: Any) -> LoopData:
+    """A loader that dispatches batches from rank 0: iterated as Accelerate does, refused when read with ``batch()``."""
+    why = (
+        "The prepared loader dispatches batches from rank 0 (dispatch_batches=True), so a rank's batches come from "
+        "another process and a joiner could not resume them; use Accelerate's default, a loader per process."
+    )
+    return loop.data(None, loader, _to_device(loader), len(loader), why)
+
+
+def _data(loop: UserLoop, shard_loader: Any) -> LoopData:
+    """A prepared loader's data, read through ``rt.epochs`` from its first ``batch()`` (see the module docstring)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    batch_sampler = shard_loader.base_dataloader.batch_sampler
+    to_device = _to_device(shard_loader)
     if type(batch_sampler) is not BatchSamplerShard:
         why = (
-            f"the prepared loader's batches come from a {type(batch_sampler).__name__}, not Accelerate's "
-            "BatchSamplerShard, so a joiner could not read its own shard at the same sample"
+            f"The prepared loader's batches come from a {type(batch_sampler).__name__}, not Accelerate's "
+            "BatchSamplerShard, so a joiner could not read its own shard at the same sample; pass Accelerate a "
+            "DataLoader with batch_size= and a sampler of torch's (shuffle=True or not)."
         )
         return loop.data(None, shard_loader, to_device, len(shard_loader), why)
     part = _ShardPart(batch_sampler, shard_loader)
     part.rank = max(loop.rt.rank, 0)  # a sandbox's process index is -1, whose shard is empty
+    return loop.data(lambda name: _epochs(loop, shard_loader, part, name), shard_loader, to_device,
+                     len(shard_loader), "", part)  # fmt: skip
+
+
+def _epochs(loop: UserLoop, shard_loader: Any, part: _ShardPart, name: str) -> Any:
+    """``rt.epochs`` over a prepared loader (at its first ``batch()``): a ``StatefulDataLoader`` over its
+    dataset and ``BatchSamplerShard``, the shuffling generator broadcast once, its state carried."""
+    from accelerate.utils import synchronize_rng_states
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    base = shard_loader.base_dataloader
     generator = shard_loader.synchronized_generator
     if generator is not None and shard_loader.rng_types and "generator" in shard_loader.rng_types:
         synchronize_rng_states(["generator"], generator)  # once, as Accelerate does at every epoch's start
     if not isinstance(base, StatefulDataLoader):
         base = StatefulDataLoader(
-            base.dataset, batch_sampler=batch_sampler, num_workers=base.num_workers, collate_fn=base.collate_fn,
+            base.dataset, batch_sampler=base.batch_sampler, num_workers=base.num_workers, collate_fn=base.collate_fn,
             pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
             generator=base.generator, **({"prefetch_factor": base.prefetch_factor} if base.num_workers else {}),
         )  # fmt: skip
-    epochs = loop.rt.epochs(base, sampler=part, order_rng=generator)
-    return loop.data(epochs, shard_loader, to_device, len(shard_loader), "")
+    return loop.rt.epochs(base, sampler=part, order_rng=generator, name=name)

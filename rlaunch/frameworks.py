@@ -11,6 +11,7 @@ alike), and refuses any other version at start with a sentence rather than guess
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 
 from rlaunch.errors import UsageError
 
@@ -22,6 +23,46 @@ SUPPORTED = {
 }
 #: distribution -> the extra that installs it
 EXTRAS = {"pytorch-lightning": "lightning", "lightning-fabric": "lightning", "accelerate": "accelerate"}
+
+
+def require_lightning(what: str) -> None:
+    """Check both distributions ``rlaunch.lightning`` imports, before anything imports them.
+
+    The unified ``lightning`` distribution (``import lightning as L``) ships the same classes under
+    other names (``lightning.pytorch.Trainer``), whose Trainer and Fabric take only strategies of
+    their own package: when it is what is installed, the sentence says what to install and import.
+    """
+    for distribution in ("pytorch-lightning", "lightning-fabric"):
+        try:
+            require(distribution, what)
+        except UsageError:
+            if _installed("lightning") and not _installed(distribution):
+                raise UsageError(unified_lightning(what)) from None
+            raise
+
+
+def refuse_unified_lightning(what: str) -> None:
+    """Refuse a script that imported the unified ``lightning`` package (see :func:`require_lightning`):
+    its ``L.Trainer`` or ``L.Fabric`` would not take this strategy (Lightning refuses to mix the two)."""
+    if "lightning.pytorch" in sys.modules or "lightning.fabric" in sys.modules:
+        raise UsageError(unified_lightning(what))
+
+
+def unified_lightning(what: str) -> str:
+    return (
+        f"{what} is a strategy of the pytorch-lightning and lightning-fabric packages, and this script uses the "
+        "unified lightning package (import lightning as L), whose Trainer and Fabric take only strategies of their "
+        "own package; pip install 'rlaunch[lightning]' and import pytorch_lightning as pl (pl.Trainer) and "
+        "lightning_fabric (Fabric) instead of lightning."
+    )
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def require(distribution: str, what: str) -> str:

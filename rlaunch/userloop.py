@@ -10,16 +10,28 @@ its sandbox left them. So such a loop moves live only when it is written on the 
         ...
         optimizer.step()                  # the framework's optimizer: the per-step vote, then the step
 
-A loop over the loader's epochs (``for batch in loader``) still trains, as under the framework alone,
-and a standby still warms up on it, but live moves are refused with a sentence (:data:`LOOP_REFUSAL`)
-and the job takes the restart path. :class:`UserLoop` holds the pieces an integration shares: the
-train data (:meth:`UserLoop.data`), the vote in the framework's optimizer step (:meth:`UserLoop.vote`),
-and the runtime's steps driven from the loader when the loop is written over its epochs.
+Each prepared loader gets its own name (``data``, ``data1``, ...) and is read through ``rt.epochs``
+from its first ``batch()``. A loader iterated as it is (``for batch in loader``) is read as the
+framework reads it and tracks nothing: an evaluation loader, inside ``rt.steps()`` or outside it,
+passes through (a joiner's reads its new rank's part). What tells a train loader iterated this way
+apart is an optimizer step while it is read:
+
+- outside ``rt.steps()`` (the framework's tutorial loop over the loader's epochs): it still trains,
+  as under the framework alone, and a standby still warms up on it (from then on each of its reads
+  after a vote begins a runtime step), but live moves are refused with a sentence
+  (:data:`LOOP_REFUSAL`) and the job takes the restart path;
+- inside a step of ``rt.steps()``, with an iteration of it still open (``next(it)`` on one iterator
+  across steps): a joiner would read from its own iterator, so live moves are refused as well.
+
+:class:`UserLoop` (one per runtime, shared by every ``prepare()`` call) holds the pieces an
+integration shares: the names of what it tracks, the train data (:meth:`UserLoop.data`), and the
+vote in the framework's optimizer step (:meth:`UserLoop.vote`).
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,72 +41,141 @@ if TYPE_CHECKING:
     from rlaunch.runtime.runtime import Runtime
 
 LOOP_REFUSAL = (
-    "the training loop iterates the loader's epochs itself (for batch in loader), so where it stands lives in the "
+    "The training loop iterates the loader's epochs itself (for batch in loader), so where it stands lives in the "
     "script's own variables (its epoch and batch counters), which a joiner cannot take; write the loop on "
-    "rt.steps() and read each batch with loader.batch() for live moves"
+    "rt.steps() and read each batch with loader.batch() for live moves."
 )
+
+_LOOPS: weakref.WeakKeyDictionary[Any, UserLoop] = weakref.WeakKeyDictionary()
 
 
 class UserLoop:
     """What a loop the script writes shares with its integration (see the module docstring).
 
-    ``name`` prefixes every refusal ("rlaunch.accelerate").
+    ``name`` prefixes every refusal ("rlaunch.accelerate"). :meth:`of` gives the runtime's one loop.
     """
 
     def __init__(self, rt: Runtime, name: str) -> None:
         self.rt = rt
-        self._name = name
-        self._driven: DrivenSteps | None = None  # the loop is written over the loader's epochs
+        self.name = name
+        self._counts: dict[str, int] = {}  # tracked objects by kind, for their names
+        self._loaders: list[LoopData] = []
+        self._driven: DrivenSteps | None = None  # the loop is written over a loader's epochs
+        self._driving: LoopData | None = None  # that loader: its reads begin the runtime's steps
+        self._last_read: LoopData | None = None  # the loader a plain iteration last read, outside a step
         self._voted = True  # a vote was cast since the driven step began: the next read begins the next
         self._window: int | None = None  # the step of the accumulation window's first micro-step
 
+    @classmethod
+    def of(cls, rt: Runtime, name: str) -> UserLoop:
+        """The runtime's loop (made on first use): every ``prepare()`` of a script shares one."""
+        loop = _LOOPS.get(rt)
+        if loop is None:
+            loop = _LOOPS[rt] = cls(rt, name)
+        return loop
+
     def refuse(self, why: str) -> None:
-        self.rt.refuse_moves(f"{self._name}: {why}")
+        self.rt.refuse_moves(f"{self.name}: {why}")
+
+    def track(self, kind: str, obj: Any) -> str:
+        """Track ``obj`` under the next free name of its kind (``model``, ``model1``, ...); returns it."""
+        n = self._counts.get(kind, 0)
+        self._counts[kind] = n + 1
+        name = kind if n == 0 else f"{kind}{n}"
+        self.rt.track(**{name: obj})
+        return name
+
+    def track_once(self, name: str, obj: Any) -> None:
+        """Track ``obj`` as ``name`` unless something was tracked so by an earlier ``prepare()``."""
+        if name not in self._counts:
+            self._counts[name] = 1
+            self.rt.track(**{name: obj})
 
     def data(
-        self, epochs: EpochLoader | None, plain: Iterable[Any], to_device: Callable[[Any], Any], length: int, why: str
+        self,
+        epochs: Callable[[str], EpochLoader] | None,
+        plain: Iterable[Any],
+        to_device: Callable[[Any], Any],
+        length: int,
+        why: str,
+        part: Any = None,
     ) -> LoopData:
-        """The train data: ``epochs`` (``rt.epochs`` over the loader) for ``batch()``, or None with ``why``
-        it cannot be resumed at a sample; ``plain`` is the framework's own iteration of one epoch."""
-        return LoopData(self, epochs, plain, to_device, length, why)
+        """A prepared loader: ``epochs(name)`` makes ``rt.epochs`` over it at the first ``batch()`` (None,
+        with ``why``, when it cannot be resumed at a sample); ``plain`` is the framework's own iteration
+        of one epoch; ``part`` is what knows the rank's part of the data (``rank``), given the rank a
+        joiner takes while ``rt.epochs`` does not hold it."""
+        n = self._counts.get("data", 0)
+        self._counts["data"] = n + 1
+        data = LoopData(self, "data" if n == 0 else f"data{n}", epochs, plain, to_device, length, why, part)
+        self._loaders.append(data)
+        return data
+
+    def joined(self) -> None:
+        """This rank took another's place: the loaders read as they are read its new rank's part."""
+        for data in self._loaders:
+            data.joined(self.rt.rank)
 
     def micro_step(self) -> None:
         """A micro-step of a gradient-accumulation window (backward without sync, no optimizer step)."""
         if self._window is None:
             self._window = self.rt.step
 
+    def enter(self) -> None:
+        """At an optimizer step: outside a step of the runtime, after a loader was iterated as it is, this
+        is the framework's loop over that loader's epochs; the runtime's steps begin here (see :meth:`vote`)."""
+        if not self.rt.in_step and self._driven is None and self._last_read is not None:
+            self.refuse(LOOP_REFUSAL)
+            self._driving = self._last_read
+            self._driven = self.rt.drive()
+            self._driven.begin()
+
     def vote(self, optimizer: Any, scaler: Any, plain: Callable[[], Any]) -> Any:
         """The framework's optimizer step: the per-step vote, then the step (``plain`` steps without one).
 
-        Returns whether the step was applied. Outside a step of the runtime (the loop reads from
-        something else than the prepared loader) there is nothing to vote in: the step is applied as
-        the framework would, and live moves are refused. So are they when the accumulation window
-        this step ends began in an earlier step of ``rt.steps()``: a redone step would not run its
-        earlier micro-batches again.
+        Returns whether the step was applied. Outside a step of the runtime, after a loader was
+        iterated as it is, this is the framework's loop over that loader's epochs: live moves are
+        refused and the runtime's steps begin from its reads, this one first. Outside a step with no
+        such loader (the loop reads from something else than the prepared loaders) there is nothing to
+        vote in: the step is applied as the framework would, and live moves are refused. So are they
+        when the accumulation window this step ends began in an earlier step of ``rt.steps()`` (a
+        redone step would not run its earlier micro-batches again), and when a loader iterated as it
+        is read this step's batches (see the module docstring).
         """
+        self.enter()
         window, self._window = self._window, None
         if window is not None and window != self.rt.step:
             self.refuse(
-                "a gradient-accumulation window spans several steps of rt.steps() (its first micro-batch ran in "
+                "A gradient-accumulation window spans several steps of rt.steps() (its first micro-batch ran in "
                 f"step {window}, its optimizer step in step {self.rt.step}), so a redone step would not run the "
-                "earlier micro-batches again; run a whole window in each step"
+                "earlier micro-batches again; run a whole window in each step."
             )
         if not self.rt.in_step:
             self.refuse(
-                "the optimizer stepped outside rt.steps() and outside the prepared loader's epochs, so a step "
-                "has no boundary the runtime knows"
+                "The optimizer stepped outside rt.steps() and outside the prepared loaders' epochs, so a step has "
+                "no boundary the runtime knows; write the loop on rt.steps() and read each batch with loader.batch()."
             )
             return plain()
+        for data in self._loaders:
+            if data is not self._driving and data.read_open_in(self.rt.step):
+                self.refuse(
+                    f"The prepared loader {data.name!r} was read by iterating it (next(iterator) or for batch in "
+                    f"loader) in step {self.rt.step} of rt.steps(), before its optimizer step, so a joiner would "
+                    "read from its own iterator; read the step's batches with loader.batch()."
+                )
         self._voted = True
         return self.rt.optimizer_step(optimizer, scaler=scaler)
 
-    def before_read(self) -> None:
-        """(a loop over the loader's epochs) The first read after a vote begins the runtime's next step."""
-        if self._voted:
-            if self._driven is None:
-                self._driven = self.rt.drive()
+    def before_read(self, data: LoopData) -> None:
+        """Before a plain read of ``data``: the loader of a loop over its epochs begins the runtime's next
+        step at its first read after a vote."""
+        if data is self._driving and self._voted:
+            assert self._driven is not None
             self._voted = False
             self._driven.begin()
+
+    def after_read(self, data: LoopData) -> None:
+        if not self.rt.in_step:
+            self._last_read = data
 
     def end(self) -> None:
         """The framework's loop ended (a loop over the loader's epochs: no more steps are driven)."""
@@ -103,56 +184,75 @@ class UserLoop:
 
 
 class LoopData:
-    """The train data of a loop the script writes: ``batch()`` on ``rt.steps()``, or iterated by epochs."""
+    """A prepared loader of a loop the script writes: ``batch()`` on ``rt.steps()``, or iterated as it is."""
 
     def __init__(
         self,
         loop: UserLoop,
-        epochs: EpochLoader | None,
+        name: str,
+        epochs: Callable[[str], EpochLoader] | None,
         plain: Iterable[Any],
         to_device: Callable[[Any], Any],
         length: int,
         why: str,
+        part: Any,
     ) -> None:
         self._loop = loop
-        self._epochs = epochs
+        self.name = name  # its name in rt.track, once read with batch()
+        self._make = epochs
+        self._epochs: EpochLoader | None = None
         self._plain = plain
         self._to_device = to_device
         self._length = length
         self._why = why
+        self._part = part
         self._cycle: Iterator[Any] | None = None
+        self._open = 0  # plain iterations begun and not ended
+        self._read_at: int | None = None  # the runtime step of the last plain read inside rt.steps()
         # Frameworks wrap this object and copy its attributes (Fabric does): the method goes along.
         self.batch = self._batch
 
     def _batch(self) -> Any:
         """The next batch of the step (the same ones again when the runtime redoes the step)."""
-        if self._epochs is None:
+        if self._make is None:
             self._loop.refuse(self._why)
             if self._cycle is None:
                 self._cycle = itertools.chain.from_iterable(_epochs(self._plain))
             return next(self._cycle)
+        if self._epochs is None:
+            self._epochs = self._make(self.name)
         return self._to_device(self._epochs.batch())
 
     def __len__(self) -> int:
         return self._length
 
     def __iter__(self) -> Iterator[Any]:
-        """One epoch, as the framework iterates it (live moves refused: see the module docstring)."""
+        """One epoch, as the framework iterates it (see the module docstring)."""
         loop = self._loop
-        if loop.rt.in_step and loop._driven is None:
-            raise RuntimeError(
-                f"{loop._name}: the prepared loader is iterated inside rt.steps(); read the step's batches with "
-                "loader.batch() instead"
-            )
-        loop.refuse(LOOP_REFUSAL)
         it = iter(self._plain)
-        while True:
-            loop.before_read()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            yield item
+        self._open += 1
+        try:
+            while True:
+                loop.before_read(self)
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                loop.after_read(self)
+                if loop.rt.in_step:
+                    self._read_at = loop.rt.step
+                yield item
+        finally:
+            self._open -= 1
+
+    def read_open_in(self, step: int) -> bool:
+        """An iteration of this loader, still open, read a batch in runtime step ``step``."""
+        return self._open > 0 and self._read_at == step
+
+    def joined(self, rank: int) -> None:
+        """(a joiner) Read the part of ``rank``: ``rt.epochs`` does it for a loader read with ``batch()``."""
+        if self._epochs is None and self._part is not None and hasattr(self._part, "rank"):
+            self._part.rank = rank
 
 
 def _epochs(plain: Iterable[Any]) -> Iterator[Iterable[Any]]:

@@ -4,32 +4,45 @@ Each sentence names the feature and what to do instead. Such a feature does not 
 the job trains as under Lightning's DDP, but a drain of the node is refused and a fault restarts
 the job from the user's checkpoint, rather than move a rank live and diverge (the strategy hands
 the sentence to ``rt.refuse_moves``; ``rlaunch status`` shows it). :func:`stepping` names what
-needs Lightning's own optimizer step (no vote at all), :func:`refusals` what only refuses moves.
+needs Lightning's own optimizer step (no vote at all), :func:`refusals` what only refuses moves;
+:func:`logged_in_training`, :func:`validation_mid_window` and :func:`validation_after_fault` what
+can only be seen once the fit runs.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from pytorch_lightning import LightningModule
+from pytorch_lightning.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 
 #: precision plugins whose optimizer step the strategy reproduces around the vote
 CARRIED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+#: Lightning's callbacks that change the model, its optimizer or its schedulers by epoch, or keep a model
+#: of their own, outside what a joiner receives (GradientAccumulationScheduler's window is carried)
+UNCARRIED_CALLBACKS = (BaseFinetuning, StochasticWeightAveraging, WeightAveraging, ModelPruning)
 
 
 def stepping(trainer: Any, precision: Any, optimizers: list[torch.optim.Optimizer]) -> str:
     """Why the strategy must leave the optimizer step to Lightning, without a vote ("" when it need not)."""
     if type(precision) not in CARRIED_PRECISION:
         return (
-            f"the precision plugin {type(precision).__name__} steps the optimizer its own way; use precision "
-            "'32-true', '64-true', '16-true', 'bf16-true', 'bf16-mixed' or '16-mixed'"
+            f"The precision plugin {type(precision).__name__} steps the optimizer its own way, which the per-step "
+            "vote cannot wrap; use precision '32-true', '64-true', '16-true', 'bf16-true', 'bf16-mixed' or "
+            "'16-mixed'."
         )
     for opt in optimizers:
         if isinstance(opt, torch.optim.LBFGS):
-            return "the LBFGS optimizer evaluates its closure several times inside one step, which a vote cannot split"
+            return (
+                "The LBFGS optimizer evaluates its closure several times inside one step, which a vote cannot "
+                "split; use another optimizer."
+            )
     return ""
 
 
@@ -39,22 +52,42 @@ def refusals(trainer: Any, strategy: Any) -> list[str]:
     if trainer.limit_train_batches != 1.0:
         found.append(
             f"Trainer(limit_train_batches={trainer.limit_train_batches}) ends epochs before their loader does, "
-            "which the data position a joiner takes does not follow"
+            "which the data position a joiner takes does not follow; use the whole loader each epoch (a smaller "
+            "dataset instead)."
         )
     if trainer.overfit_batches:
-        found.append(f"Trainer(overfit_batches={trainer.overfit_batches}) replaces the train loader's sampler")
+        found.append(
+            f"Trainer(overfit_batches={trainer.overfit_batches}) replaces the train loader's sampler, whose "
+            "position a joiner cannot take; use the whole loader each epoch (a smaller dataset instead)."
+        )
     if trainer.reload_dataloaders_every_n_epochs:
         found.append(
             f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) makes a new "
-            "train loader, whose position a joiner could not take"
+            "train loader, whose position a joiner could not take; make the train loader once."
         )
     if getattr(trainer, "_val_check_time_interval", None) is not None:
-        found.append("a time-based val_check_interval decides on each rank's own clock, which a joiner does not have")
+        found.append(
+            "A time-based val_check_interval decides on each rank's own clock, which a joiner does not have; "
+            "validate by batches or epochs."
+        )
     module = trainer.lightning_module
     if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
-        found.append("training_step(dataloader_iter) reads batches itself, so a step's batches cannot be given again")
+        found.append(
+            "The training_step takes dataloader_iter and reads batches itself, so a step's batches cannot be given "
+            "again; take the batch Lightning gives (training_step(self, batch, batch_idx))."
+        )
+    if module.automatic_optimization and is_overridden("optimizer_step", module, LightningModule):
+        found.append(
+            f"{type(module).__name__}.optimizer_step is overridden, and a step the vote discards is redone inside "
+            "optimizer.step(), without running the code of your override again (an LR warm-up there would be "
+            "lost); move that code to an LR scheduler or to on_before_optimizer_step, and leave optimizer_step "
+            "to Lightning."
+        )
     if strategy._ddp_comm_hook is not None or strategy._model_averaging_period is not None:
-        found.append("a DDP communication hook or model averaging changes what a step's gradients are")
+        found.append(
+            "A DDP communication hook or model averaging changes what a step's gradients are, which a redone step "
+            "cannot reproduce; use plain DDP."
+        )
     for callback in trainer.callbacks:
         why = _uncarried(callback)
         if why:
@@ -64,15 +97,22 @@ def refusals(trainer: Any, strategy: Any) -> list[str]:
 
 def carried_callbacks(trainer: Any) -> list[Any]:
     """The callbacks whose ``state_dict()`` holds state a joiner must take (and can: see :func:`_uncarried`)."""
-    return [c for c in trainer.callbacks if c.state_dict() and not _uncarried(c)]
+    return [c for c in trainer.callbacks if not _uncarried(c) and c.state_dict()]
 
 
 def _uncarried(callback: Any) -> str:
     """Why ``callback``'s state cannot travel to a joiner ("" when it can, or it has none).
 
     The transfer loads received state with ``torch.load(weights_only=True)`` (nothing received is
-    unpickled freely), so the state must be tensors, numbers, strings, lists and dicts.
+    unpickled freely), so the state must be tensors, numbers, strings, lists and dicts. Some of
+    Lightning's own callbacks change more than their state (:data:`UNCARRIED_CALLBACKS`).
     """
+    if isinstance(callback, UNCARRIED_CALLBACKS):
+        return (
+            f"The callback {type(callback).__name__} changes the model, its optimizer or its schedulers by "
+            "epoch, or keeps a model of its own, outside what a joiner receives (its sandbox's would stand); "
+            "leave it out for live moves."
+        )
     state = callback.state_dict()
     if not state:
         return ""
@@ -83,9 +123,70 @@ def _uncarried(callback: Any) -> str:
         torch.load(buf, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure means it cannot travel
         return (
-            f"the callback {type(callback).__name__} keeps state that cannot travel to a joiner safely "
-            f"({str(exc).splitlines()[0][:120]}); keep its state_dict() to tensors, numbers, strings, lists and dicts"
+            f"The callback {type(callback).__name__} keeps state that cannot travel to a joiner safely "
+            f"({str(exc).splitlines()[0][:120].rstrip('.')}); keep its state_dict() to tensors, numbers, strings, "
+            "lists and dicts."
         )
+    return ""
+
+
+def monitors(trainer: Any) -> dict[str, str]:
+    """What decides from a logged value: the key each callback's ``monitor=`` and each plateau scheduler
+    reads, and how the sentences name the reader (``ModelCheckpoint(monitor='val_loss')``)."""
+    found: dict[str, str] = {}
+    for callback in trainer.callbacks:
+        key = getattr(callback, "monitor", None)
+        if isinstance(key, str) and key:
+            found.setdefault(key, f"{type(callback).__name__}(monitor={key!r})")
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau and config.monitor:
+            name = type(config.scheduler).__name__
+            found.setdefault(config.monitor, f"The {name} scheduler's monitor={config.monitor!r}")
+    return found
+
+
+def logged_in_training(results: Iterable[Any], watched: dict[str, str]) -> str:
+    """Why what the training hooks logged (Lightning's ``_ResultMetric`` objects) cannot be carried
+    ("" when it can).
+
+    An epoch-level value (``self.log(..., on_epoch=True)``) is each rank's running sum: a joiner's
+    covers only its own steps since it joined (no replica holds a lost rank's sums), so a callback or
+    a plateau scheduler that decides from it would decide otherwise than in an uninterrupted run. A
+    torchmetrics ``Metric`` keeps its running state outside everything the runtime puts back, so a
+    redone step updates it twice and a joiner has its sandbox's.
+    """
+    for result in results:
+        meta = result.meta
+        if not result.is_tensor:
+            kind = type(getattr(result, "value", result)).__name__
+            return (
+                f"A torchmetrics {kind} is logged from the training loop (self.log({meta.name!r}, ...)), whose "
+                "running state a redone step updates twice and a joiner does not have; log the value of each step "
+                "(self.log(name, metric(preds, target), on_epoch=False)), or compute it in validation."
+            )
+        if not meta.on_epoch:
+            continue
+        for key in (meta.name, meta.forked_name(False)):
+            if key in watched:
+                return (
+                    f"{watched[key]} reads {key!r}, an epoch-level value logged in training (self.log(..., "
+                    "on_epoch=True)), and a joiner's covers only the steps it ran since it joined, so the decision "
+                    "would differ from an uninterrupted run's; monitor a validation value, or log it on_step only "
+                    "and monitor that."
+                )
+    return ""
+
+
+def metrics_updated(counts: dict[int, int], metrics: Iterable[Any]) -> str:
+    """Why torchmetrics ``Metric`` modules updated during a training step cannot be carried ("" when none
+    was): ``counts`` is each one's ``_update_count`` at the step's start, by ``id``."""
+    for metric in metrics:
+        if metric._update_count != counts.get(id(metric), metric._update_count):
+            return (
+                f"A torchmetrics {type(metric).__name__} of the model is updated in training_step, and its running "
+                "state is neither put back when a step is redone (it would count the step twice) nor sent to a "
+                "joiner; update it in validation, or log the value of each step without keeping the metric."
+            )
     return ""
 
 
@@ -94,7 +195,8 @@ def validation_mid_window(trainer: Any) -> str:
 
     A discarded step is redone inside its optimizer step, micro-batch after micro-batch; Lightning's
     validation (and whatever collectives it issues) between two of them would not run again. Known
-    once the fit loop has set its train data up (``trainer.val_check_batch``).
+    once the fit loop has set its train data up (``trainer.val_check_batch``), and checked again
+    when the window changes (a ``GradientAccumulationScheduler`` changes it at an epoch's start).
     """
     accumulate = trainer.accumulate_grad_batches
     every = trainer.val_check_batch
@@ -104,7 +206,17 @@ def validation_mid_window(trainer: Any) -> str:
     if every % accumulate == 0 or at_epoch_end:
         return ""
     return (
-        f"validation runs every {every} batches, inside gradient-accumulation windows of {accumulate} batches, and a "
-        "redone step cannot run it again between its micro-batches; validate at epoch ends or every multiple of "
-        "accumulate_grad_batches"
+        f"Validation runs every {every} batches, inside gradient-accumulation windows of {accumulate} batches, and "
+        "a redone step cannot run it again between its micro-batches; validate at epoch ends or every multiple of "
+        "accumulate_grad_batches."
+    )
+
+
+def validation_after_fault(what: str, step: int) -> str:
+    """The sentence for a fault seen after ``what`` (validation, an epoch's end) ran past step ``step``'s vote."""
+    return (
+        f"A fault was seen after {what} ran past step {step}'s vote: its collectives (self.log(sync_dist=True), "
+        "a checkpoint's or early stopping's decision across ranks) gave this rank's own values, which the callbacks "
+        "and a plateau scheduler may have taken, and a redone step does not run it again; so the job restarts from "
+        "your checkpoint instead of moving a rank live."
     )

@@ -131,10 +131,10 @@ def _seed_workers(loader: Any, rank: int) -> None:
         loader.worker_init_fn = WorkerSeeds(rank)
 
 
-def resumable(rt: Runtime, loader: Any) -> tuple[Any, EpochLoader | None, str]:
-    """The loader to read (a plain DataLoader made a StatefulDataLoader), ``rt.epochs`` over it, or None
-    and the sentence that says why a joiner could not resume it at the same sample."""
-    why = _unmovable(loader)
+def resumable(rt: Runtime, loader: Any, name: str = "data") -> tuple[Any, EpochLoader | None, str]:
+    """The loader to read (a plain DataLoader made a StatefulDataLoader), ``rt.epochs`` over it (tracked
+    as ``name``), or None and the sentence that says why a joiner could not resume it at the same sample."""
+    why = unmovable(loader)
     if why:
         return loader, None, why
     sampler = loader.batch_sampler.sampler
@@ -143,7 +143,7 @@ def resumable(rt: Runtime, loader: Any) -> tuple[Any, EpochLoader | None, str]:
     order_rng = _order_rng(sampler)
     if order_rng is not None:
         sampler.__class__ = OneOrderPerEpoch  # the same object, drawing its order once per epoch
-    return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng), ""
+    return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng, name=name), ""
 
 
 class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc]
@@ -165,32 +165,32 @@ class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc]
         return (self.dataset[index] for index in indices)
 
 
-def _unmovable(loader: Any) -> str:
+def unmovable(loader: Any) -> str:
     """Why a joiner could not resume ``loader`` at the same sample ("" when it can)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     name = type(loader).__name__
     if type(loader) is not DataLoader and not isinstance(loader, StatefulDataLoader):
         return (
-            f"the train loader is a {name}, which a joiner cannot resume at the same sample; use torch's "
-            "DataLoader or torchdata's StatefulDataLoader"
+            f"The train loader is a {name}, which a joiner cannot resume at the same sample; use torch's "
+            "DataLoader or torchdata's StatefulDataLoader."
         )
     if isinstance(loader.dataset, IterableDataset):
         return (
-            "the train loader reads an IterableDataset, which splits its data by rank itself and which a joiner "
-            "cannot resume at the same sample; use a map-style dataset"
+            "The train loader reads an IterableDataset, which splits its data by rank itself and which a joiner "
+            "cannot resume at the same sample; use a map-style dataset."
         )
     batch_sampler: Any = loader.batch_sampler
     if type(batch_sampler) is not BatchSampler and not _is_torchdata_batch_sampler(batch_sampler):
         return (
-            f"the train loader has a batch sampler of its own ({type(batch_sampler).__name__}), whose "
-            "position a joiner cannot take; pass batch_size= and keep use_distributed_sampler=True (the default)"
+            f"The train loader has a batch sampler of its own ({type(batch_sampler).__name__}), whose "
+            "position a joiner cannot take; pass batch_size= and keep use_distributed_sampler=True (the default)."
         )
     sampler = batch_sampler.sampler  # Lightning passes a StatefulDataLoader's sampler in its batch sampler
     if not isinstance(sampler, DistributedSampler):
         return (
-            f"the train loader's sampler is a {type(sampler).__name__}, not a DistributedSampler, so a joiner "
-            "could not read its new rank's part; keep use_distributed_sampler=True (the default)"
+            f"The train loader's sampler is a {type(sampler).__name__}, not a DistributedSampler, so a joiner "
+            "could not read its new rank's part; keep use_distributed_sampler=True (the default)."
         )
     if isinstance(sampler, DistributedSamplerWrapper):
         inner = sampler.dataset._sampler
@@ -198,12 +198,12 @@ def _unmovable(loader: Any) -> str:
             return (
                 f"Lightning wrapped the sampler {type(inner).__name__} in its DistributedSamplerWrapper, whose "
                 "order a joiner cannot reproduce; pass shuffle=True (or torch's RandomSampler) and let Lightning "
-                "add its DistributedSampler, or pass your own DistributedSampler with use_distributed_sampler=False"
+                "add its DistributedSampler, or pass your own DistributedSampler with use_distributed_sampler=False."
             )
     elif type(sampler) is not DistributedSampler:
         return (
-            f"the train loader's sampler is a {type(sampler).__name__}, a DistributedSampler of its own whose order "
-            "a joiner might not reproduce; use torch's DistributedSampler"
+            f"The train loader's sampler is a {type(sampler).__name__}, a DistributedSampler of its own whose order "
+            "a joiner might not reproduce; use torch's DistributedSampler."
         )
     return ""
 

@@ -9,13 +9,14 @@ and takes the restart path. The strategy:
 - tracks what ``fabric.setup()`` returns (modules, optimizers, a scheduler passed to it) and the
   precision plugin's ``GradScaler``; other state (an LR scheduler stepped by hand) the script tracks
   itself with ``strategy.rt.track(...)`` (the first vote names an untracked scheduler);
-- makes the loader ``fabric.setup_dataloaders()`` returns resumable: ``loader.batch()`` gives the
-  step's batch through ``rt.epochs``;
+- makes each loader ``fabric.setup_dataloaders()`` returns resumable: ``loader.batch()`` gives the
+  step's batch through ``rt.epochs`` (made at the first ``batch()``, each loader under its own
+  name); a loader iterated as it is (an evaluation loader) is read as Fabric reads it;
 - votes in the optimizer's ``step()`` (a discarded step is not applied; ``rt.steps()`` yields it
   again and ``loader.batch()`` gives its batches again).
 
 A standby that joins takes the rank it was given for rank-zero-only code (``fabric.is_global_zero``)
-when its state lands.
+and for the samplers of the loaders it iterates as they are, when its state lands.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from lightning_fabric.utilities.data import _set_sampler_epoch
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import require
-from rlaunch.lightning.data import resumable
+from rlaunch.frameworks import refuse_unified_lightning, require
+from rlaunch.lightning.data import resumable, unmovable
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
 from rlaunch.userloop import LoopData, UserLoop
@@ -49,6 +50,7 @@ class _Ranks:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._strategy._set_world_ranks()
+        self._strategy._user_loop().joined()
 
 
 class _Epochs:
@@ -84,11 +86,11 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
         require("lightning-fabric", "rlaunch.lightning.FabricStrategy")
+        refuse_unified_lightning("rlaunch.lightning.FabricStrategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s
         self._loop: UserLoop | None = None
-        self._counts: dict[str, int] = {}
         control: Any = getattr(self, "_backward_sync_control")  # noqa: B009 - set by Fabric's DDPStrategy
         self._backward_sync_control: Any = _CountedSync(control, self._user_loop)
 
@@ -106,18 +108,15 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
 
     def _user_loop(self) -> UserLoop:
         if self._loop is None:
-            self._loop = UserLoop(self._runtime(), "rlaunch.lightning.FabricStrategy")
-            self._runtime().track(ranks=_Ranks(self))
+            self._loop = UserLoop.of(self._runtime(), "rlaunch.lightning.FabricStrategy")
+            self._loop.track("ranks", _Ranks(self))
             scaler = self.precision.scaler if isinstance(self.precision, MixedPrecision) else None
             if scaler is not None:
-                self._runtime().track(scaler=scaler)
+                self._loop.track("scaler", scaler)
         return self._loop
 
     def _track(self, kind: str, obj: Any) -> None:
-        n = self._counts.get(kind, 0)
-        self._counts[kind] = n + 1
-        self._user_loop()
-        self._runtime().track(**{kind if n == 0 else f"{kind}{n}": obj})
+        self._user_loop().track(kind, obj)
 
     def _setup_distributed(self) -> None:
         rt = self._runtime()
@@ -154,13 +153,27 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
         return module, optimizers, scheduler
 
     def process_dataloader(self, dataloader: Any) -> LoopData:
+        """Each loader of ``fabric.setup_dataloaders(...)``: read with ``batch()`` through ``rt.epochs``
+        (made at the first ``batch()``), or iterated as Fabric iterates it."""
         loop = self._user_loop()
-        loader, epochs, why = resumable(self._runtime(), dataloader)
-        return loop.data(epochs, _Epochs(loader), lambda b: move_data_to_device(b, self.root_device), len(loader), why)
+        why = unmovable(dataloader)
+
+        def epochs(name: str) -> Any:
+            _, data, _ = resumable(self._runtime(), dataloader, name)
+            return data
+
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        return loop.data(
+            None if why else epochs, _Epochs(dataloader), lambda b: move_data_to_device(b, self.root_device),
+            len(dataloader), why, sampler,
+        )  # fmt: skip
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if kwargs:  # a closure: the optimizer evaluates it inside its step, which a vote cannot split
-            self._user_loop().refuse(f"optimizer.step() was given {sorted(kwargs)}, which the vote cannot carry")
+            self._user_loop().refuse(
+                f"The optimizer's step was given {sorted(kwargs)}: it evaluates a closure inside its step, which the "
+                "per-step vote cannot split; call optimizer.step() after backward, without arguments."
+            )
             return super().optimizer_step(optimizer, **kwargs)
         scaler = self.precision.scaler if isinstance(self.precision, MixedPrecision) else None
         return self._user_loop().vote(optimizer, scaler, lambda: super(FabricStrategy, self).optimizer_step(optimizer))

@@ -5,11 +5,13 @@ Lightning batches), so when it joins it is inside the fit loop at its own sandbo
 the rank it replaces and the joiner are then at the same point of Lightning's code: inside the
 fetch of a step's first batch, before it is read (see ``rlaunch.lightning.strategy``). What tells
 Lightning where it is there lives in the fit loop's progress objects (epochs, batches, optimizer
-steps, scheduler steps, validation batches), the epoch loop's ``_batches_that_stepped`` and the
-data fetcher's ``fetched`` count; all are the same on every rank, so a replica holds them as well
-as the leaver. :class:`LoopPosition` reads them at each step's start and writes them into a
-joiner's loop. These are private attributes of Lightning: ``rlaunch.frameworks`` pins the
-versions they were read from.
+steps, scheduler steps, validation batches), the epoch loop's ``_batches_that_stepped``, the
+data fetcher's ``fetched`` count and the trainer's ``accumulate_grad_batches`` (a
+``GradientAccumulationScheduler`` sets it at each epoch's start: a joiner's is its sandbox's
+epoch's); all are the same on every rank, so a replica holds them as well as the leaver.
+:class:`LoopPosition` reads them at each step's start and writes them into a joiner's loop.
+These are private attributes of Lightning: ``rlaunch.frameworks`` pins the versions they were
+read from. :class:`Monitored` carries the logged values that callbacks decide from.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from pytorch_lightning.loops import _Loop
 from pytorch_lightning.loops.progress import _BaseProgress
 
@@ -55,6 +58,7 @@ class LoopPosition:
             "fetched": int(fetcher.fetched) if fetcher is not None else 0,
             "should_stop": bool(self._trainer.should_stop),
             "skip_next_val": bool(fit.epoch_loop._skip_next_val),
+            "accumulate_grad_batches": int(self._trainer.accumulate_grad_batches),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -81,3 +85,30 @@ class LoopPosition:
             fit._data_fetcher.fetched = held["fetched"]
         self._trainer.should_stop = held["should_stop"]
         fit.epoch_loop._skip_next_val = held["skip_next_val"]
+        self._trainer.accumulate_grad_batches = held["accumulate_grad_batches"]
+
+
+class Monitored:
+    """The logged values that callbacks and plateau schedulers decide from (``monitor=``), as the
+    trainer's ``callback_metrics`` last stored them: a tracked object, so a joiner decides from the values the
+    rank it replaces would have (its own are its sandbox's until the next validation). The strategy
+    tracks it with ``rt.track_if_same``: a value logged without ``sync_dist=True`` differs by rank, and
+    a drain still moves it while a live replacement is refused."""
+
+    def __init__(self, trainer: Any, keys: list[str]) -> None:
+        self._trainer = trainer
+        self._keys = sorted(keys)
+
+    def state_dict(self) -> dict[str, Any]:
+        # The stored values, not trainer.callback_metrics: that property computes the running epoch
+        # values, whose sync_dist=True is a collective (a leaver sends its state alone).
+        metrics = self._trainer._logger_connector._callback_metrics
+        return {key: torch.as_tensor(metrics[key]).detach().clone() for key in self._keys if key in metrics}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        metrics = self._trainer._logger_connector._callback_metrics
+        for key in self._keys:
+            if key in state:
+                metrics[key] = state[key].detach().clone()
+            else:
+                metrics.pop(key, None)

@@ -17,7 +17,11 @@ is Lightning's ``DDPStrategy`` with these hook points (the loop stays Lightning'
   closure, so Lightning's loop never sees the redo. What the discarded attempt logged
   (``self.log``) and did to the callbacks is put back first;
 - with manual optimization the vote is in the ``training_step``'s ``optimizer.step()`` and a
-  discarded step reruns the whole ``training_step``.
+  discarded step reruns the whole ``training_step``;
+- what runs after a step's vote and before the next step (validation, the epoch's end: early
+  stopping's and the checkpoint's decisions across ranks, a plateau scheduler) is never redone:
+  a fault seen there refuses the live move (its collectives gave each rank its own values), and
+  the job restarts from the user's checkpoint.
 
 What it cannot carry is named at ``fit`` time (:mod:`rlaunch.lightning.checks`): the job then
 trains as under Lightning's DDP and takes the restart path on a fault or drain.
@@ -44,14 +48,15 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import require
+from rlaunch.frameworks import refuse_unified_lightning, require
 from rlaunch.lightning import checks
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
-from rlaunch.lightning.position import LoopPosition
+from rlaunch.lightning.position import LoopPosition, Monitored
 from rlaunch.runtime import rng
 from rlaunch.runtime.driven import DrivenSteps
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
+from rlaunch.runtime.vote import RefusedError
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
         require("pytorch-lightning", "rlaunch.lightning.Strategy")
+        refuse_unified_lightning("rlaunch.lightning.Strategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s
@@ -110,7 +116,13 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._redoing = False  # a discarded step is being run again: record nothing
         self._stepped = 0  # manual optimization: optimizer steps in this training_step
         self._discarded = False  # manual optimization: the vote discarded this training_step's step
-        self._checked_windows = False  # the validation interval was checked against accumulation windows
+        self._windows: tuple[Any, Any] | None = None  # (accumulation, validation interval) last checked
+        self._monitors: dict[str, str] = {}  # logged keys that callbacks and plateau schedulers decide from
+        self._logged_seen: set[str] = set()  # keys logged in training that were checked
+        self._metrics: list[Any] = []  # the model's torchmetrics Metric modules
+        self._metric_counts: dict[int, int] = {}  # their update counts at the step's start
+        self._validated = False  # validation ran since the current step began
+        self._epochs_at_begin: int | None = None  # epochs processed (their end's hooks ran) when it began
         self._as_lightning = False  # live moves were refused at setup: the train data is read as Lightning would
         self._read_at = -1  # Lightning's count of batches when the last one was read
 
@@ -158,14 +170,16 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._trainer = trainer
         if self._fitted:
             self._refuse(
-                "trainer.fit() ran a second time in this process, and the runtime's steps are driven by one fit "
-                "only; run one fit per process"
+                "A second trainer.fit() ran in this process, and the runtime's steps are driven by one fit only; "
+                "run one fit per process."
             )
             return
         self._fitted = True
         rt = self._runtime()
         self._stepping = checks.stepping(trainer, self.precision_plugin, self.optimizers)
         refused = ([self._stepping] if self._stepping else []) + checks.refusals(trainer, self)
+        self._monitors = checks.monitors(trainer)
+        self._metrics = _metric_modules(trainer.lightning_module)
         for why in refused:
             self._refuse(why)
         self._as_lightning = bool(refused)  # nothing will move: read the data exactly as Lightning would
@@ -186,6 +200,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if carried:
             self._callbacks = CallbackStates(carried)
             plateau["callbacks"] = self._callbacks
+        if self._monitors:
+            plateau["monitored"] = Monitored(trainer, list(self._monitors))
         if plateau:
             rt.track_if_same(**plateau)
         self._driver = rt.drive()
@@ -195,7 +211,10 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if self._driver is None or trainer is None or not trainer.training:
             return dataloader  # validation, testing, prediction: read as Lightning prepared them
         if self._data is not None:
-            self._refuse("the fit has more than one train loader (or makes it again), whose positions are not carried")
+            self._refuse(
+                "The fit has more than one train loader (or makes it again), whose positions are not carried; use "
+                "one train loader (combine datasets in its dataset), made once."
+            )
             self._data = TrainData(dataloader, None, self._before_read)  # read as it is; its reads still begin steps
             return self._data
         self._data, why = train_data(self._runtime(), dataloader, self._before_read, as_is=self._as_lightning)
@@ -216,8 +235,12 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         """Before each train batch is read: the first batch of a step begins the runtime's step (once,
         however many train loaders Lightning reads it from)."""
         trainer = self._trainer
-        if not self._checked_windows:
-            self._checked_windows = True
+        why = self._fault_after_vote()
+        if why:
+            self._refuse(why)  # the next vote goes to recovery, which refuses the replacement with it
+        windows = (trainer.accumulate_grad_batches, trainer.val_check_batch)
+        if windows != self._windows:
+            self._windows = windows
             why = checks.validation_mid_window(trainer)
             if why:
                 self._refuse(why)
@@ -231,11 +254,45 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
 
     def _begin_step(self) -> None:
         assert self._driver is not None and self._position is not None
+        self._check_logged()
         self._position.capture()
         joined = self._driver.begin()
         self._window, self._reads = [], 0
         if joined:
             self._take_position()
+        self._metric_counts = {id(m): m._update_count for m in self._metrics}
+        self._validated = False
+        self._epochs_at_begin = self._trainer.fit_loop.epoch_progress.total.processed
+
+    def _check_logged(self) -> None:
+        """What the training hooks logged since the last check: refused if it cannot be carried."""
+        results = self._trainer.fit_loop.epoch_loop._results
+        new = [r for key, r in results.items() if key not in self._logged_seen]
+        if new:
+            self._logged_seen.update(results)
+            why = checks.logged_in_training(new, self._monitors)
+            if why:
+                self._refuse(why)
+
+    def _fault_after_vote(self) -> str:
+        """Why this rank must not move live: a fault was seen after validation or an epoch's end ran
+        past the current step's vote ("" otherwise). Their collectives then gave this rank its own
+        values (a failed group hands back each rank's inputs), which the callbacks and a plateau
+        scheduler took, and the step the runtime redoes is the next one: nothing runs them again.
+        (Validation before the first step, Lightning's sanity check, is not counted: a fault in the
+        first step is seen after it, and its values are let go.)"""
+        driver = self._driver
+        if driver is None or driver.step is None or not self._runtime().step_failed:
+            return ""
+        if self._trainer.fit_loop.epoch_progress.total.processed != self._epochs_at_begin:
+            return checks.validation_after_fault("an epoch's end", driver.step)
+        if self._validated:
+            return checks.validation_after_fault("validation", driver.step)
+        return ""
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._validated = True
 
     def _take_position(self) -> None:
         """(a standby that just joined) Continue where the rank it replaces stands: its loop position,
@@ -254,14 +311,20 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
                 if sampler is not None and hasattr(sampler, "rank"):
                     sampler.rank = rank
         # Epoch-level logged values are each rank's own running sums: the sandbox's are let go (the
-        # epoch's values on this rank then cover its steps since the join).
+        # epoch's values on this rank then cover its steps since the join; what decides from such a
+        # value refuses moves: see checks.logged_in_training).
         trainer.fit_loop.epoch_loop._results.clear()
 
     def teardown(self) -> None:
+        why = self._fault_after_vote()
+        if why:
+            self._refuse(why)
         if self._driver is not None:
             self._driver.end()
             self._driver = None
         super().teardown()
+        if why:  # the last validation's values are this rank's own, and no step follows to refuse at
+            raise RefusedError(f"rank {self._runtime().rank}: {why}")
 
     # -- the step: training_step, the vote, the redo -------------------------------------------
 
@@ -305,11 +368,17 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             finally:
                 self._redoing = False
             self._after_closure(module, opt, result)
+            self._check_metrics()
             if self._runtime().optimizer_step(opt, scaler=self._scaler()):
                 return result
             self._redo_window(opt)
             progress.load_state_dict(copy.deepcopy(at_entry))
             redo = True
+
+    def _check_metrics(self) -> None:
+        why = checks.metrics_updated(self._metric_counts, self._metrics)
+        if why:
+            self._refuse(why)
 
     def _after_closure(self, module: Any, opt: torch.optim.Optimizer, result: Any) -> None:
         """What Lightning's precision plugin does between the closure and the step: unscale the
@@ -378,8 +447,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             redo = True
         if self._stepped == 0:
             self._refuse(
-                "with manual optimization, a training_step stepped no optimizer (gradients accumulated by hand), "
-                "so a step spans batches a redo would not run again; step an optimizer in every training_step"
+                "With manual optimization, a training_step stepped no optimizer (gradients accumulated by hand), "
+                "so a step spans batches a redo would not run again; step an optimizer in every training_step, or "
+                "use automatic optimization."
             )
         return out
 
@@ -389,12 +459,14 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             return None  # the step is redone whole: nothing of it is applied
         if self._stepped > 1:
             self._refuse(
-                "with manual optimization, a training_step stepped optimizers more than once, and a step has one "
-                "vote; the later steps are applied without one"
+                "With manual optimization, a training_step stepped optimizers more than once, and a step has one "
+                "vote (the later steps are applied without one); step one optimizer once per training_step, or "
+                "use automatic optimization."
             )
             return self.precision_plugin.optimizer_step(opt, model=module, closure=closure)
         result = closure()
         self._after_closure(module, opt, result)
+        self._check_metrics()
         if not self._runtime().optimizer_step(opt, scaler=self._scaler()):
             self._discarded = True
         return result
@@ -419,3 +491,12 @@ def _relog(results: dict[str, Any], logged: dict[str, tuple[Any, dict[str, Any]]
         for name, value in fields.items():
             setattr(metric, name, value)
         results[key] = metric
+
+
+def _metric_modules(module: Any) -> list[Any]:
+    """The torchmetrics ``Metric`` modules of ``module`` (none when torchmetrics is not installed)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, Metric)]

@@ -293,7 +293,7 @@ class Recovery:
         assert self._s.link is not None
         self._s.link.call("unrecoverable", generation=plan.generation, reason=why)
         raise RefusedError(
-            f"rank {self._s.rank}: {why}. This worker stops so that the job restarts (with --max-restarts) "
+            f"rank {self._s.rank}: {why.rstrip('.')}. This worker stops so that the job restarts (with --max-restarts) "
             "from your checkpoint instead."
         )
 

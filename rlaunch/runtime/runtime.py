@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import datetime
 import gc
 import hashlib
@@ -207,7 +208,9 @@ class Runtime:
         Every object but modules and optimizers must hold the same state on every rank (a replica
         serves a lost rank); the per-step vote checks it and refuses the step otherwise. State that
         differs by rank is declared with :meth:`track_per_rank`. A ``torch.Generator`` the script
-        made is tracked by its state (:class:`rlaunch.runtime.rng.ScriptGenerator`).
+        made is tracked by its state (:class:`rlaunch.runtime.rng.ScriptGenerator`). An object first
+        tracked inside a step (a loader an integration wraps at its first read) starts that step as
+        it is now: a redone step puts it back there.
         """
         tracked = self._s.tracked
         for name, obj in objects.items():
@@ -222,6 +225,11 @@ class Runtime:
                 )
             if name in tracked and tracked[name] is not obj:
                 raise ValueError(f"rt.track() already tracks another object named {name!r}; give each its own name.")
+            start = self._s.start
+            in_step = self._in_step and start is not None and start.step == self._s.step
+            if in_step and name not in tracked and is_stateful(obj):
+                assert start is not None
+                start.states[name] = copy.deepcopy(obj.state_dict())
             tracked[name] = obj
 
     def track_per_rank(self, **objects: Any) -> None:

@@ -4,9 +4,11 @@ end bit-identical to an uninterrupted run and to the framework's own tutorial lo
 Both frameworks leave the loop to the script, so the scripts (``tests/scripts/fabric_train.py``,
 ``tests/scripts/accelerate_train.py``) run their tutorial loop (``--loop epochs``) for the reference
 and its port on ``rt.steps()`` (``--loop steps``) under rlaunch: BatchNorm, dropout, a shuffled
-loader, an LR scheduler, gradient clipping; Fabric with fp16 AMP and a ``GradScaler`` on CPU,
-Accelerate with gradient accumulation and bf16 autocast. One job per framework: a and b train, c
-and d are warm standbys; b is drained to c, then a's node is SIGKILLed and d takes rank 0 live.
+loader, an LR scheduler, gradient clipping, an evaluation loader set up with the train loader and
+iterated as the tutorials do at each epoch's end (inside ``rt.steps()`` in the port: it passes
+through, and a joiner evaluates its new rank's part); Fabric with fp16 AMP and a ``GradScaler`` on
+CPU, Accelerate with gradient accumulation and bf16 autocast. One job per framework: a and b train,
+c and d are warm standbys; b is drained to c, then a's node is SIGKILLed and d takes rank 0 live.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
 
-FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)")
+FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)(?: eval=([-+0-9.e,]+))?")
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -62,9 +64,9 @@ def drain_then_lose_a(cluster: Cluster, script: Path, *args: str, gate_at: int, 
 
 
 FABRIC = SCRIPTS / "fabric_train.py"
-FABRIC_ARGS = ("--precision", "16-mixed")
+FABRIC_ARGS = ("--precision", "16-mixed", "--eval")
 ACCELERATE = SCRIPTS / "accelerate_train.py"
-ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16")
+ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16", "--eval")
 
 
 @pytest.fixture(scope="module")
@@ -115,5 +117,5 @@ def test_a_loop_over_the_loaders_epochs_trains_as_the_framework_does_and_refuses
         )  # fmt: skip
         out = res.stdout + res.stderr
         assert res.returncode == 0 and finals(out) == reference, out[-3000:]
-        why = f"{name}: the training loop iterates the loader's epochs itself (for batch in loader)"
+        why = f"{name}: The training loop iterates the loader's epochs itself (for batch in loader)"
         assert f"live moves are refused: {why}" in out and f"live moves: none: {why}" in out, out[-3000:]

@@ -4,9 +4,11 @@ uninterrupted run and to Lightning's own DDP under plain torchrun.
 The script (``tests/scripts/lightning_train.py``) is written as Lightning's tutorials write one:
 BatchNorm, dropout, ``self.log``, a step-interval LR scheduler, validation every epoch, a shuffled
 loader, checkpointing and logging left on. One job covers several patterns at once: gradient
-accumulation, fp16 AMP with a ``GradScaler`` on CPU, and torchdata's ``StatefulDataLoader(shuffle=True)``,
-whose sampler Lightning wraps in its ``DistributedSamplerWrapper`` (its order comes from the
-sampler's own generator at each epoch's start).
+accumulation scheduled by epoch (a ``GradientAccumulationScheduler``: 2 batches per step in epoch 0,
+4 from epoch 1, so a joiner's sandbox has another window than the epoch it joins), fp16 AMP with a
+``GradScaler`` on CPU, and torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Lightning
+wraps in its ``DistributedSamplerWrapper`` (its order comes from the sampler's own generator at each
+epoch's start). A fault during validation, which no redone step runs again, takes the restart path.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from tests.integration.test_migration import drain, warm
 pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tests need 'rlaunch[lightning]'")
 
 SCRIPT = SCRIPTS / "lightning_train.py"
-PATTERNS = ("--accum", "2", "--precision", "16-mixed", "--loader", "stateful")
-FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+) val_loss=(\S+)")
+PATTERNS = ("--accum-schedule", "0:2,1:4", "--precision", "16-mixed", "--loader", "stateful")
+NUMBER = r"None|[-+0-9.e]+"  # not \S+: two ranks' lines may reach the output unseparated
+FINAL = re.compile(
+    rf"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+) val_loss=({NUMBER})(?: plateau=([-+0-9.e,]+))?"
+)
 JOINED = re.compile(r"rank \d+ joined at epoch (\d+) batch (\d+)")
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,16 +54,18 @@ def run(launcher: list[str], *args: str, root: Path) -> dict[int, tuple[str, ...
 
 def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluster: Cluster, tmp_path: Path) -> None:
     """a and b train on one rank each, c and d are warm standbys. b is drained to c early on; at
-    global step 25 (mid-epoch 2) a's node is SIGKILLed and d takes rank 0 live: the step is redone
-    inside Lightning's optimizer step, and d takes a's loop position, data position and callbacks
-    from c. Both must end as Lightning's DDP does under torchrun, and as an uninterrupted run."""
+    global step 17 (mid-epoch 2: epoch 0 has 10 steps of 2 batches, epochs 1 and 2 have 5 of 4) a's
+    node is SIGKILLed and d takes rank 0 live: the step is redone inside Lightning's optimizer step,
+    and d takes a's loop position (the window of 4 included: its sandbox ran epoch 0's 2), data
+    position and callbacks from c. Both must end as Lightning's DDP does under torchrun, and as an
+    uninterrupted run."""
     ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", root=tmp_path / "ddp")
     assert ddp[0] == ddp[1], "Lightning's DDP keeps its replicas equal"
     gates = cluster.tmp / "gate", cluster.tmp / "drained"
     root = tmp_path / "job"
     agents = cluster.agents_in_order(
         ["a", "b", "c", "d"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(root), *PATTERNS,
-        "--step-time", "0.1", "--gate", f"{gates[0]}:2", "--gate", f"{gates[1]}:22", "--die", "0:25",
+        "--step-time", "0.1", "--gate", f"{gates[0]}:2", "--gate", f"{gates[1]}:14", "--die", "0:17",
         flags=("--max-restarts", "1"),
     )  # fmt: skip
     a, b, c, d = agents
@@ -73,14 +80,14 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     assert "[d/0] rank 0 final" in d.output() and "[c/1] rank 1 final" in c.output()
     assert JOINED.search(c.output()), "c joined where the drain switched (the test does not choose where)"
     d_joined = JOINED.search(d.output())
-    assert d_joined and d_joined.groups() == ("2", "10"), "d joined mid-epoch: global step 25 is epoch 2, batch 10"
-    assert "'resume_at': 25" in c.output(), "step 25 is discarded and redone inside Lightning's optimizer step"
+    assert d_joined and d_joined.groups() == ("2", "8"), "d joined mid-epoch: global step 17 is epoch 2, batch 8"
+    assert "'resume_at': 17" in c.output(), "step 17 is discarded and redone inside Lightning's optimizer step"
     assert "event recovered" in c.output() and "'sends_to': [0]" in c.output(), "c sends rank 0 its state"
     assert "event joined" in d.output() and "live moves are refused" not in c.output() + d.output()
     # The checkpoint callback's state moved: d, now rank 0, saved the last epoch's checkpoint where a
     # saved the others, and removed the one before it as a would have (save_top_k=1).
     kept = sorted(p.name for p in root.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
-    assert kept == ["epoch=2-step=30.ckpt"], kept
+    assert kept == ["epoch=2-step=20.ckpt"], kept
     assert run(["rlaunch", "--standalone"], root=tmp_path / "uninterrupted") == ddp
 
 
@@ -106,6 +113,25 @@ def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster:
     assert [x.wait(240) for x in (b, c)] == [0, 0], (b.output()[-3000:], c.output()[-3000:])
     assert "'resume_at': 25" in b.output() and "event joined" in c.output()
     assert finals(b.output() + c.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
+
+
+def test_a_fault_during_validation_takes_the_restart_path(cluster: Cluster, tmp_path: Path) -> None:
+    """Validation runs after a step's vote, and a ReduceLROnPlateau steps on its synced val_loss. a's
+    worker is SIGKILLed in epoch 0's validation: b's sync of val_loss then gives b's own value (a failed
+    group hands back each rank's input), which its plateau scheduler took, and no redone step runs the
+    validation again. So b refuses the live replacement with a sentence, and the job restarts (the
+    script keeps no checkpoint: from the start), ending as Lightning's DDP does."""
+    args = ("--plateau", "--epochs", "2")
+    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
+    a, b = cluster.agents_in_order(
+        ["a", "b"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *PATTERNS, *args,
+        "--crash-in-validation", "0:0", flags=("--max-restarts", "2"),
+    )  # fmt: skip
+    assert [x.wait(300) for x in (a, b)] == [0, 0], (a.output()[-3000:], b.output()[-3000:])
+    why = "rlaunch.lightning: A fault was seen after an epoch's end ran past step 9's vote"
+    assert f"live moves are refused: {why}" in b.output(), b.output()[-3000:]
+    assert "event replacement_refused" in b.output() and "event recovered" not in b.output()
+    assert finals(a.output() + b.output()) == ddp, "the restarted job ends as Lightning's DDP does"
 
 
 def test_what_cannot_move_is_named_at_start_and_the_job_trains_as_lightnings_ddp(tmp_path: Path) -> None:

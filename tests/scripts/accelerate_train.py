@@ -7,10 +7,14 @@ step per gradient-accumulation window, each batch from ``train_dataloader.batch(
 ``--prepare accelerate`` uses ``accelerator.prepare`` itself (as the tutorial does), ``rlaunch`` the
 adapter. The model has BatchNorm and dropout, the loader shuffles, an LR scheduler steps with the
 optimizer; ``--accum N`` accumulates gradients over N batches, ``--mixed-precision bf16`` runs CPU
-autocast. Test hooks as in ``lightning_train.py``: ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``
-(STEP counts optimizer steps).
+autocast. ``--eval`` prepares an evaluation loader with the rest (``prepare(accelerator, rt, model,
+optimizer, train_dataloader, eval_dataloader, lr_scheduler)``, as the tutorial does) and evaluates
+at each epoch's end, iterating it as the tutorial does (in the port, inside ``rt.steps()``); its
+summed loss over every rank's part is in the final line. Test hooks as in ``lightning_train.py``:
+``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP`` (STEP counts optimizer steps).
 
-At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N``.
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N`` (and
+`` eval=<losses>`` with ``--eval``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ def digest(values: list[object]) -> str:
     return h.hexdigest()[:16]
 
 
+class Evals:
+    """The evaluation losses so far: the port tracks them (``rt.track``), so a joiner continues the list of the
+    rank it replaces (a script's own state, as any such loop would keep it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = list(state["values"])
+
+
 def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
     """The test's faults and gates, at the start of an optimizer step's window."""
     active = os.environ.get("RLAUNCH_ROLE") == "active"
@@ -59,6 +77,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--mixed-precision", default="no")
+    ap.add_argument("--eval", action="store_true", help="an evaluation loader, evaluated at each epoch's end")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -74,17 +93,29 @@ def main() -> None:
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision, cpu=True)
 
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(640, 16, generator=g)
-    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(640, 1, generator=g)
-    train_dataloader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    x = torch.randn(704, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(704, 1, generator=g)
+    train_dataloader = DataLoader(TensorDataset(x[:640], y[:640]), batch_size=16, shuffle=True)
+    eval_dataloader = DataLoader(TensorDataset(x[640:], y[640:]), batch_size=16)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
-    objects = (model, optimizer, train_dataloader, lr_scheduler)
+    objects = (model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     if rt is not None:
-        model, optimizer, train_dataloader, lr_scheduler = rlaunch.accelerate.prepare(accelerator, rt, *objects)
+        prepared = rlaunch.accelerate.prepare(accelerator, rt, *objects)
     else:
-        model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*objects)
+        prepared = accelerator.prepare(*objects)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = prepared
+    evals = Evals()
+
+    def evaluate() -> None:
+        model.eval()
+        total = torch.zeros(())
+        with torch.no_grad():
+            for inputs, targets in eval_dataloader:
+                total += nn.functional.mse_loss(model(inputs).float(), targets, reduction="sum")
+        evals.values.append(float(accelerator.reduce(total, reduction="sum")))
+        model.train()
 
     def train_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         with accelerator.accumulate(model):
@@ -106,20 +137,27 @@ def main() -> None:
                 train_batch(batch)
                 if args.step_time and accelerator.sync_gradients:
                     time.sleep(args.step_time)
+            if args.eval:
+                evaluate()
     else:  # the port: one runtime step per accumulation window
         assert rt is not None
-        for step in rt.steps(args.epochs * len(train_dataloader) // args.accum):
+        rt.track(evals=evals)
+        per_epoch = len(train_dataloader) // args.accum
+        for step in rt.steps(args.epochs * per_epoch):
             hooks(args, accelerator.process_index, step)
             for _ in range(args.accum):
                 train_batch(train_dataloader.batch())
             if args.step_time:
                 time.sleep(args.step_time)
+            if args.eval and (step + 1) % per_epoch == 0:
+                evaluate()
     inner = optimizer.optimizer
     optim = [t for s in inner.state.values() for t in s.values()] + [sorted(lr_scheduler.state_dict().items())]
     unwrapped = accelerator.unwrap_model(model)
+    shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""
     print(
         f"rank {accelerator.process_index} final: params={digest(list(unwrapped.state_dict().values()))} "
-        f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}",
+        f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}{shown}",
         flush=True,
     )
 

@@ -4,10 +4,14 @@
 is the port that moves live: the same body on ``rt.steps()``, each batch from ``dataloader.batch()``,
 the scheduler tracked with ``rt.track``. ``--strategy ddp`` runs Fabric's own DDP, ``rlaunch`` the
 ``FabricStrategy``. The model has BatchNorm and dropout, the loader shuffles, the LR scheduler steps
-every step; ``--precision 16-mixed`` runs fp16 AMP with a ``GradScaler`` on CPU. Test hooks as in
-``lightning_train.py``: ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``.
+every step; ``--precision 16-mixed`` runs fp16 AMP with a ``GradScaler`` on CPU. ``--eval`` sets an
+evaluation loader up with the train loader (``fabric.setup_dataloaders(train, val)``) and evaluates
+at each epoch's end, iterating it as Fabric's docs do (in the port, inside ``rt.steps()``); its summed
+loss over every rank's part is in the final line. Test hooks as in ``lightning_train.py``:
+``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``.
 
-At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N``.
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N`` (and
+`` eval=<losses>`` with ``--eval``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,20 @@ def digest(values: list[object]) -> str:
     return h.hexdigest()[:16]
 
 
+class Evals:
+    """The evaluation losses so far: the port tracks them (``rt.track``), so a joiner continues the list of the
+    rank it replaces (a script's own state, as any such loop would keep it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = list(state["values"])
+
+
 def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
     """The test's faults and gates, at the start of a step (see the module docstring)."""
     active = os.environ.get("RLAUNCH_ROLE") == "active"
@@ -56,6 +74,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--eval", action="store_true", help="an evaluation loader, evaluated at each epoch's end")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -78,14 +97,28 @@ def main() -> None:
     fabric.launch()
 
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(640, 16, generator=g)
-    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(640, 1, generator=g)
-    dataloader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    x = torch.randn(704, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(704, 1, generator=g)
+    dataloader = DataLoader(TensorDataset(x[:640], y[:640]), batch_size=16, shuffle=True)
+    val_dataloader = DataLoader(TensorDataset(x[640:], y[640:]), batch_size=16)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
     model, optimizer = fabric.setup(model, optimizer)
-    dataloader = fabric.setup_dataloaders(dataloader)
+    if args.eval:
+        dataloader, val_dataloader = fabric.setup_dataloaders(dataloader, val_dataloader)
+    else:
+        dataloader = fabric.setup_dataloaders(dataloader)
+    evals = Evals()
+
+    def evaluate() -> None:
+        model.eval()
+        total = torch.zeros(())
+        with torch.no_grad():
+            for inputs, target in val_dataloader:
+                total += nn.functional.mse_loss(model(inputs).float(), target, reduction="sum")
+        evals.values.append(float(fabric.all_reduce(total, reduce_op="sum")))
+        model.train()
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         inputs, target = batch
@@ -106,18 +139,26 @@ def main() -> None:
                 hooks(args, fabric.global_rank, step)
                 train_step(batch)
                 step += 1
+            if args.eval:
+                evaluate()
     else:  # the port: the same body on the runtime's steps
         rt = fabric.strategy.rt
-        rt.track(scheduler=scheduler)
+        rt.track(scheduler=scheduler, evals=evals)
         for step in rt.steps(args.epochs * len(dataloader)):
             hooks(args, fabric.global_rank, step)
             train_step(dataloader.batch())
+            if args.eval and (step + 1) % len(dataloader) == 0:
+                evaluate()
     optim = [t for s in optimizer.state.values() for t in s.values()] + [sorted(scheduler.state_dict().items())]
+    shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""
     print(
         f"rank {fabric.global_rank} final: params={digest(list(model.state_dict().values()))} optim={digest(optim)} "
-        f"steps={scheduler.last_epoch}",
+        f"steps={scheduler.last_epoch}{shown}",
         flush=True,
     )
+    if args.strategy == "ddp":  # torch's group, released now: left to interpreter teardown, gloo may abort there
+        fabric.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

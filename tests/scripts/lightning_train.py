@@ -6,7 +6,10 @@ download) with a shuffled ``DataLoader``, ``pl.seed_everything`` and a ``Trainer
 (checkpointing, logging) are left on. The only line rlaunch needs is the strategy
 (``--strategy rlaunch``; ``--strategy ddp`` runs Lightning's own DDP, as under plain torchrun).
 
-Flags choose the patterns: ``--accum`` (gradient accumulation), ``--precision 16-mixed`` (AMP with a
+Flags choose the patterns: ``--accum`` (gradient accumulation), ``--accum-schedule 0:2,1:4`` (a
+``GradientAccumulationScheduler``: 2 batches per step in epoch 0, 4 from epoch 1), ``--plateau`` (a
+``ReduceLROnPlateau`` on the synced ``val_loss`` instead of the step-interval scheduler; the final line
+then lists the values it stepped on), ``--precision 16-mixed`` (AMP with a
 ``GradScaler`` on CPU, through Lightning's ``MixedPrecision`` plugin), ``--manual`` (manual
 optimization), ``--limit`` (``limit_train_batches``, which the integration refuses), ``--loader
 stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Lightning wraps in its
@@ -14,9 +17,11 @@ stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Ligh
 ``--seed-workers`` (``seed_everything(workers=True)``). Test hooks: ``--step-time``
 slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
 (repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
-global step.
+global step, ``--crash RANK:STEP`` that rank's worker alone, and ``--crash-in-validation RANK:EPOCH``
+that rank's worker alone at the first batch of that epoch's validation (in the job's first attempt only).
 
-At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``.
+At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``
+(and `` plateau=[...]`` with ``--plateau``).
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class LitRegressor(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, manual: bool = False) -> None:
+    def __init__(self, lr: float = 1e-2, manual: bool = False, plateau: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = not manual
+        self.plateau_seen: list[float] = []  # the values a plateau scheduler stepped on
         self.net = nn.Sequential(
             nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
             nn.Linear(32, 1),
@@ -67,8 +73,16 @@ class LitRegressor(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, object]:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.plateau:
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler: object, metric: object) -> None:
+        if metric is not None:
+            self.plateau_seen.append(float(metric))  # type: ignore[arg-type]
+        super().lr_scheduler_step(scheduler, metric)  # type: ignore[arg-type]
 
 
 class Jittered(TensorDataset):
@@ -105,12 +119,13 @@ class RandomData(pl.LightningDataModule):
 class TestHooks(pl.Callback):
     """Slows steps down, holds them at a gate, or kills this rank's node (see the module docstring)."""
 
-    def __init__(self, step_time: float, gates: list[str], die: str, crash: str = "") -> None:
+    def __init__(self, step_time: float, gates: list[str], die: str, crash: str = "", crash_in_val: str = "") -> None:
         self.step_time = step_time
         self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
         self.die = tuple(int(v) for v in die.split(":")) if die else None
         self.joined = False
         self.crash = tuple(int(v) for v in crash.split(":")) if crash else None
+        self.crash_in_val = tuple(int(v) for v in crash_in_val.split(":")) if crash_in_val else None
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
@@ -132,6 +147,13 @@ class TestHooks(pl.Callback):
         if self.step_time:
             time.sleep(self.step_time)
 
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        first_attempt = os.environ.get("RLAUNCH_ROLE") == "active" and not restarted
+        at = (trainer.global_rank, trainer.current_epoch)
+        if self.crash_in_val == at and first_attempt and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker alone, while the others validate
+
 
 def digest(values: list[object]) -> str:
     h = hashlib.sha256()
@@ -150,6 +172,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--accum-schedule", default="", help="EPOCH:N,...: a GradientAccumulationScheduler")
+    ap.add_argument("--plateau", action="store_true", help="ReduceLROnPlateau on val_loss")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--manual", action="store_true")
     ap.add_argument("--loader", choices=["plain", "stateful"], default="plain")
@@ -163,6 +187,7 @@ def main() -> None:
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
     ap.add_argument("--crash", default="", help="RANK:STEP: that rank's worker alone is SIGKILLed there")
+    ap.add_argument("--crash-in-validation", default="", help="RANK:EPOCH: ... in that epoch's validation")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -180,22 +205,29 @@ def main() -> None:
 
         plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8)))
         precision = None
-    model = LitRegressor(manual=args.manual)
+    model = LitRegressor(manual=args.manual, plateau=args.plateau)
+    hooks = TestHooks(args.step_time, args.gate, args.die, args.crash, args.crash_in_validation)
+    callbacks: list[pl.Callback] = [hooks]
+    if args.accum_schedule:
+        schedule = dict(tuple(int(v) for v in part.split(":")) for part in args.accum_schedule.split(","))
+        callbacks.append(pl.callbacks.GradientAccumulationScheduler(schedule))
     trainer = pl.Trainer(
         max_epochs=args.epochs, limit_train_batches=args.limit, accelerator="cpu", devices=args.devices,
         num_nodes=args.nodes, strategy=strategy, reload_dataloaders_every_n_epochs=int(args.reload),
         precision=precision, plugins=plugins, accumulate_grad_batches=args.accum,
         gradient_clip_val=None if args.manual else 0.5, default_root_dir=args.root, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[TestHooks(args.step_time, args.gate, args.die, args.crash)],
+        enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(model, datamodule=RandomData(args.loader, args.workers, args.augment))
     opt = trainer.optimizers[0]
     optim = [t for s in opt.state.values() for t in s.values()]
     optim += [sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict().items())]
     val = trainer.callback_metrics.get("val_loss")
+    seen = f" plateau={','.join(repr(v) for v in model.plateau_seen)}" if args.plateau else ""
     line = (
         f"rank {trainer.global_rank} final: params={digest(list(model.state_dict().values()))} "
-        f"optim={digest(optim)} steps={trainer.global_step} val_loss={float(val) if val is not None else None!r}\n"
+        f"optim={digest(optim)} steps={trainer.global_step} "
+        f"val_loss={float(val) if val is not None else None!r}{seen}\n"
     )
     # One write: under torchrun both ranks share one pipe, and a line the buffer split in two could
     # be cut by the other rank's output.

@@ -3,7 +3,9 @@ the sentences the Lightning integration says at fit time for what it does not ca
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,9 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
         def state_dict(self) -> dict[str, object]:
             return {"best": Score(0.5)}  # an object of its own class: torch.load(weights_only=True) refuses it
 
+    swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)
     trainer = pl.Trainer(
-        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps()], logger=False,
+        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.strategy._lightning_module = Module()
@@ -74,10 +77,58 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     found = checks.refusals(trainer, Strategy())
     assert any(s.startswith("Trainer(limit_train_batches=5) ends epochs before their loader does") for s in found)
     assert any("reload_dataloaders_every_n_epochs=1" in s for s in found)
-    assert any(s.startswith("training_step(dataloader_iter) reads batches itself") for s in found)
+    assert any(s.startswith("The training_step takes dataloader_iter and reads batches itself") for s in found)
     assert any("model averaging" in s for s in found)
-    assert any(s.startswith("the callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
+    assert any(s.startswith("The callback Keeps keeps state that cannot travel to a joiner safely") for s in found)
+    for sentence in found:  # each names the value and what to do instead, as a sentence
+        assert sentence[0].isupper() and sentence.endswith(".") and "; " in sentence, sentence
+    assert any(s.startswith("The callback StochasticWeightAveraging changes the model") for s in found)
     assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
-    assert "LBFGS" in checks.stepping(trainer, trainer.precision_plugin, [lbfgs])
+    assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
     assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
+
+
+def _fresh_import(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> pytest.ExceptionInfo[UsageError]:
+    """``import rlaunch.lightning`` afresh with only ``versions`` installed: Lightning's own modules cannot be
+    imported (as when it is missing), so the sentence must come before anything imports them."""
+
+    def version(name: str) -> str:
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    for name in [m for m in sys.modules if m == "rlaunch.lightning" or m.startswith("rlaunch.lightning.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("pytorch_lightning", "lightning_fabric"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    with pytest.raises(UsageError) as err:
+        importlib.import_module("rlaunch.lightning")
+    return err
+
+
+def test_a_missing_or_unsupported_lightning_is_refused_at_import_with_a_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    err = _fresh_import(monkeypatch, {"lightning-fabric": "2.6.6"})
+    assert str(err.value).startswith("rlaunch.lightning needs pytorch-lightning >=2.6,<2.7, which is not installed")
+    err = _fresh_import(monkeypatch, {"pytorch-lightning": "2.6.6", "lightning-fabric": "2.7.0"})
+    assert str(err.value).startswith("rlaunch.lightning supports lightning-fabric >=2.6,<2.7")
+    # The unified package installed instead: the sentence says what to install and import.
+    err = _fresh_import(monkeypatch, {"lightning": "2.6.6"})
+    assert "uses the unified lightning package (import lightning as L)" in str(err.value)
+    assert "import pytorch_lightning as pl" in str(err.value) and str(err.value).endswith(".")
+
+
+def test_a_script_on_the_unified_lightning_package_is_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import lightning as L``: its Trainer takes only lightning.pytorch strategies (a traceback from inside it)."""
+    pytest.importorskip("pytorch_lightning")
+    import types
+
+    import rlaunch.lightning
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", types.ModuleType("lightning.pytorch"))
+    for strategy in (rlaunch.lightning.Strategy, rlaunch.lightning.FabricStrategy):
+        with pytest.raises(UsageError, match=r"uses the unified lightning package \(import lightning as L\)"):
+            strategy()

@@ -6,10 +6,13 @@ import datetime
 
 import torch
 from torch.distributed import HashStore
+from torch.utils.data import DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.groups import SandboxComm
 from rlaunch.runtime.runtime import Runtime
-from rlaunch.userloop import LOOP_REFUSAL, UserLoop
+from rlaunch.userloop import LOOP_REFUSAL, LoopData, UserLoop
 
 
 def _runtime() -> Runtime:
@@ -36,7 +39,7 @@ def test_the_vote_is_cast_inside_rt_steps_and_an_optimizer_stepped_outside_refus
     assert stepped == [] and rt._s.refused == "", "voted and applied by the runtime"
     loop.vote(opt, None, lambda: stepped.append(9))
     assert stepped == [9], "outside rt.steps() the step is applied as the framework would"
-    assert rt._s.refused.startswith("rlaunch.test: the optimizer stepped outside rt.steps()")
+    assert rt._s.refused.startswith("rlaunch.test: The optimizer stepped outside rt.steps()")
 
 
 def test_an_accumulation_window_spanning_two_steps_refuses_moves() -> None:
@@ -55,20 +58,105 @@ def test_an_accumulation_window_spanning_two_steps_refuses_moves() -> None:
             loop.micro_step()  # its optimizer step comes in the next step
         else:
             loop.vote(opt, None, opt.step)
-    assert "a gradient-accumulation window spans several steps of rt.steps()" in rt._s.refused
+    assert "A gradient-accumulation window spans several steps of rt.steps()" in rt._s.refused
 
 
 def test_a_loop_over_the_loaders_epochs_refuses_moves_and_drives_the_steps() -> None:
+    """The framework's tutorial loop: a loader iterated as it is, an optimizer step outside rt.steps()."""
     rt = _runtime()
     model, opt = _model()
     rt.track(model=model, optimizer=opt)
     loop = UserLoop(rt, "rlaunch.test")
     data = loop.data(None, [torch.ones(1, 2)] * 3, lambda b: b, 3, "unused")
-    seen = 0
-    for batch in data:
-        assert rt.in_step, "each read after a vote begins a runtime step"
-        model(batch).sum().backward()
-        loop.vote(opt, None, opt.step)
-        seen += 1
-    assert seen == 3 and rt._s.refused == f"rlaunch.test: {LOOP_REFUSAL}"
+    steps = []
+    for _epoch in range(2):
+        for batch in data:
+            model(batch).sum().backward()
+            loop.vote(opt, None, opt.step)
+            steps.append(rt.step if rt.in_step else None)
+    assert steps == [0, 1, 2, 3, 4, 5], "the first vote begins a runtime step, then each read after a vote does"
+    assert rt._s.refused == f"rlaunch.test: {LOOP_REFUSAL}"
     loop.end()
+
+
+class Batches:
+    """A tiny StatefulDataLoader over numbered rows, with a DistributedSampler (its ``rank`` is a rank's part)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        dataset = TensorDataset(torch.arange(16.0).reshape(8, 2))
+        self.sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        self.loader = StatefulDataLoader(dataset, batch_size=2, sampler=self.sampler)
+
+
+def _data(rt: Runtime, loop: UserLoop, made: list[str]) -> tuple[LoopData, Batches]:
+    batches = Batches()
+
+    def epochs(name: str) -> EpochLoader:
+        made.append(name)
+        return rt.epochs(batches.loader, sampler=batches.sampler, name=name)
+
+    return loop.data(epochs, batches.loader, lambda b: b, len(batches.loader), "", batches.sampler), batches
+
+
+def test_each_loader_has_its_own_name_and_one_iterated_as_it_is_passes_through() -> None:
+    """A train loader read with batch() and an evaluation loader iterated as it is, inside rt.steps() and
+    outside: rt.epochs is made at the first batch() only, and the evaluation moves nothing and refuses nothing."""
+    rt = _runtime()
+    model, opt = _model()
+    rt.track(model=model, optimizer=opt)
+    loop = UserLoop.of(rt, "rlaunch.test")
+    assert UserLoop.of(rt, "rlaunch.other") is loop, "every prepare() of the script shares the runtime's loop"
+    made: list[str] = []
+    (train, _), (evaluation, _) = _data(rt, loop, made), _data(rt, loop, made)
+    assert (train.name, evaluation.name) == ("data", "data1") and made == []
+    assert sum(len(b[0]) for b in evaluation) == 4, "before the loop: read as it is (rank 0's 4 rows of 8)"
+    seen = []
+    for step in rt.steps(4):
+        model(train.batch()[0][:, :2].float()).sum().backward()
+        loop.vote(opt, None, opt.step)
+        if step % 2 == 1:
+            seen.append([b[0].tolist() for b in evaluation])  # after the step's vote, as a tutorial evaluates
+    assert made == ["data"] and "data1" not in rt._s.tracked, "the evaluation loader is never tracked"
+    assert rt._s.refused == "" and seen[0] == seen[1] == [[[0.0, 1.0], [4.0, 5.0]], [[8.0, 9.0], [12.0, 13.0]]]
+
+
+def test_a_loader_iterated_across_steps_refuses_moves() -> None:
+    """next(iterator) on one iterator across steps of rt.steps(): a joiner's iterator is its own."""
+    rt = _runtime()
+    model, opt = _model()
+    rt.track(model=model, optimizer=opt)
+    loop = UserLoop(rt, "rlaunch.test")
+    data, _ = _data(rt, loop, [])
+    it = iter(data)
+    for _ in rt.steps(2):
+        model(next(it)[0].float()).sum().backward()
+        loop.vote(opt, None, opt.step)
+    assert rt._s.refused.startswith("rlaunch.test: The prepared loader 'data' was read by iterating it")
+
+
+def test_a_joiner_reads_its_new_ranks_part_of_a_loader_iterated_as_it_is() -> None:
+    rt = _runtime()
+    loop = UserLoop(rt, "rlaunch.test")
+    data, batches = _data(rt, loop, [])
+    rt._s.rank = 1  # as a standby's, once it took rank 1
+    loop.joined()
+    assert batches.sampler.rank == 1 and [b[0].tolist() for b in data][0] == [[2.0, 3.0], [6.0, 7.0]]
+
+
+def test_a_loader_first_read_inside_a_step_is_put_back_when_the_step_is_redone() -> None:
+    """rt.epochs is made at the first batch(), inside step 0: the step's start holds its first position,
+    so a redone step 0 reads the same batch again, not the next one."""
+    rt = _runtime()
+    model, opt = _model()
+    rt.track(model=model, optimizer=opt)
+    loop = UserLoop(rt, "rlaunch.test")
+    data, _ = _data(rt, loop, [])
+    read = []
+    for step in rt.steps(2):
+        read.append(data.batch()[0].tolist())
+        if step == 0 and len(read) == 1:
+            rt._s.resume_at = 0  # the step is discarded (a fault): rt.steps() yields it again
+            continue
+        model(torch.tensor(read[-1])).sum().backward()
+        loop.vote(opt, None, opt.step)
+    assert read[0] == read[1] != read[2], read

@@ -1,0 +1,211 @@
+"""What ``rlaunch.lightning.Strategy`` refuses or carries, seen in real one-rank fits of a tiny model
+(a runtime without an agent, as under plain torchrun; nothing moves, so the refusals are read from
+the runtime and the carried state from the tracked objects)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import HashStore
+from torch.utils.data import DataLoader, TensorDataset
+
+from rlaunch.runtime.groups import SandboxComm
+from rlaunch.runtime.runtime import Runtime
+from rlaunch.runtime.vote import RefusedError
+
+pl = pytest.importorskip("pytorch_lightning")
+torchmetrics = pytest.importorskip("torchmetrics")
+
+import rlaunch.lightning  # noqa: E402 - after the skip: it imports Lightning
+
+
+def _runtime() -> Runtime:
+    return Runtime(
+        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
+        standby=False, sandbox_steps=0, timeout=datetime.timedelta(seconds=10),
+    )  # fmt: skip
+
+
+class Tiny(pl.LightningModule):
+    """A linear regressor that logs its loss in training (``log_on_epoch``) and validation."""
+
+    def __init__(self, log_on_epoch: bool = True, metric: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.log_on_epoch = log_on_epoch
+        self.mean = torchmetrics.aggregation.MeanMetric() if metric else None
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=self.log_on_epoch)
+        if self.mean is not None:
+            self.mean(loss.detach())
+            self.log("mean_loss", self.mean, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WarmUp(Tiny):
+    """An LR warm-up written in an overridden ``optimizer_step``, as Lightning's docs show one."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.trainer.global_step + 1) / 4)
+        optimizer.step(closure=optimizer_closure)
+
+
+def _fit(rt: Runtime, module: pl.LightningModule, tmp: Path, epochs: int = 2, **trainer: Any) -> Any:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    fit = pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, strategy=rlaunch.lightning.Strategy(rt=rt), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp, **trainer,
+    )  # fmt: skip
+    fit.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    return fit
+
+
+def _sentence(refused: str) -> str:
+    prefix = "rlaunch.lightning: "
+    assert refused.startswith(prefix), refused
+    why = refused[len(prefix) :]
+    assert why[0].isupper() and why.endswith("."), f"not a sentence: {why!r}"
+    return why
+
+
+def test_a_monitor_on_an_epoch_level_value_logged_in_training_refuses_moves(tmp_path: Path) -> None:
+    rt = _runtime()
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="train_loss_epoch", dirpath=tmp_path)
+    _fit(rt, Tiny(), tmp_path, callbacks=[checkpoint])
+    assert _sentence(rt._s.refused).startswith(
+        "ModelCheckpoint(monitor='train_loss_epoch') reads 'train_loss_epoch', an epoch-level value logged in training"
+    )
+    # the plain name reads the epoch value too at an epoch's end; a plateau scheduler is named as well
+    rt = _runtime()
+    _fit(rt, Tiny(), tmp_path, callbacks=[pl.callbacks.EarlyStopping(monitor="train_loss", patience=5)])
+    assert "EarlyStopping(monitor='train_loss') reads 'train_loss'" in rt._s.refused
+
+
+def test_a_monitor_on_a_validation_value_moves_and_its_value_is_carried(tmp_path: Path) -> None:
+    rt = _runtime()
+    trainer = _fit(rt, Tiny(), tmp_path, callbacks=[pl.callbacks.EarlyStopping(monitor="val_loss", patience=5)])
+    assert rt._s.refused == ""
+    monitored = rt._s.tracked["monitored"]
+    state = monitored.state_dict()
+    assert set(state) == {"val_loss"} and torch.equal(state["val_loss"], trainer.callback_metrics["val_loss"])
+    # A joiner's callback_metrics are its sandbox's until it validates: it takes the sender's.
+    joiner = pl.Trainer(logger=False)
+    type(monitored)(joiner, ["val_loss"]).load_state_dict(state)
+    assert torch.equal(joiner.callback_metrics["val_loss"], state["val_loss"])
+
+
+def test_a_torchmetrics_metric_in_training_refuses_moves(tmp_path: Path) -> None:
+    rt = _runtime()
+    _fit(rt, Tiny(log_on_epoch=False, metric=True), tmp_path)
+    assert _sentence(rt._s.refused).startswith("A torchmetrics MeanMetric")
+
+
+def test_an_overridden_optimizer_step_refuses_moves_at_start(tmp_path: Path) -> None:
+    rt = _runtime()
+    _fit(rt, WarmUp(log_on_epoch=False), tmp_path, epochs=1)
+    assert _sentence(rt._s.refused).startswith("WarmUp.optimizer_step is overridden")
+
+
+class Position(pl.Callback):
+    """What the loop position held at each step's start (``on_train_batch_start`` runs after the fetch)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.held: list[int] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.held.append(self.rt._s.tracked["lightning"].state_dict()["accumulate_grad_batches"])
+
+
+def test_the_loop_position_carries_a_scheduled_accumulation(tmp_path: Path) -> None:
+    """A GradientAccumulationScheduler sets accumulate_grad_batches at each epoch's start; a joiner's is
+    its sandbox epoch's, so the position carries the sender's."""
+    rt = _runtime()
+    seen = Position(rt)
+    scheduler = pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})
+    trainer = _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[scheduler, seen])
+    assert rt._s.refused == ""
+    assert seen.held == [1, 1, 1, 1, 2, 2, 2, 2], "each batch of epoch 1 is read with the position of epoch 1's steps"
+    position = rt._s.tracked["lightning"]
+    trainer.accumulate_grad_batches = 1  # as a joiner's sandbox in epoch 0 has it
+    position.apply()
+    assert trainer.accumulate_grad_batches == 2
+
+
+def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed group hands back each rank's own values: a fault during the epoch's end (validation, the
+    callbacks' decisions) is seen at the next step's first read, and refuses the move there."""
+    failed = [False]
+    monkeypatch.setattr(Runtime, "step_failed", property(lambda self: failed[0]))
+
+    class FaultInValidation(pl.Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            failed[0] = not trainer.sanity_checking and trainer.current_epoch == 0
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            failed[0] = False  # the step's vote would go to recovery: here it is applied as usual
+
+    rt = _runtime()
+    _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInValidation()])
+    assert _sentence(rt._s.refused).startswith("A fault was seen after an epoch's end ran past step 3's vote")
+
+    # Validation in the middle of an epoch (every 2 batches), the same.
+    class FaultInMidEpochValidation(pl.Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            failed[0] = trainer.global_step == 2
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            failed[0] = False
+
+    rt = _runtime()
+    _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInMidEpochValidation()], val_check_interval=2)
+    assert _sentence(rt._s.refused).startswith("A fault was seen after validation ran past step 1's vote")
+
+    # In the last epoch's validation no step follows to refuse at: the fit ends with the sentence.
+    class FaultInLastValidation(pl.Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            failed[0] = not trainer.sanity_checking and trainer.current_epoch == 1
+
+    with pytest.raises(RefusedError, match=r"^rank 0: A fault was seen after an epoch's end ran past step 7's vote"):
+        _fit(_runtime(), Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInLastValidation()])
+    failed[0] = False
+    # A fault inside a step (seen at its second micro-batch's read), after the validation that ended the step
+    # before it, is redone with the step: no refusal.
+    rt = _runtime()
+
+    class FaultInStep(pl.Callback):
+        seen_at_read = False
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            FaultInStep.seen_at_read |= failed[0]  # it was there when this batch was read
+            failed[0] = failed[0] or trainer.global_step == 1
+
+        def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, batch_idx: int) -> None:
+            failed[0] = failed[0] and batch_idx % 2 == 0  # until the step's vote (here applied as usual)
+
+    monkeypatch.setattr(Runtime, "optimizer_step", lambda self, *opts, scaler=None: [o.step() for o in opts] and True)
+    _fit(
+        rt,
+        Tiny(log_on_epoch=False),
+        tmp_path,
+        callbacks=[FaultInStep()],
+        accumulate_grad_batches=2,
+        val_check_interval=2,
+    )
+    assert FaultInStep.seen_at_read and rt._s.refused == ""
