@@ -89,6 +89,8 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     kept = sorted(p.name for p in root.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
     assert kept == ["epoch=2-step=20.ckpt"], kept
     assert run(["rlaunch", "--standalone"], root=tmp_path / "uninterrupted") == ddp
+    # The same script, rlaunch's strategy and all, under plain torchrun: it trains as Lightning's DDP.
+    assert run(["torch.distributed.run", "--standalone"], root=tmp_path / "torchrun") == ddp
 
 
 def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
