@@ -65,6 +65,7 @@ class UserLoop:
         self._last_read: LoopData | None = None  # the loader a plain iteration last read, outside a step
         self._voted = True  # a vote was cast since the driven step began: the next read begins the next
         self._window: int | None = None  # the step of the accumulation window's first micro-step
+        self.voted_in: int | None = None  # the runtime step whose vote was cast last
 
     @classmethod
     def of(cls, rt: Runtime, name: str) -> UserLoop:
@@ -156,13 +157,17 @@ class UserLoop:
             )
             return plain()
         for data in self._loaders:
-            if data is not self._driving and data.read_open_in(self.rt.step):
+            if data is not self._driving and data.read_before_vote_in(self.rt.step):
+                # Open or closed: each iteration begins another of the loader's epochs (another order), which
+                # nothing carries, so a redone step or a joiner would read other batches.
                 self.refuse(
-                    f"The prepared loader {data.name!r} was read by iterating it (next(iterator) or for batch in "
-                    f"loader) in step {self.rt.step} of rt.steps(), before its optimizer step, so a joiner would "
-                    "read from its own iterator; read the step's batches with loader.batch()."
+                    f"The prepared loader {data.name!r} was read by iterating it (next(iter(loader)) or for batch "
+                    f"in loader) in step {self.rt.step} of rt.steps(), before its optimizer step, so a redone step "
+                    "or a joiner would read other batches; read the step's batches with loader.batch(), and iterate "
+                    "an evaluation loader after the step's optimizer step."
                 )
         self._voted = True
+        self.voted_in = self.rt.step
         return self.rt.optimizer_step(optimizer, scaler=scaler)
 
     def before_read(self, data: LoopData) -> None:
@@ -209,6 +214,7 @@ class LoopData:
         self._cycle: Iterator[Any] | None = None
         self._open = 0  # plain iterations begun and not ended
         self._read_at: int | None = None  # the runtime step of the last plain read inside rt.steps()
+        self._read_before_vote_at: int | None = None  # ... of the last one before that step's vote
         # Frameworks wrap this object and copy its attributes (Fabric does): the method goes along.
         self.batch = self._batch
 
@@ -241,13 +247,16 @@ class LoopData:
                 loop.after_read(self)
                 if loop.rt.in_step:
                     self._read_at = loop.rt.step
+                    if loop.voted_in != loop.rt.step:
+                        self._read_before_vote_at = loop.rt.step
                 yield item
         finally:
             self._open -= 1
 
-    def read_open_in(self, step: int) -> bool:
-        """An iteration of this loader, still open, read a batch in runtime step ``step``."""
-        return self._open > 0 and self._read_at == step
+    def read_before_vote_in(self, step: int) -> bool:
+        """An iteration of this loader read a batch in runtime step ``step`` before its vote, or one still
+        open read a batch in it."""
+        return self._read_before_vote_at == step or (self._open > 0 and self._read_at == step)
 
     def joined(self, rank: int) -> None:
         """(a joiner) Read the part of ``rank``: ``rt.epochs`` does it for a loader read with ``batch()``."""

@@ -134,6 +134,21 @@ def test_a_loader_iterated_across_steps_refuses_moves() -> None:
     assert rt._s.refused.startswith("rlaunch.test: The prepared loader 'data' was read by iterating it")
 
 
+def test_a_loader_iterated_whole_inside_a_step_before_its_vote_refuses_moves() -> None:
+    """next(iter(loader)) in each step: every iteration begins another epoch of the loader (another
+    order) that nothing carries, so a redone step or a joiner would read other batches."""
+    rt = _runtime()
+    model, opt = _model()
+    rt.track(model=model, optimizer=opt)
+    loop = UserLoop(rt, "rlaunch.test")
+    data, _ = _data(rt, loop, [])
+    for _ in rt.steps(2):
+        model(next(iter(data))[0].float()).sum().backward()
+        loop.vote(opt, None, opt.step)
+    assert rt._s.refused.startswith("rlaunch.test: The prepared loader 'data' was read by iterating it")
+    assert rt._s.refused.endswith("after the step's optimizer step.")
+
+
 def test_a_joiner_reads_its_new_ranks_part_of_a_loader_iterated_as_it_is() -> None:
     rt = _runtime()
     loop = UserLoop(rt, "rlaunch.test")
