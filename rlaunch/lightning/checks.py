@@ -161,8 +161,9 @@ def logged_in_training(results: Iterable[Any], watched: dict[str, str]) -> str:
             kind = type(getattr(result, "value", result)).__name__
             return (
                 f"A torchmetrics {kind} is logged from the training loop (self.log({meta.name!r}, ...)), whose "
-                "running state a redone step updates twice and a joiner does not have; log the value of each step "
-                "(self.log(name, metric(preds, target), on_epoch=False)), or compute it in validation."
+                "running state a redone step updates twice and a joiner does not have; log the value of each step from "
+                "torchmetrics.functional (self.log(name, torchmetrics.functional.accuracy(preds, target, ...), "
+                "on_epoch=False)), which keeps no state, or compute the metric in validation."
             )
         if not meta.on_epoch:
             continue
@@ -185,7 +186,8 @@ def metrics_updated(counts: dict[int, int], metrics: Iterable[Any]) -> str:
             return (
                 f"A torchmetrics {type(metric).__name__} of the model is updated in training_step, and its running "
                 "state is neither put back when a step is redone (it would count the step twice) nor sent to a "
-                "joiner; update it in validation, or log the value of each step without keeping the metric."
+                "joiner; update it in validation, or compute each step's value with torchmetrics.functional "
+                "(torchmetrics.functional.accuracy(preds, target, ...)), which keeps no state."
             )
     return ""
 
