@@ -107,14 +107,7 @@ def test_a_held_copy_that_differs_from_its_owners_digests_is_refused_where_it_is
     digests and is checked against them when it is used, and its joiner checks it again, end to end."""
     owner = _objects(1)
     copy = hostcopy.capture(owner, 40, rng.capture())
-    hostcopy.seal(copy)
-    ch0, ch1 = _pair()
-    held: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
-    t.start()
-    hostcopy.send(ch0, copy)
-    t.join(30)
-    got = held["copy"]
+    got = _sealed_and_sent(copy)
     assert not got.checked and got.digests == copy.digests, "the owner's digests, taken with the copy"
     got.tensors[0].view(-1).view(torch.int32)[0] ^= 1 << 3  # a bit flips in the holder's memory
     with pytest.raises(TransferError, match="rank 1's copy of rank 0's snapshot of step 40 holds 'model'"):
@@ -147,15 +140,8 @@ def test_a_held_copy_that_differs_from_its_owners_digests_is_refused_where_it_is
 def test_an_intact_held_copy_passes_its_check_once_and_lands_on_its_joiner() -> None:
     owner = _objects(1)
     copy = hostcopy.capture(owner, 60, rng.capture())
-    hostcopy.seal(copy)
-    ch0, ch1 = _pair()
-    held: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
-    t.start()
-    hostcopy.send(ch0, copy)
-    t.join(30)
     keeper = _keeper(1, None, 60)
-    keeper.held = held["copy"]
+    keeper.held = _sealed_and_sent(copy)
     assert keeper.report(lost=[0])["held_refused"] == "" and keeper.held.checked
     expected = copy_module.deepcopy(_state(owner))
     joiner = _objects(0)
@@ -207,6 +193,18 @@ def test_the_interval_reads_steps_auto_or_off_and_refuses_anything_else() -> Non
     for bad in ("fast", "-1", "nan", "inf"):
         with pytest.raises(UsageError, match=f"RLAUNCH_SNAPSHOT_MBPS='{bad}' is not valid"):
             snapshots.rate(bad)
+
+
+def _sealed_and_sent(copy: hostcopy.HostCopy) -> hostcopy.HostCopy:
+    """``copy`` sealed by its owner and sent over a gloo pair: what its buddy holds."""
+    hostcopy.seal(copy)
+    ch0, ch1 = _pair()
+    held: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: held.update(copy=hostcopy.receive(ch1)))
+    t.start()
+    hostcopy.send(ch0, copy)
+    t.join(30)
+    return held["copy"]
 
 
 def _keeper(
