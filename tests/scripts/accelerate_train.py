@@ -160,6 +160,10 @@ def main() -> None:
         f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}{shown}",
         flush=True,
     )
+    # as Accelerate's docs end a script: the process group is released here (left to interpreter
+    # teardown, gloo may abort there after the final line is out)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
