@@ -440,15 +440,17 @@ class HostSnapshots:
 
     def terms(self) -> list[float]:
         """This rank's vote section: which snapshot it holds whole (0: none), its square, 1 if no
-        replica can serve this rank (the job then takes snapshots), the interval it follows, and
-        (where it measured one) the median cost of its last snapshots and its median step, in whole
-        milliseconds (0 and 0 before its first measurement)."""
+        replica can serve this rank (the job then takes snapshots), the interval it follows, (where it
+        measured one) the median cost of its last snapshots and its median step, in whole milliseconds
+        (0 and 0 before its first measurement), and the interval's square (with the interval's sum, it
+        tells every rank alike whether all follow the same one)."""
         v = float(self.pending % VOTE_MOD + 1) if self.holds() else 0.0
         cost_ms = step_ms = 0.0
         if self._costs:
             cost_ms = float(max(1, round(1000 * self.cost())))
             step_ms = float(max(1, round(1000 * self.step_s())))
-        return [v, v * v, 1.0 if self._needed() else 0.0, float(self.every), cost_ms, step_ms]
+        every = float(self.every)
+        return [v, v * v, 1.0 if self._needed() else 0.0, every, cost_ms, step_ms, every * every]
 
     def commit(self, summed: Sequence[float]) -> None:
         """Read the vote's sums of every rank's :meth:`terms`: when every rank holds the snapshot this
@@ -457,12 +459,13 @@ class HostSnapshots:
         on. Ranks following other intervals (another ``RLAUNCH_SNAPSHOT_EVERY``) take none."""
         s = self._s
         s.snapshots_wanted = round(summed[2]) > 0
-        if round(summed[3]) != s.world_size * self.every:
+        intervals, squares = round(summed[3]), round(summed[6])
+        if s.world_size * squares != intervals * intervals:  # equal only when every rank's interval is the same
             if self._broken != s.generation:
                 log.error(
                     "rank %d (generation %d): the ranks follow different host snapshot intervals (this one %d steps, "
                     "%d summed over %d ranks): set the same %s for every node; this generation takes no more",
-                    s.rank, s.generation, self.every, round(summed[3]), s.world_size, ENV,
+                    s.rank, s.generation, self.every, intervals, s.world_size, ENV,
                 )  # fmt: skip
             self._broken = s.generation
             return

@@ -245,6 +245,21 @@ def test_a_snapshot_commits_only_when_every_rank_holds_the_same_one() -> None:
     assert a.committed == b.committed == 60
 
 
+def test_ranks_that_follow_different_intervals_commit_nothing_even_when_the_intervals_sum_alike() -> None:
+    # 20 + 60 + 40 = 3 x 40: rank 2 alone would read its own interval in the sum and go on alone
+    keepers = [_keeper(r, 40, 40, every=every) for r, every in enumerate((20, 60, 40))]
+    for k in keepers:
+        k._s.world_size = 3
+    _vote(*keepers)
+    assert [k.committed for k in keepers] == [-1, -1, -1]
+    assert [k._broken for k in keepers] == [1, 1, 1], "every rank stops taking them in this generation"
+    keepers = [_keeper(r, 40, 40, every=40) for r in range(3)]
+    for k in keepers:
+        k._s.world_size = 3
+    _vote(*keepers)
+    assert [k.committed for k in keepers] == [40, 40, 40]
+
+
 def test_the_job_takes_snapshots_once_any_rank_said_no_replica_serves_it() -> None:
     a, b = _keeper(0, None, -1, needs=False), _keeper(1, None, -1, needs=True)
     _vote(a, b)
@@ -294,7 +309,7 @@ def test_a_snapshot_costs_the_excess_of_the_steps_from_its_start_to_its_commit()
     keeper.stepped(0.9)
     assert sorted(keeper._costs) == [pytest.approx(0.02), pytest.approx(0.3)]
     terms = keeper.terms()
-    assert terms[3:] == [20.0, 300.0, 1000.0], "the interval it follows, its median cost and step, in ms"
+    assert terms[3:] == [20.0, 300.0, 1000.0, 400.0], "the interval it follows, its median cost and step in ms, 20²"
 
 
 def test_auto_moves_every_rank_to_the_same_interval_at_the_same_commit() -> None:
@@ -306,7 +321,7 @@ def test_auto_moves_every_rank_to_the_same_interval_at_the_same_commit() -> None
     a._costs.extend([0.3, 0.5, 0.4])
     b._costs.append(0.2)
     summed = _vote(a, b)
-    assert summed[3:] == [40.0, 600.0, 2250.0]
+    assert summed[3:] == [40.0, 600.0, 2250.0, 800.0]
     assert a.committed == b.committed == 40
     # 0.6 s over 2.25 s of steps: 27 steps keep it within 1 %, 40 on the grid; both ranks read the same sums
     assert a.every == b.every == 40 and a._s.snapshot_every == b._s.snapshot_every == 40
