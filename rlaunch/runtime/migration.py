@@ -27,7 +27,7 @@ from typing import Any
 
 from rlaunch.plans import Plan, ReplacePlan, Role, plan_from_json
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import rng
+from rlaunch.runtime import buckets, rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import GroupTable
@@ -81,8 +81,9 @@ class Migration:
 
         NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
         the switch will not wait on them (a peer that fails while building one then delays the move,
-        not the job). The plan offered is remembered: the switch is to that one, even if the listener
-        takes a newer plan meanwhile.
+        not the job). Nor before every tracked DDP rebuilt its gradient buckets (its second step: see
+        :mod:`rlaunch.runtime.buckets`). The plan offered is remembered: the switch is to that one, even
+        if the listener takes a newer plan meanwhile.
         """
         with self._lock:
             prepared = self._prepared
@@ -90,6 +91,8 @@ class Migration:
         if prepared is None or prepared.plan.generation <= self._s.generation:
             return 0
         if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
+            return 0
+        if buckets.pending(self._s.tracked):  # the joiner's DDP rebuilt its buckets: this one's first
             return 0
         self._offered = prepared
         prepared.phases.mark(Phase.READY_VOTED)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlaunch.plans import ReplacePlan
-from rlaunch.runtime import rng, shards
+from rlaunch.runtime import buckets, rng, shards
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.rankstate import RankState
@@ -172,6 +172,11 @@ class Recovery:
         deadline = time.monotonic() + s.timeout.total_seconds()
         while True:
             gen, moved = plan.generation, set(plan.moved_ranks)
+            # before DDP's bucket rebuild (a fault in the first step): the joiner's DDP has rebuilt, so a
+            # redone step would hang (see rlaunch.runtime.buckets); every survivor is at the same point
+            early = buckets.refusal(s.tracked)
+            if early:
+                self._give_up(plan, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}")
             refused = self._refusal()
             if refused and not self._host.enabled:
                 self._give_up(plan, self._diverges(sorted(moved), refused))

@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import contract, devicework, partition, pending, replicas, reshard, rng, snapshots, verify
+from rlaunch.runtime import buckets, contract, devicework, partition, pending, replicas, reshard, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
@@ -89,8 +89,6 @@ __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
 log = logging.getLogger(__name__)
 
 WORLD = "world"
-#: Sandbox iterations a standby with a DDP model runs at least (see Runtime._sandbox_iterations).
-DDP_MIN_ITERATIONS = 2
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
 
@@ -631,13 +629,11 @@ class Runtime:
     # -- sandbox and joining ------------------------------------------------------------------
 
     def _sandbox_iterations(self) -> int:
-        """Sandbox iterations to run: as asked, but at least DDP_MIN_ITERATIONS with a DDP model.
-
-        DDP rebuilds its gradient buckets at the start of its second iteration; a joiner must
-        arrive with the same buckets as the survivors, or the first real allreduce mismatches.
-        """
+        """Sandbox iterations to run: as asked, but at least ``buckets.MIN_SANDBOX_ITERATIONS`` with a
+        DDP model, so that a joiner's DDP has rebuilt its gradient buckets, as the ranks it joins have
+        (see :mod:`rlaunch.runtime.buckets`)."""
         uses_ddp = any(isinstance(obj, DistributedDataParallel) for obj in self._s.tracked.values())
-        return max(self._sandbox_steps, DDP_MIN_ITERATIONS) if uses_ddp else self._sandbox_steps
+        return max(self._sandbox_steps, buckets.MIN_SANDBOX_ITERATIONS) if uses_ddp else self._sandbox_steps
 
     def _sandbox(self, n: int) -> Iterator[int]:
         for step in range(n):

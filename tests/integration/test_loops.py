@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,52 @@ def test_a_standby_serves_every_collective_in_its_sandbox_then_takes_ranks_in_a_
         assert f"collectives ok ({where}) standby=False rank=0" in a.output(), where
     assert "collectives ok (end) standby=False rank=1" in c.output(), "the joiner calls them for real"
     assert "collectives ok (end) standby=False rank=0" in a.output()
+
+
+def _held_at_step_0(cluster: Cluster, gate: Path, *extra: str, flags: tuple[str, ...] = ()) -> list[AgentProc]:
+    """Agents a, b (active, held at the start of step 0 until ``gate`` exists) and c (warm standby)."""
+    agents = cluster.agents_in_order(
+        ["a", "b", "c"], LOOPS, *STEPS, "--step-time", "0.05", "--gate", str(gate), "--gate-at", "0", *extra,
+        flags=flags,
+    )  # fmt: skip
+    wait_for(lambda: warm(cluster, "c"), 180, "standby c to be warm")
+    return agents
+
+
+def test_a_drain_in_ddps_first_step_waits_for_its_bucket_rebuild(cluster: Cluster) -> None:
+    """DDP rebuilds its gradient buckets once, with a collective, at its second step; a standby's DDP
+    already has (its sandbox ran two steps). b is drained while the active ranks hold at step 0: the
+    ranks vote ready only after the rebuild, so c joins ranks whose buckets match its own. (Switched
+    after step 0, a waited in the rebuild's broadcast and c in the gradients' allreduce: a hang.)"""
+    gate = cluster.tmp / "gate"
+    extra = ("--bn", "--sched")
+    a, b, c = _held_at_step_0(cluster, gate, *extra)
+    said: list[str] = []
+    asked = threading.Thread(target=lambda: said.append(drain(cluster, "b")))
+    asked.start()
+    wait_for(lambda: "event prepared (generation 2)" in a.output(), 60, "a to prepare the drain")
+    gate.touch()
+    asked.join(180)
+    assert said and "node b drained" in said[0], "the drain ended"
+    assert [x.wait(240) for x in (a, b, c)] == [0, 0, 0], (a.output()[-3000:], c.output()[-3000:])
+    assert "event joined (generation 2)" in c.output()
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+
+
+def test_a_node_lost_in_ddps_first_step_takes_the_restart_path_with_a_sentence(cluster: Cluster) -> None:
+    """b is lost while the active ranks hold at step 0, before DDP's bucket rebuild: a redone step 0
+    would rebuild a's buckets (a broadcast) while c's, rebuilt in its sandbox, would not. The
+    replacement is refused with a sentence that says so, and the job restarts, c in b's place."""
+    gate = cluster.tmp / "gate"
+    extra = ("--bn", "--sched")
+    a, b, c = _held_at_step_0(cluster, gate, *extra, flags=("--max-restarts", "1"))
+    b.kill_with_workers()
+    gate.touch()
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    early = "a live replacement of ranks [1] cannot be made this early: DDP has not rebuilt the gradient buckets"
+    assert early in a.output() and "event replacement_refused" in a.output(), a.output()[-3000:]
+    assert "Traceback" not in a.output() + c.output()
+    assert finals(a, c) == reference(*extra), "the restart trains from step 0, as an uninterrupted run does"
 
 
 def _standalone(*args: str) -> tuple[int, str]:

@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
     ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
-    ap.add_argument("--gate", default="", help="active ranks wait at step 20 until this file exists")
+    ap.add_argument("--gate", default="", help="active ranks wait at step --gate-at until this file exists")
+    ap.add_argument("--gate-at", type=int, default=20)
     ap.add_argument("--flip", default="", help="RANK:STEP: flip a bit of its first weight then")
     ap.add_argument("--flip-after-move", type=int, default=-1, help="RANK: flip a bit at its first step after a move")
     ap.add_argument(
@@ -150,7 +151,7 @@ def main() -> None:
     for step in rt.steps(args.steps):
         if sub is not None and step < 3:
             collective_checks.check(rt, sub, f"step {step}")
-        if args.gate and step == 20 and not rt.standby:
+        if args.gate and step == args.gate_at and not rt.standby:
             deadline = time.monotonic() + 600
             while not os.path.exists(args.gate) and time.monotonic() < deadline:
                 time.sleep(0.1)  # the test opens the gate once its standby is warm
