@@ -88,16 +88,22 @@ class Batches:
         self.loader = StatefulDataLoader(dataset, batch_size=2, sampler=self.sampler)
 
 
-def _data(rt: Runtime, loop: UserLoop, made: list[str]) -> tuple[LoopData, Batches]:
+def _data(
+    rt: Runtime, loop: UserLoop, made: list[str], order_rng: torch.Generator | None = None
+) -> tuple[LoopData, Batches]:
     """A prepared loader; ``made`` gets each loader's name as its ``rt.epochs`` is made (with `` alone``
-    when made where a position landed, not by every rank at the first ``batch()``)."""
+    when made where a position landed, not by every rank at the first ``batch()``). Made by every rank,
+    it sets ``order_rng`` as Accelerate's broadcast of rank 0's shuffling generator does."""
     batches = Batches()
 
     def epochs(name: str, together: bool) -> EpochLoader:
         made.append(name if together else f"{name} alone")
-        return rt.epochs(batches.loader, sampler=batches.sampler, name=name, track=False)
+        if together and order_rng is not None:
+            order_rng.manual_seed(99)
+        return rt.epochs(batches.loader, sampler=batches.sampler, name=name, track=False, order_rng=order_rng)
 
-    return loop.data(epochs, batches.loader, lambda b: b, len(batches.loader), "", batches.sampler), batches
+    data = loop.data(epochs, batches.loader, lambda b: b, len(batches.loader), "", batches.sampler, order_rng)
+    return data, batches
 
 
 def test_each_loader_has_its_own_name_and_one_iterated_as_it_is_passes_through() -> None:
@@ -188,8 +194,9 @@ def test_a_loader_first_read_late_is_known_from_the_start_and_made_where_a_read_
     rt.track(model=model, optimizer=opt)
     loop = UserLoop(rt, "rlaunch.test")
     made: list[str] = []
-    (first, _), (later, _) = _data(rt, loop, made), _data(rt, loop, made)
-    before = rt._s.tracked["data1"].state_dict()
+    order = torch.Generator().manual_seed(5)
+    (first, _), (later, _) = _data(rt, loop, made), _data(rt, loop, made, order)
+    before, order_before = rt._s.tracked["data1"].state_dict(), order.get_state()
     assert before == {} and made == [], "known before its first read"
     for _ in rt.steps(2):
         model(first.batch()[0]).sum().backward()
@@ -208,4 +215,5 @@ def test_a_loader_first_read_late_is_known_from_the_start_and_made_where_a_read_
     assert joiner_later.batch()[0].tolist() == later.batch()[0].tolist() != read[0], "the same next batch"
 
     rt._s.tracked["data1"].load_state_dict(before)  # back to a snapshot before its first read
+    assert torch.equal(order.get_state(), order_before), "its order's generator as it was before the first read"
     assert later.batch()[0].tolist() == read[0] and made == ["data", "data1", "data1"], "made again, read again"
