@@ -100,8 +100,21 @@ def prepare(accelerator: Any, rt: Runtime, *objects: Any) -> Any:
             loop.track("model", obj)
     if accelerator.scaler is not None:
         loop.track_once("scaler", accelerator.scaler)
-    loop.track_once("accelerate", _AccelerateState(accelerator, loop))
+    if loop.track_once("accelerate", _AccelerateState(accelerator, loop)):
+        _end_in(accelerator, loop)
     return tuple(out) if isinstance(prepared, tuple) else out[0]
+
+
+def _end_in(accelerator: Any, loop: UserLoop) -> None:
+    """``accelerator.end_training()``, where a tutorial loop's driven steps end (before it destroys the
+    process group): the agent learns that this rank is done stepping."""
+    original = accelerator.end_training
+
+    def end_training() -> None:
+        loop.end()
+        original()
+
+    accelerator.end_training = end_training
 
 
 class _AccelerateState:
@@ -218,19 +231,21 @@ def _data(loop: UserLoop, shard_loader: Any) -> LoopData:
         return loop.data(None, shard_loader, to_device, len(shard_loader), why)
     part = _ShardPart(batch_sampler, shard_loader)
     part.rank = max(loop.rt.rank, 0)  # a sandbox's process index is -1, whose shard is empty
-    return loop.data(lambda name: _epochs(loop, shard_loader, part, name), shard_loader, to_device,
-                     len(shard_loader), "", part)  # fmt: skip
+    return loop.data(lambda name, together: _epochs(loop, shard_loader, part, name, together), shard_loader,
+                     to_device, len(shard_loader), "", part, shard_loader.synchronized_generator)  # fmt: skip
 
 
-def _epochs(loop: UserLoop, shard_loader: Any, part: _ShardPart, name: str) -> Any:
-    """``rt.epochs`` over a prepared loader (at its first ``batch()``): a ``StatefulDataLoader`` over its
-    dataset and ``BatchSamplerShard``, the shuffling generator broadcast once, its state carried."""
+def _epochs(loop: UserLoop, shard_loader: Any, part: _ShardPart, name: str, together: bool) -> Any:
+    """``rt.epochs`` over a prepared loader (untracked: see :mod:`rlaunch.userloop`): a ``StatefulDataLoader``
+    over its dataset and ``BatchSamplerShard``, its state carried, the shuffling generator broadcast
+    once when every rank makes it ``together`` (at the first ``batch()``; a position that lands holds
+    that generator's state at its epoch's start)."""
     from accelerate.utils import synchronize_rng_states
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     base = shard_loader.base_dataloader
     generator = shard_loader.synchronized_generator
-    if generator is not None and shard_loader.rng_types and "generator" in shard_loader.rng_types:
+    if together and generator is not None and shard_loader.rng_types and "generator" in shard_loader.rng_types:
         synchronize_rng_states(["generator"], generator)  # once, as Accelerate does at every epoch's start
     if not isinstance(base, StatefulDataLoader):
         base = StatefulDataLoader(
@@ -238,4 +253,4 @@ def _epochs(loop: UserLoop, shard_loader: Any, part: _ShardPart, name: str) -> A
             pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
             generator=base.generator, **({"prefetch_factor": base.prefetch_factor} if base.num_workers else {}),
         )  # fmt: skip
-    return loop.rt.epochs(base, sampler=part, order_rng=generator, name=name)
+    return loop.rt.epochs(base, sampler=part, order_rng=generator, name=name, track=False)

@@ -11,15 +11,20 @@ its sandbox left them. So such a loop moves live only when it is written on the 
         optimizer.step()                  # the framework's optimizer: the per-step vote, then the step
 
 Each prepared loader gets its own name (``data``, ``data1``, ...) and is read through ``rt.epochs``
-from its first ``batch()``. A loader iterated as it is (``for batch in loader``) is read as the
-framework reads it and tracks nothing: an evaluation loader, inside ``rt.steps()`` or outside it,
-passes through (a joiner's reads its new rank's part). What tells a train loader iterated this way
-apart is an optimizer step while it is read:
+from its first ``batch()``. Its position is tracked under that name from ``prepare()`` on, as ``{}``
+until that first ``batch()`` (:class:`LoopData` is the stand-in): so a loader first read late (a
+second train loader for a later phase) is known to a joiner, whose sandbox never read it, and to
+every host snapshot; the one that receives a read position makes ``rt.epochs`` there, and one put
+back before the first read makes it again at its next ``batch()``. A loader iterated as it is
+(``for batch in loader``) is read as the framework reads it and tracks nothing: an evaluation loader,
+inside ``rt.steps()`` or outside it, passes through (a joiner's reads its new rank's part). What
+tells a train loader iterated this way apart is an optimizer step while it is read:
 
 - outside ``rt.steps()`` (the framework's tutorial loop over the loader's epochs): it still trains,
   as under the framework alone, and a standby still warms up on it (from then on each of its reads
-  after a vote begins a runtime step), but live moves are refused with a sentence
-  (:data:`LOOP_REFUSAL`) and the job takes the restart path;
+  after a vote begins a runtime step; a later phase's loop over another loader drives them from its
+  first optimizer step on), but live moves are refused with a sentence (:data:`LOOP_REFUSAL`) and
+  the job takes the restart path;
 - inside a step of ``rt.steps()``, with an iteration of it still open (``next(it)`` on one iterator
   across steps): a joiner would read from its own iterator, so live moves are refused as well.
 
@@ -36,6 +41,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from rlaunch.runtime.data import EpochLoader
     from rlaunch.runtime.driven import DrivenSteps
     from rlaunch.runtime.runtime import Runtime
@@ -63,6 +70,7 @@ class UserLoop:
         self._driven: DrivenSteps | None = None  # the loop is written over a loader's epochs
         self._driving: LoopData | None = None  # that loader: its reads begin the runtime's steps
         self._last_read: LoopData | None = None  # the loader a plain iteration last read, outside a step
+        self._latest: LoopData | None = None  # the loader a plain iteration last read
         self._voted = True  # a vote was cast since the driven step began: the next read begins the next
         self._window: int | None = None  # the step of the accumulation window's first micro-step
         self.voted_in: int | None = None  # the runtime step whose vote was cast last
@@ -86,29 +94,37 @@ class UserLoop:
         self.rt.track(**{name: obj})
         return name
 
-    def track_once(self, name: str, obj: Any) -> None:
-        """Track ``obj`` as ``name`` unless something was tracked so by an earlier ``prepare()``."""
-        if name not in self._counts:
-            self._counts[name] = 1
-            self.rt.track(**{name: obj})
+    def track_once(self, name: str, obj: Any) -> bool:
+        """Track ``obj`` as ``name`` unless something was tracked so by an earlier ``prepare()``; True if now."""
+        if name in self._counts:
+            return False
+        self._counts[name] = 1
+        self.rt.track(**{name: obj})
+        return True
 
     def data(
         self,
-        epochs: Callable[[str], EpochLoader] | None,
+        epochs: Callable[[str, bool], EpochLoader] | None,
         plain: Iterable[Any],
         to_device: Callable[[Any], Any],
         length: int,
         why: str,
         part: Any = None,
+        order_rng: torch.Generator | None = None,
     ) -> LoopData:
-        """A prepared loader: ``epochs(name)`` makes ``rt.epochs`` over it at the first ``batch()`` (None,
-        with ``why``, when it cannot be resumed at a sample); ``plain`` is the framework's own iteration
-        of one epoch; ``part`` is what knows the rank's part of the data (``rank``), given the rank a
-        joiner takes while ``rt.epochs`` does not hold it."""
+        """A prepared loader: ``epochs(name, together)`` makes ``rt.epochs`` over it, untracked, at the first
+        ``batch()`` (``together``: every rank at once, which may sync the order's generator) or when a
+        read position lands (None, with ``why``, when it cannot be resumed at a sample); ``plain`` is the
+        framework's own iteration of one epoch; ``part`` is what knows the rank's part of the data
+        (``rank``), given the rank a joiner takes while ``rt.epochs`` does not hold it; ``order_rng`` is
+        a generator of the loader's own that its order is drawn from (put back with the position)."""
         n = self._counts.get("data", 0)
         self._counts["data"] = n + 1
-        data = LoopData(self, "data" if n == 0 else f"data{n}", epochs, plain, to_device, length, why, part)
+        name = "data" if n == 0 else f"data{n}"
+        data = LoopData(self, name, epochs, plain, to_device, length, why, part, order_rng)
         self._loaders.append(data)
+        if epochs is not None:
+            self.rt.track(**{name: data.position})
         return data
 
     def joined(self) -> None:
@@ -143,6 +159,12 @@ class UserLoop:
         is read this step's batches (see the module docstring).
         """
         self.enter()
+        if self._driving is not None and self.rt.in_step and self.voted_in == self.rt.step:
+            # A second optimizer step in a driven step: the loop went on to another loader's epochs (a
+            # later phase's train loader): its reads drive the steps from here, this one first.
+            assert self._driven is not None
+            self._driving = self._latest
+            self._driven.begin()
         window, self._window = self._window, None
         if window is not None and window != self.rt.step:
             self.refuse(
@@ -179,13 +201,18 @@ class UserLoop:
             self._driven.begin()
 
     def after_read(self, data: LoopData) -> None:
+        self._latest = data
         if not self.rt.in_step:
             self._last_read = data
 
     def end(self) -> None:
-        """The framework's loop ended (a loop over the loader's epochs: no more steps are driven)."""
+        """The framework's loop ended (a loop over the loader's epochs: no more steps are driven, and the
+        agent learns that this rank is done stepping). Called where the framework says its training
+        ended (Accelerate's ``end_training()``), else at exit (:meth:`rlaunch.runtime.runtime.Runtime.drive`).
+        What the loaders read later passes through, and an optimizer step steps as the framework would."""
         if self._driven is not None:
             self._driven.end()
+            self._driving = None
 
 
 class LoopData:
@@ -195,17 +222,21 @@ class LoopData:
         self,
         loop: UserLoop,
         name: str,
-        epochs: Callable[[str], EpochLoader] | None,
+        epochs: Callable[[str, bool], EpochLoader] | None,
         plain: Iterable[Any],
         to_device: Callable[[Any], Any],
         length: int,
         why: str,
         part: Any,
+        order_rng: torch.Generator | None,
     ) -> None:
         self._loop = loop
-        self.name = name  # its name in rt.track, once read with batch()
+        self.name = name  # its position's name in rt.track
         self._make = epochs
         self._epochs: EpochLoader | None = None
+        self._order_rng = order_rng
+        self._rng_at_first: torch.Tensor | None = None  # order_rng's state before the first batch()
+        self.position = _Position(self)
         self._plain = plain
         self._to_device = to_device
         self._length = length
@@ -226,8 +257,26 @@ class LoopData:
                 self._cycle = itertools.chain.from_iterable(_epochs(self._plain))
             return next(self._cycle)
         if self._epochs is None:
-            self._epochs = self._make(self.name)
+            if self._order_rng is not None:
+                self._rng_at_first = self._order_rng.get_state()
+            self._epochs = self._make(self.name, True)
         return self._to_device(self._epochs.batch())
+
+    def position_state(self) -> dict[str, Any]:
+        """The position: ``{}`` before the first ``batch()``, then ``rt.epochs``'s."""
+        return {} if self._epochs is None else self._epochs.state_dict()
+
+    def load_position(self, state: dict[str, Any]) -> None:
+        if not state:
+            if self._epochs is not None:  # back before the first batch(): every rank makes it again there
+                self._epochs = None
+                if self._order_rng is not None and self._rng_at_first is not None:
+                    self._order_rng.set_state(self._rng_at_first)
+            return
+        if self._epochs is None:  # a joiner, or back to a snapshot taken after it was read: made here alone
+            assert self._make is not None
+            self._epochs = self._make(self.name, False)
+        self._epochs.load_state_dict(state)
 
     def __len__(self) -> int:
         return self._length
@@ -262,6 +311,20 @@ class LoopData:
         """(a joiner) Read the part of ``rank``: ``rt.epochs`` does it for a loader read with ``batch()``."""
         if self._epochs is None and self._part is not None and hasattr(self._part, "rank"):
             self._part.rank = rank
+
+
+class _Position:
+    """A prepared loader's position as the runtime tracks it (see the module docstring), apart from the
+    loader the script holds, whose ``state_dict`` stays the framework's."""
+
+    def __init__(self, data: LoopData) -> None:
+        self._data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._data.position_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._data.load_position(state)
 
 
 def _epochs(plain: Iterable[Any]) -> Iterator[Iterable[Any]]:

@@ -152,41 +152,65 @@ def logged_in_training(results: Iterable[Any], watched: dict[str, str]) -> str:
     An epoch-level value (``self.log(..., on_epoch=True)``) is each rank's running sum: a joiner's
     covers only its own steps since it joined (no replica holds a lost rank's sums), so a callback or
     a plateau scheduler that decides from it would decide otherwise than in an uninterrupted run. A
-    torchmetrics ``Metric`` keeps its running state outside everything the runtime puts back, so a
-    redone step updates it twice and a joiner has its sandbox's.
+    torchmetrics ``Metric`` keeps its running state outside everything the runtime puts back (a redone
+    step updates it twice, a joiner has its sandbox's): what reads it decides otherwise the same way.
+    Either is refused only when something decides from it; logged for the logger alone, it shows
+    the joiner's own count there and training does not change.
     """
     for result in results:
         meta = result.meta
         if not result.is_tensor:
-            kind = type(getattr(result, "value", result)).__name__
-            return (
-                f"A torchmetrics {kind} is logged from the training loop (self.log({meta.name!r}, ...)), whose "
-                "running state a redone step updates twice and a joiner does not have; log the value of each step from "
-                "torchmetrics.functional (self.log(name, torchmetrics.functional.accuracy(preds, target, ...), "
-                "on_epoch=False)), which keeps no state, or compute the metric in validation."
-            )
+            reader = _reader(meta, watched, (meta.name, meta.forked_name(True), meta.forked_name(False)))
+            if reader:
+                kind = type(getattr(result, "value", result)).__name__
+                return (
+                    f"{reader} a torchmetrics {kind} logged from the training loop (self.log({meta.name!r}, ...)), "
+                    "whose running state a redone step updates twice and a joiner does not have, so the decision "
+                    "would differ from an uninterrupted run's; monitor a validation value, or log the value of each "
+                    "step from torchmetrics.functional (self.log(name, torchmetrics.functional.accuracy(preds, "
+                    "target, ...), on_epoch=False)), which keeps no state."
+                )
+            continue
         if not meta.on_epoch:
             continue
-        for key in (meta.name, meta.forked_name(False)):
-            if key in watched:
-                return (
-                    f"{watched[key]} reads {key!r}, an epoch-level value logged in training (self.log(..., "
-                    "on_epoch=True)), and a joiner's covers only the steps it ran since it joined, so the decision "
-                    "would differ from an uninterrupted run's; monitor a validation value, or log it on_step only "
-                    "and monitor that."
-                )
+        reader = _reader(meta, watched, (meta.name, meta.forked_name(False)))
+        if reader:
+            return (
+                f"{reader} an epoch-level value logged in training (self.log(..., on_epoch=True)), and a joiner's "
+                "covers only the steps it ran since it joined, so the decision would differ from an uninterrupted "
+                "run's; monitor a validation value, or log it on_step only and monitor that."
+            )
     return ""
 
 
-def metrics_updated(counts: dict[int, int], metrics: Iterable[Any]) -> str:
+def _reader(meta: Any, watched: dict[str, str], keys: Iterable[str]) -> str:
+    """What decides from a logged value under one of ``keys`` ("ModelCheckpoint(monitor='x') reads 'x',"), or ""."""
+    for key in keys:
+        if key in watched:
+            return f"{watched[key]} reads {key!r},"
+    return ""
+
+
+def logged_metrics(results: Iterable[Any]) -> set[int]:
+    """The ids of the torchmetrics ``Metric`` objects logged in training (``self.log(name, metric)``):
+    their state is read by the logger (and by what monitors it: :func:`logged_in_training`)."""
+    return {id(result.value) for result in results if not result.is_tensor}
+
+
+def metrics_updated(counts: dict[int, int], metrics: Iterable[Any], logged: set[int]) -> str:
     """Why torchmetrics ``Metric`` modules updated during a training step cannot be carried ("" when none
-    was): ``counts`` is each one's ``_update_count`` at the step's start, by ``id``."""
+    was): ``counts`` is each one's ``_update_count`` at the step's start, by ``id``. One logged from
+    training (``logged``, by ``id``) is left to :func:`logged_in_training`; one that is not logged has
+    readers the runtime cannot see (the script's own ``compute()``), which might decide from it."""
     for metric in metrics:
+        if id(metric) in logged:
+            continue
         if metric._update_count != counts.get(id(metric), metric._update_count):
             return (
-                f"A torchmetrics {type(metric).__name__} of the model is updated in training_step, and its running "
-                "state is neither put back when a step is redone (it would count the step twice) nor sent to a "
-                "joiner; update it in validation, or compute each step's value with torchmetrics.functional "
+                f"A torchmetrics {type(metric).__name__} of the model is updated in training_step and not logged, "
+                "and its running state is neither put back when a step is redone (it would count the step twice) "
+                "nor sent to a joiner; log it (self.log(name, metric)) if only the logger reads it, update it in "
+                "validation, or compute each step's value with torchmetrics.functional "
                 "(torchmetrics.functional.accuracy(preds, target, ...)), which keeps no state."
             )
     return ""

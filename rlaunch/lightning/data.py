@@ -131,9 +131,10 @@ def _seed_workers(loader: Any, rank: int) -> None:
         loader.worker_init_fn = WorkerSeeds(rank)
 
 
-def resumable(rt: Runtime, loader: Any, name: str = "data") -> tuple[Any, EpochLoader | None, str]:
+def resumable(rt: Runtime, loader: Any, name: str = "data", track: bool = True) -> tuple[Any, EpochLoader | None, str]:
     """The loader to read (a plain DataLoader made a StatefulDataLoader), ``rt.epochs`` over it (tracked
-    as ``name``), or None and the sentence that says why a joiner could not resume it at the same sample."""
+    as ``name`` unless ``track`` is False), or None and the sentence that says why a joiner could not
+    resume it at the same sample."""
     why = unmovable(loader)
     if why:
         return loader, None, why
@@ -143,7 +144,7 @@ def resumable(rt: Runtime, loader: Any, name: str = "data") -> tuple[Any, EpochL
     order_rng = _order_rng(sampler)
     if order_rng is not None:
         sampler.__class__ = OneOrderPerEpoch  # the same object, drawing its order once per epoch
-    return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng, name=name), ""
+    return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng, name=name, track=track), ""
 
 
 class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc]

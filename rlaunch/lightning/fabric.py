@@ -158,8 +158,8 @@ class FabricStrategy(DDPStrategy):  # type: ignore[misc]
         loop = self._user_loop()
         why = unmovable(dataloader)
 
-        def epochs(name: str) -> Any:
-            _, data, _ = resumable(self._runtime(), dataloader, name)
+        def epochs(name: str, together: bool) -> Any:
+            _, data, _ = resumable(self._runtime(), dataloader, name, track=False)  # the loop tracks its stand-in
             return data
 
         sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)

@@ -376,7 +376,10 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             redo = True
 
     def _check_metrics(self) -> None:
-        why = checks.metrics_updated(self._metric_counts, self._metrics)
+        """Before the vote: what the step logged, and the torchmetrics it updated without logging them."""
+        self._check_logged()
+        logged = checks.logged_metrics(self._trainer.fit_loop.epoch_loop._results.values())
+        why = checks.metrics_updated(self._metric_counts, self._metrics, logged)
         if why:
             self._refuse(why)
 

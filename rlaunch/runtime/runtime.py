@@ -150,6 +150,7 @@ class Runtime:
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._in_step = False  # a step rt.steps() yielded is under way
+        self._driven: DrivenSteps | None = None  # the steps a framework's loop drives (see drive)
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
@@ -273,10 +274,13 @@ class Runtime:
 
         See :class:`rlaunch.runtime.driven.DrivenSteps`. Such a loop can redo its current step, not
         steps it has left behind, so the job takes no host snapshots to roll back to: where no replica
-        can serve a lost rank, a live replacement is refused and the job restarts.
+        can serve a lost rank, a live replacement is refused and the job restarts. Steps still driven
+        when the interpreter exits end there, before the groups are released (a loop that ends
+        nowhere the framework says, as Fabric's: the agent learns that this rank is done stepping).
         """
         self._host.turn_off()
-        return DrivenSteps(self)
+        self._driven = DrivenSteps(self)
+        return self._driven
 
     def declare_replicas(self, sets: Sequence[Sequence[int]]) -> None:
         """Say which ranks hold equal copies of the tracked parameters, when it is not DDP or a mesh.
@@ -302,7 +306,7 @@ class Runtime:
 
     def epochs(
         self, loader: Any, *, sampler: Any = None, name: str = "data", per_rank: bool = False,
-        order_rng: torch.Generator | None = None,
+        order_rng: torch.Generator | None = None, track: bool = True,
     ) -> EpochLoader:  # fmt: skip
         """Track ``loader`` (torchdata's ``StatefulDataLoader``) and give its batches step by step.
 
@@ -323,10 +327,15 @@ class Runtime:
         ``DistributedSamplerWrapper`` holds it): the position then holds that generator's state at
         the epoch's start, so a joiner draws the same order (the generator must be the same on every
         rank there, as such a sampler's order must be).
+
+        ``track=False`` leaves the tracking to the caller, under ``name``: an integration tracks a
+        stand-in from the start that makes the loader at its first read (see :mod:`rlaunch.userloop`).
         """
         data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng)
         if partition.has_partition(sampler):
             self._voting.samplers[name] = sampler
+        if not track:
+            return data
         if per_rank:
             self.track_per_rank(**{name: data})
         else:
@@ -616,8 +625,14 @@ class Runtime:
 
         Left to interpreter teardown, the groups would be destroyed by C++ static destructors
         after Python has gone, which can abort the process ("terminate called without an
-        active exception").
+        active exception"). Steps a framework's loop still drives end first, while the agent is
+        there to be told.
         """
+        if self._driven is not None:
+            try:
+                self._driven.end()
+            except Exception as exc:  # the groups are released all the same
+                log.warning("rank %d: the driven steps did not end cleanly at exit: %s", self.rank, exc)
         self._s.stopped.set()
         self._host.close()
         for group in self._s.groups:

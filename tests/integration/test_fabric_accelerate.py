@@ -6,9 +6,12 @@ Both frameworks leave the loop to the script, so the scripts (``tests/scripts/fa
 and its port on ``rt.steps()`` (``--loop steps``) under rlaunch: BatchNorm, dropout, a shuffled
 loader, an LR scheduler, gradient clipping, an evaluation loader set up with the train loader and
 iterated as the tutorials do at each epoch's end (inside ``rt.steps()`` in the port: it passes
-through, and a joiner evaluates its new rank's part); Fabric with fp16 AMP and a ``GradScaler`` on
+through, and a joiner evaluates its new rank's part), a second train loader set up with the others
+and first read after the main epochs (a later phase); Fabric with fp16 AMP and a ``GradScaler`` on
 CPU, Accelerate with gradient accumulation and bf16 autocast. One job per framework: a and b train,
-c and d are warm standbys; b is drained to c, then a's node is SIGKILLed and d takes rank 0 live.
+c and d are warm standbys; b is drained to c, then, in the later phase, a's node is SIGKILLed and d
+(whose sandbox never read the later loader) takes rank 0 live. The port also runs under plain
+torchrun, as the tutorial loop does, and ends as it does.
 """
 
 from __future__ import annotations
@@ -64,30 +67,37 @@ def drain_then_lose_a(cluster: Cluster, script: Path, *args: str, gate_at: int, 
 
 
 FABRIC = SCRIPTS / "fabric_train.py"
-FABRIC_ARGS = ("--precision", "16-mixed", "--eval")
+FABRIC_ARGS = ("--precision", "16-mixed", "--eval", "--phase2")  # 3 epochs of 20 steps, then 10 of the later phase
 ACCELERATE = SCRIPTS / "accelerate_train.py"
-ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16", "--eval")
+ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16", "--eval", "--phase2")  # 3 x 10 steps, then 5
 
 
 @pytest.fixture(scope="module")
 def fabric_reference() -> dict[int, tuple[str, ...]]:
-    """Fabric's own loop and DDP under plain torchrun."""
+    """Fabric's own loop and DDP under plain torchrun; the port with the FabricStrategy ends the same there."""
     pytest.importorskip("lightning_fabric", reason="the Fabric strategy's tests need 'rlaunch[lightning]'")
-    return run("torch.distributed.run", FABRIC, "--devices", "2", *FABRIC_ARGS, "--strategy", "ddp", "--loop", "epochs")
+    args = ("torch.distributed.run", FABRIC, "--devices", "2", *FABRIC_ARGS)
+    reference = run(*args, "--strategy", "ddp", "--loop", "epochs")
+    assert run(*args, "--loop", "steps") == reference, "the port under plain torchrun trains as Fabric's own loop"
+    return reference
 
 
 @pytest.fixture(scope="module")
 def accelerate_reference() -> dict[int, tuple[str, ...]]:
-    """Accelerate's tutorial loop on accelerator.prepare under plain torchrun."""
+    """Accelerate's tutorial loop on accelerator.prepare under plain torchrun; the port on rlaunch's prepare
+    ends the same there."""
     pytest.importorskip("accelerate", reason="the Accelerate adapter's tests need 'rlaunch[accelerate]'")
-    return run("torch.distributed.run", ACCELERATE, *ACCELERATE_ARGS, "--prepare", "accelerate", "--loop", "epochs")
+    args = ("torch.distributed.run", ACCELERATE, *ACCELERATE_ARGS)
+    reference = run(*args, "--prepare", "accelerate", "--loop", "epochs")
+    assert run(*args, "--loop", "steps") == reference, "the port under plain torchrun trains as the tutorial loop"
+    return reference
 
 
 def test_a_fabric_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
     cluster: Cluster, fabric_reference: dict[int, tuple[str, ...]]
 ) -> None:
     _, _, c, d = drain_then_lose_a(
-        cluster, FABRIC, "--devices", "1", "--nodes", "2", *FABRIC_ARGS, "--loop", "steps", gate_at=2, die_at=45
+        cluster, FABRIC, "--devices", "1", "--nodes", "2", *FABRIC_ARGS, "--loop", "steps", gate_at=2, die_at=65
     )
     assert finals(c.output() + d.output()) == fabric_reference, "the port ends as Fabric's own loop under torchrun"
     assert run("rlaunch", FABRIC, "--devices", "2", *FABRIC_ARGS, "--loop", "steps") == fabric_reference
@@ -96,7 +106,7 @@ def test_a_fabric_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
 def test_an_accelerate_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
     cluster: Cluster, accelerate_reference: dict[int, tuple[str, ...]]
 ) -> None:
-    _, _, c, d = drain_then_lose_a(cluster, ACCELERATE, *ACCELERATE_ARGS, "--loop", "steps", gate_at=2, die_at=22)
+    _, _, c, d = drain_then_lose_a(cluster, ACCELERATE, *ACCELERATE_ARGS, "--loop", "steps", gate_at=2, die_at=32)
     assert finals(c.output() + d.output()) == accelerate_reference, "the port ends as the tutorial loop under torchrun"
     assert run("rlaunch", ACCELERATE, *ACCELERATE_ARGS, "--loop", "steps") == accelerate_reference
 
@@ -105,7 +115,10 @@ def test_a_loop_over_the_loaders_epochs_trains_as_the_framework_does_and_refuses
     fabric_reference: dict[int, tuple[str, ...]], accelerate_reference: dict[int, tuple[str, ...]]
 ) -> None:
     """The tutorial loops themselves under rlaunch: where they stand lives in the script's variables, so
-    live moves are refused with a sentence (a fault takes the restart path); they train as before."""
+    live moves are refused with a sentence (a fault takes the restart path); they train as before, the
+    later phase's loader driving the steps from its first optimizer step. Their steps end where the
+    framework's training does (Accelerate's end_training(), Fabric's at exit): the agent learns that
+    each rank is done stepping (what follows is not a hang) and publishes its verification."""
     for script, args, reference, name in (
         (FABRIC, ("--devices", "2", *FABRIC_ARGS), fabric_reference, "rlaunch.lightning.FabricStrategy"),
         (ACCELERATE, ACCELERATE_ARGS, accelerate_reference, "rlaunch.accelerate"),
@@ -119,3 +132,5 @@ def test_a_loop_over_the_loaders_epochs_trains_as_the_framework_does_and_refuses
         assert res.returncode == 0 and finals(out) == reference, out[-3000:]
         why = f"{name}: The training loop iterates the loader's epochs itself (for batch in loader)"
         assert f"live moves are refused: {why}" in out and f"live moves: none: {why}" in out, out[-3000:]
+        done = re.findall(r"event verification \(generation 1\) \{'rank': (\d+)", out)
+        assert sorted(done) == ["0", "1"], out[-3000:]

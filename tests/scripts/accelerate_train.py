@@ -10,7 +10,9 @@ optimizer; ``--accum N`` accumulates gradients over N batches, ``--mixed-precisi
 autocast. ``--eval`` prepares an evaluation loader with the rest (``prepare(accelerator, rt, model,
 optimizer, train_dataloader, eval_dataloader, lr_scheduler)``, as the tutorial does) and evaluates
 at each epoch's end, iterating it as the tutorial does (in the port, inside ``rt.steps()``); its
-summed loss over every rank's part is in the final line. Test hooks as in ``lightning_train.py``:
+summed loss over every rank's part is in the final line. ``--phase2`` prepares a second train loader
+with the others and trains one epoch of it after the main epochs (in the port, first read with
+``batch()`` then: a later phase's loader). Test hooks as in ``lightning_train.py``:
 ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP`` (STEP counts optimizer steps).
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N`` (and
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--mixed-precision", default="no")
     ap.add_argument("--eval", action="store_true", help="an evaluation loader, evaluated at each epoch's end")
+    ap.add_argument("--phase2", action="store_true", help="a second train loader, one epoch after the others")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -97,15 +100,16 @@ def main() -> None:
     y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(704, 1, generator=g)
     train_dataloader = DataLoader(TensorDataset(x[:640], y[:640]), batch_size=16, shuffle=True)
     eval_dataloader = DataLoader(TensorDataset(x[640:], y[640:]), batch_size=16)
+    phase2_dataloader = DataLoader(TensorDataset(x[:320], y[:320]), batch_size=16, shuffle=True)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
-    objects = (model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    objects = (model, optimizer, train_dataloader, eval_dataloader, phase2_dataloader, lr_scheduler)
     if rt is not None:
         prepared = rlaunch.accelerate.prepare(accelerator, rt, *objects)
     else:
         prepared = accelerator.prepare(*objects)
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = prepared
+    model, optimizer, train_dataloader, eval_dataloader, phase2_dataloader, lr_scheduler = prepared
     evals = Evals()
 
     def evaluate() -> None:
@@ -139,17 +143,25 @@ def main() -> None:
                     time.sleep(args.step_time)
             if args.eval:
                 evaluate()
+        if args.phase2:
+            for i, batch in enumerate(phase2_dataloader):
+                if i % args.accum == 0:
+                    hooks(args, accelerator.process_index, accelerator.step // args.accum)
+                train_batch(batch)
+                if args.step_time and accelerator.sync_gradients:
+                    time.sleep(args.step_time)
     else:  # the port: one runtime step per accumulation window
         assert rt is not None
         rt.track(evals=evals)
         per_epoch = len(train_dataloader) // args.accum
-        for step in rt.steps(args.epochs * per_epoch):
+        phase1 = args.epochs * per_epoch
+        for step in rt.steps(phase1 + (len(phase2_dataloader) // args.accum if args.phase2 else 0)):
             hooks(args, accelerator.process_index, step)
             for _ in range(args.accum):
-                train_batch(train_dataloader.batch())
+                train_batch(train_dataloader.batch() if step < phase1 else phase2_dataloader.batch())
             if args.step_time:
                 time.sleep(args.step_time)
-            if args.eval and (step + 1) % per_epoch == 0:
+            if args.eval and step < phase1 and (step + 1) % per_epoch == 0:
                 evaluate()
     inner = optimizer.optimizer
     optim = [t for s in inner.state.values() for t in s.values()] + [sorted(lr_scheduler.state_dict().items())]

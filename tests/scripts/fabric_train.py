@@ -7,7 +7,9 @@ the scheduler tracked with ``rt.track``. ``--strategy ddp`` runs Fabric's own DD
 every step; ``--precision 16-mixed`` runs fp16 AMP with a ``GradScaler`` on CPU. ``--eval`` sets an
 evaluation loader up with the train loader (``fabric.setup_dataloaders(train, val)``) and evaluates
 at each epoch's end, iterating it as Fabric's docs do (in the port, inside ``rt.steps()``); its summed
-loss over every rank's part is in the final line. Test hooks as in ``lightning_train.py``:
+loss over every rank's part is in the final line. ``--phase2`` sets a second train loader up with the
+others and trains one epoch of it after the main epochs (in the port, first read with ``batch()``
+then: a later phase's loader). Test hooks as in ``lightning_train.py``:
 ``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``.
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N`` (and
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--eval", action="store_true", help="an evaluation loader, evaluated at each epoch's end")
+    ap.add_argument("--phase2", action="store_true", help="a second train loader, one epoch after the others")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
@@ -101,14 +104,17 @@ def main() -> None:
     y = x[:, :4].sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(704, 1, generator=g)
     dataloader = DataLoader(TensorDataset(x[:640], y[:640]), batch_size=16, shuffle=True)
     val_dataloader = DataLoader(TensorDataset(x[640:], y[640:]), batch_size=16)
+    phase2_dataloader = DataLoader(TensorDataset(x[:320], y[:320]), batch_size=16, shuffle=True)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
     model, optimizer = fabric.setup(model, optimizer)
-    if args.eval:
-        dataloader, val_dataloader = fabric.setup_dataloaders(dataloader, val_dataloader)
-    else:
-        dataloader = fabric.setup_dataloaders(dataloader)
+    loaders = [dataloader, *([val_dataloader] if args.eval else []), *([phase2_dataloader] if args.phase2 else [])]
+    prepared = fabric.setup_dataloaders(*loaders)
+    prepared = list(prepared) if len(loaders) > 1 else [prepared]
+    dataloader = prepared[0]
+    val_dataloader = prepared[1] if args.eval else val_dataloader
+    phase2_dataloader = prepared[-1] if args.phase2 else phase2_dataloader
     evals = Evals()
 
     def evaluate() -> None:
@@ -141,13 +147,19 @@ def main() -> None:
                 step += 1
             if args.eval:
                 evaluate()
+        if args.phase2:
+            for batch in phase2_dataloader:
+                hooks(args, fabric.global_rank, step)
+                train_step(batch)
+                step += 1
     else:  # the port: the same body on the runtime's steps
         rt = fabric.strategy.rt
         rt.track(scheduler=scheduler, evals=evals)
-        for step in rt.steps(args.epochs * len(dataloader)):
+        phase1 = args.epochs * len(dataloader)
+        for step in rt.steps(phase1 + (len(phase2_dataloader) if args.phase2 else 0)):
             hooks(args, fabric.global_rank, step)
-            train_step(dataloader.batch())
-            if args.eval and (step + 1) % len(dataloader) == 0:
+            train_step(dataloader.batch() if step < phase1 else phase2_dataloader.batch())
+            if args.eval and step < phase1 and (step + 1) % len(dataloader) == 0:
                 evaluate()
     optim = [t for s in optimizer.state.values() for t in s.values()] + [sorted(scheduler.state_dict().items())]
     shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""

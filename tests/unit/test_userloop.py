@@ -88,14 +88,22 @@ class Batches:
         self.loader = StatefulDataLoader(dataset, batch_size=2, sampler=self.sampler)
 
 
-def _data(rt: Runtime, loop: UserLoop, made: list[str]) -> tuple[LoopData, Batches]:
+def _data(
+    rt: Runtime, loop: UserLoop, made: list[str], order_rng: torch.Generator | None = None
+) -> tuple[LoopData, Batches]:
+    """A prepared loader; ``made`` gets each loader's name as its ``rt.epochs`` is made (with `` alone``
+    when made where a position landed, not by every rank at the first ``batch()``). Made by every rank,
+    it sets ``order_rng`` as Accelerate's broadcast of rank 0's shuffling generator does."""
     batches = Batches()
 
-    def epochs(name: str) -> EpochLoader:
-        made.append(name)
-        return rt.epochs(batches.loader, sampler=batches.sampler, name=name)
+    def epochs(name: str, together: bool) -> EpochLoader:
+        made.append(name if together else f"{name} alone")
+        if together and order_rng is not None:
+            order_rng.manual_seed(99)
+        return rt.epochs(batches.loader, sampler=batches.sampler, name=name, track=False, order_rng=order_rng)
 
-    return loop.data(epochs, batches.loader, lambda b: b, len(batches.loader), "", batches.sampler), batches
+    data = loop.data(epochs, batches.loader, lambda b: b, len(batches.loader), "", batches.sampler, order_rng)
+    return data, batches
 
 
 def test_each_loader_has_its_own_name_and_one_iterated_as_it_is_passes_through() -> None:
@@ -116,7 +124,7 @@ def test_each_loader_has_its_own_name_and_one_iterated_as_it_is_passes_through()
         loop.vote(opt, None, opt.step)
         if step % 2 == 1:
             seen.append([b[0].tolist() for b in evaluation])  # after the step's vote, as a tutorial evaluates
-    assert made == ["data"] and "data1" not in rt._s.tracked, "the evaluation loader is never tracked"
+    assert made == ["data"] and rt._s.tracked["data1"].state_dict() == {}, "the evaluation loader holds nothing"
     assert rt._s.refused == "" and seen[0] == seen[1] == [[[0.0, 1.0], [4.0, 5.0]], [[8.0, 9.0], [12.0, 13.0]]]
 
 
@@ -175,3 +183,37 @@ def test_a_loader_first_read_inside_a_step_is_put_back_when_the_step_is_redone()
         model(torch.tensor(read[-1])).sum().backward()
         loop.vote(opt, None, opt.step)
     assert read[0] == read[1] != read[2], read
+
+
+def test_a_loader_first_read_late_is_known_from_the_start_and_made_where_a_read_position_lands() -> None:
+    """A second train loader for a later phase: its position is tracked from prepare() as {} (a joiner's
+    sandbox never read it, a host snapshot may predate its first read), a position that lands makes
+    rt.epochs there, alone, and a position put back before the first read makes it again at the next."""
+    rt = _runtime()
+    model, opt = _model()
+    rt.track(model=model, optimizer=opt)
+    loop = UserLoop(rt, "rlaunch.test")
+    made: list[str] = []
+    order = torch.Generator().manual_seed(5)
+    (first, _), (later, _) = _data(rt, loop, made), _data(rt, loop, made, order)
+    before, order_before = rt._s.tracked["data1"].state_dict(), order.get_state()
+    assert before == {} and made == [], "known before its first read"
+    for _ in rt.steps(2):
+        model(first.batch()[0]).sum().backward()
+        loop.vote(opt, None, opt.step)
+    read = [later.batch()[0].tolist()]
+    sent = rt._s.tracked["data1"].state_dict()
+    assert made == ["data", "data1"] and sent["epoch"] == 0 and sent["loader"], sent
+
+    joiner_rt = _runtime()
+    joiner_loop = UserLoop(joiner_rt, "rlaunch.test")
+    joiner_made: list[str] = []
+    _data(joiner_rt, joiner_loop, joiner_made)
+    joiner_later, _ = _data(joiner_rt, joiner_loop, joiner_made)
+    joiner_rt._s.tracked["data1"].load_state_dict(sent)  # a joiner whose sandbox never read it
+    assert joiner_made == ["data1 alone"], "made where the position landed, with no rank to sync with"
+    assert joiner_later.batch()[0].tolist() == later.batch()[0].tolist() != read[0], "the same next batch"
+
+    rt._s.tracked["data1"].load_state_dict(before)  # back to a snapshot before its first read
+    assert torch.equal(order.get_state(), order_before), "its order's generator as it was before the first read"
+    assert later.batch()[0].tolist() == read[0] and made == ["data", "data1", "data1"], "made again, read again"
