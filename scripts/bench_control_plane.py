@@ -24,7 +24,10 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   its workers (the agent's ``Offer``: what moves the training); ``fault_to_all_published_s`` until
   every node's record at it was in etcd; ``fault_to_all_running_s`` until every record said
   ``running`` (the job is settled: the next move may be planned). ``fault_window_cpu_s``: the CPU
-  seconds etcd, the controller and the simulated nodes used from the fault to all running. All the
+  seconds etcd, the controller and the simulated nodes used from the fault to all running.
+  ``fault_etcd_requests``: the gRPC messages etcd received, by method, from the fault until a
+  second after all running (every node's and the controller's, lease keepalives included), and
+  ``fault_etcd_requests_per_node`` their sum over N-1. All the
   nodes share this one process (and the machine's cores with etcd and the controller), which
   bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs this process.
   ``writes_deferred`` repeats the faults with the nodes' writes held from the fault until every
@@ -292,6 +295,7 @@ async def simulated(
         assert gen is not None
         number = gen.number + 1
         victim = next(x for x in live[n // 2 + r :] if x.node_id in gen.assignment)
+        messages = await asyncio.to_thread(etcd_messages, endpoint)
         cpu = cpu_seconds(pids)
         if prof is not None:
             prof.enable()
@@ -323,6 +327,9 @@ async def simulated(
         planned = await read_generation(main, keys)
         run["plan"] = planned.kind if planned is not None and planned.number == number else None
         run["plan_s"] = planned.created_at - fault_wall if run["plan"] else None
+        await asyncio.sleep(1.0)  # the events written in the background after the records
+        after = await asyncio.to_thread(etcd_messages, endpoint)
+        run["etcd_requests"] = {m: after[m] - messages.get(m, 0.0) for m in after if after[m] > messages.get(m, 0.0)}
         print(json.dumps({"n": n, "repeat": r, "deferred": deferred, **run}), file=sys.stderr, flush=True)
         # a new machine in place of the lost one: a fresh node joins as the next standby
         fresh = SimNode(f"r{r:03d}", gated[r % len(gated)], keys)  # type: ignore[arg-type]
@@ -367,6 +374,8 @@ async def simulated(
             "fault_to_all_published_s": summary([run["published_s"] for run in done]),
             "fault_to_all_running_s": summary([run.get("running_s") for run in done]),
             "fault_window_cpu_s": {k: summary([run["cpu_s"][k] for run in done]) for k in pids},
+            "fault_etcd_requests_per_node": summary([sum(run["etcd_requests"].values()) / (n - 1) for run in done], 2),
+            "fault_etcd_requests": [run["etcd_requests"] for run in done],
             "plans": [run["plan"] for run in done],
             "errors": [run["error"] for run in done if "error" in run],
         }
