@@ -157,9 +157,14 @@ class EventLog:
         return taken
 
     async def put_with(self, key: str, value: bytes, lease: int) -> None:
-        """Put ``key`` under ``lease`` in one request with the events pending now, after any request of
-        events in flight (events reach etcd in the order they were emitted). Raises
-        :class:`~rlaunch.errors.StoreError` when etcd did not take it: the events stay pending, first."""
+        """Put ``key`` under ``lease`` in one request with the events pending now. While a request of
+        events is in flight, the key goes alone, never waiting on it (an outage makes the writer try each
+        event of a failed batch in turn), and the events stay with the writer, so that they reach etcd
+        in the order they were emitted. Raises :class:`~rlaunch.errors.StoreError` when etcd did not
+        take it: its events stay pending, first in line."""
+        if self._writing.locked() or not self._pending:
+            await self._store.put(key, value, lease=lease)
+            return
         async with self._writing:
             taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
             if not taken:

@@ -215,3 +215,34 @@ def test_events_of_a_record_etcd_did_not_take_are_written_first_by_the_log() -> 
 
     asyncio.run(run())
     assert etcd.puts == [f"{keys.event(int(1e9), 'n1')},{keys.event(int(2e9), 'n1')}"], "in order, together"
+
+
+def test_a_record_does_not_wait_for_a_request_of_events_in_flight() -> None:
+    """An outage can hold the writer's request (and its event-by-event retries) for many timeouts: the
+    record goes alone meanwhile, and the events stay with the writer, in order."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0])
+    held = asyncio.Event()
+
+    async def run() -> None:
+        slow_put = etcd.put
+
+        async def put(key: str, value: bytes, lease: int | None = None) -> None:
+            if key != keys.node("n1"):
+                await held.wait()  # the event's request hangs until the record went
+            await slow_put(key, value, lease)
+
+        etcd.put = put  # type: ignore[method-assign]
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit("replacement_offered", 2)
+        await asyncio.sleep(0.01)  # the writer took it and waits on etcd
+        log.emit("node_state", 2)
+        await asyncio.wait_for(log.put_with(keys.node("n1"), b"{}", 7), 1.0)
+        held.set()
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    first, second = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    assert etcd.puts == [keys.node("n1"), first, second]
