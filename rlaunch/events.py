@@ -6,9 +6,9 @@ event (:meth:`EventLog.note`: one that recurs while the job trains, such as a co
 snapshot) skips etcd, which sees no traffic per step. Writes to etcd
 and to the file happen on background tasks, each in order (the file's on a thread, and never
 behind etcd); emitting never blocks nor fails the caller. The node record goes to etcd in one
-request with the events queued when it is sent (:meth:`EventLog.put_with`): a move's offer and
-the node state published with it cost a node one request, not two (at a fault, every node
-of the job writes them at once).
+request with the events pending when it is sent, unless a request of events is in flight
+(:meth:`EventLog.put_with`): a move's offer and the node state published with it cost a node one
+request, not two (at a fault, every node of the job writes them at once).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class EventLog:
         self._pending: collections.deque[_Queued] = collections.deque()  # emitted, not yet written
         self._ready = asyncio.Event()  # set while events are pending (or the log closes)
         self._closing = False
-        self._writing = asyncio.Lock()  # one request of events at a time, so they land in order
+        #: clear while a request of events is in flight (one at a time, so that they land in order)
+        self._free = asyncio.Event()
+        self._free.set()
         self._lines: asyncio.Queue[Event | None] = asyncio.Queue()  # for events.jsonl, written apart from etcd
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -130,18 +132,24 @@ class EventLog:
         a few at once, such as a move's offer and the node state it publishes with it)."""
         while True:
             await self._ready.wait()
-            async with self._writing:
-                taken = self._take(EVENTS_PER_REQUEST, BYTES_PER_REQUEST, alone=True)
-                if not taken:
-                    self._ready.clear()
-                    if self._closing:
-                        return
-                    continue
-                batch = [put for _, put in taken]
+            await self._free.wait()
+            if not self._free.is_set():
+                continue  # a record took the lead with the pending events meanwhile
+            taken = self._take(EVENTS_PER_REQUEST, BYTES_PER_REQUEST, alone=True)
+            if not taken:
+                self._ready.clear()
+                if self._closing:
+                    return
+                continue
+            batch = [put for _, put in taken]
+            self._free.clear()
+            try:
                 if len(batch) > 1:
                     await self._put_batch(batch)
                 else:
                     await self._put_one(batch[0])
+            finally:
+                self._free.set()
 
     def _take(self, count: int, size: int, alone: bool) -> list[tuple[_Queued, _Put]]:
         """The first pending events, encoded, up to ``count`` of them and ``size`` bytes (keys and
@@ -162,23 +170,24 @@ class EventLog:
         event of a failed batch in turn), and the events stay with the writer, so that they reach etcd
         in the order they were emitted. Raises :class:`~rlaunch.errors.StoreError` when etcd did not
         take it: its events stay pending, first in line."""
-        if self._writing.locked() or not self._pending:
+        taken = []
+        if self._free.is_set():
+            taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
+        if not taken:
             await self._store.put(key, value, lease=lease)
             return
-        async with self._writing:
-            taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
-            if not taken:
-                await self._store.put(key, value, lease=lease)
-                return
-            try:
-                if self._lease is None:
-                    self._lease = await self._store.grant_lease(EVENT_TTL_S)
-                events = [(put.key, put.value, self._lease) for _, put in taken]
-                await self._store.put_each([(key, value, lease), *events])
-            except BaseException:
-                self._pending.extendleft(queued for queued, _ in reversed(taken))
-                self._ready.set()
-                raise
+        self._free.clear()
+        try:
+            if self._lease is None:
+                self._lease = await self._store.grant_lease(EVENT_TTL_S)
+            events = [(put.key, put.value, self._lease) for _, put in taken]
+            await self._store.put_each([(key, value, lease), *events])
+        except BaseException:
+            self._pending.extendleft(queued for queued, _ in reversed(taken))
+            self._ready.set()
+            raise
+        finally:
+            self._free.set()
 
     async def _put_batch(self, batch: list[_Put]) -> None:
         """Write ``batch`` in one transaction or, if that fails, its events one by one (so an outage

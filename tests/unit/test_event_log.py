@@ -93,6 +93,7 @@ class _CountingEtcd:
         self.sizes.append(sum(len(k) + len(v) for k, v in items))
 
     async def put_each(self, items: list[tuple[str, bytes, int | None]]) -> None:
+        await asyncio.sleep(0.001)  # a request to etcd: other tasks run meanwhile
         if "put_each" in self.down:
             raise StoreUnavailableError("etcd did not answer within 5.0 s")
         self.requests.append([f"{k}@{lease}" for k, _, lease in items])
@@ -195,6 +196,28 @@ def test_a_record_goes_in_one_request_with_the_events_emitted_before_it() -> Non
     asyncio.run(run())
     first, second, third = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0, 3.0))
     assert etcd.puts == [f"{keys.node('n1')}@7,{first}@1,{second}@1", third]
+
+
+def test_records_sent_one_after_the_other_each_take_the_events_emitted_before_them() -> None:
+    """A survivor offers, publishes, then (its workers recovered) says so and publishes again: two
+    requests. The writer, woken by the first events, does not take the next record's events first."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0, 3.0, 4.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        for _ in range(2):
+            log.emit("offered_or_recovered", 2)
+            log.emit("node_state", 2)
+            await log.put_with(keys.node("n1"), b"{}", 7)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    one, two, three, four = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0, 3.0, 4.0))
+    record = f"{keys.node('n1')}@7"
+    assert etcd.puts == [f"{record},{one}@1,{two}@1", f"{record},{three}@1,{four}@1"]
 
 
 def test_events_of_a_record_etcd_did_not_take_are_written_first_by_the_log() -> None:
