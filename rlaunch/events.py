@@ -5,12 +5,16 @@ is bounded) and, when ``--log-dir`` is set, to ``<log_dir>/<job>/events.jsonl``.
 event (:meth:`EventLog.note`: one that recurs while the job trains, such as a committed host
 snapshot) skips etcd, which sees no traffic per step. Writes to etcd
 and to the file happen on background tasks, each in order (the file's on a thread, and never
-behind etcd); emitting never blocks nor fails the caller.
+behind etcd); emitting never blocks nor fails the caller. The node record goes to etcd in one
+request with the events pending when it is sent, unless a request of events is in flight
+(:meth:`EventLog.put_with`): a move's offer and the node state published with it cost a node one
+request, not two (at a fault, every node of the job writes them at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -67,7 +71,12 @@ class EventLog:
         self._node_id = node_id
         self._jsonl = jsonl
         self._clock = clock
-        self._queue: asyncio.Queue[_Queued | None] = asyncio.Queue()
+        self._pending: collections.deque[_Queued] = collections.deque()  # emitted, not yet written
+        self._ready = asyncio.Event()  # set while events are pending (or the log closes)
+        self._closing = False
+        #: clear while a request of events is in flight (one at a time, so that they land in order)
+        self._free = asyncio.Event()
+        self._free.set()
         self._lines: asyncio.Queue[Event | None] = asyncio.Queue()  # for events.jsonl, written apart from etcd
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -94,7 +103,8 @@ class EventLog:
         event = Event(time=when, node_id=self._node_id, kind=kind, generation=generation, data=data)
         log.info("[%s] event %s (generation %d) %s", self._node_id, kind, generation, data)
         if to_etcd:
-            self._queue.put_nowait(_Queued(self._keys.event(ns, self._node_id), event))
+            self._pending.append(_Queued(self._keys.event(ns, self._node_id), event))
+            self._ready.set()
         if self._jsonl is not None:
             self._lines.put_nowait(event)
         for observe in self.observers:
@@ -118,34 +128,66 @@ class EventLog:
         return ns, self._last_time
 
     async def _writer(self) -> None:
-        """Write the queued events in order; those queued together go in one request (an agent emits
+        """Write the pending events in order; those pending together go in one request (an agent emits
         a few at once, such as a move's offer and the node state it publishes with it)."""
-        carried: _Put | None = None  # taken from the queue but over the last batch's byte limit
         while True:
-            if carried is None:
-                first = await self._queue.get()
-                if first is None:
+            await self._ready.wait()
+            await self._free.wait()
+            if not self._free.is_set():
+                continue  # a record took the lead with the pending events meanwhile
+            taken = self._take(EVENTS_PER_REQUEST, BYTES_PER_REQUEST, alone=True)
+            if not taken:
+                self._ready.clear()
+                if self._closing:
                     return
-                carried = _Put.of(first)
-            batch, carried, closing = [carried], None, False
-            size = len(batch[0].key) + len(batch[0].value)
-            while len(batch) < EVENTS_PER_REQUEST and not self._queue.empty():
-                queued = self._queue.get_nowait()
-                if queued is None:
-                    closing = True
-                    break
-                nxt = _Put.of(queued)
-                if size + len(nxt.key) + len(nxt.value) > BYTES_PER_REQUEST:
-                    carried = nxt
-                    break
-                batch.append(nxt)
-                size += len(nxt.key) + len(nxt.value)
-            if len(batch) > 1:
-                await self._put_batch(batch)
-            else:
-                await self._put_one(batch[0])
-            if closing:
-                return
+                continue
+            batch = [put for _, put in taken]
+            self._free.clear()
+            try:
+                if len(batch) > 1:
+                    await self._put_batch(batch)
+                else:
+                    await self._put_one(batch[0])
+            finally:
+                self._free.set()
+
+    def _take(self, count: int, size: int, alone: bool) -> list[tuple[_Queued, _Put]]:
+        """The first pending events, encoded, up to ``count`` of them and ``size`` bytes (keys and
+        values); ``alone``: the first one even when it is larger alone."""
+        taken: list[tuple[_Queued, _Put]] = []
+        used = 0
+        while self._pending and len(taken) < count:
+            put = _Put.of(self._pending[0])
+            if used + len(put.key) + len(put.value) > size and (taken or not alone):
+                break
+            taken.append((self._pending.popleft(), put))
+            used += len(put.key) + len(put.value)
+        return taken
+
+    async def put_with(self, key: str, value: bytes, lease: int) -> None:
+        """Put ``key`` under ``lease`` in one request with the events pending now. While a request of
+        events is in flight, the key goes alone, never waiting on it (an outage makes the writer try each
+        event of a failed batch in turn), and the events stay with the writer, so that they reach etcd
+        in the order they were emitted. Raises :class:`~rlaunch.errors.StoreError` when etcd did not
+        take it: its events stay pending, first in line."""
+        taken = []
+        if self._free.is_set():
+            taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
+        if not taken:
+            await self._store.put(key, value, lease=lease)
+            return
+        self._free.clear()
+        try:
+            if self._lease is None:
+                self._lease = await self._store.grant_lease(EVENT_TTL_S)
+            events = [(put.key, put.value, self._lease) for _, put in taken]
+            await self._store.put_each([(key, value, lease), *events])
+        except BaseException:
+            self._pending.extendleft(queued for queued, _ in reversed(taken))
+            self._ready.set()
+            raise
+        finally:
+            self._free.set()
 
     async def _put_batch(self, batch: list[_Put]) -> None:
         """Write ``batch`` in one transaction or, if that fails, its events one by one (so an outage
@@ -188,7 +230,8 @@ class EventLog:
             self._file_task = None
         if self._task is None:
             return
-        self._queue.put_nowait(None)
+        self._closing = True
+        self._ready.set()
         try:
             await asyncio.wait_for(self._task, timeout)
         except asyncio.TimeoutError:

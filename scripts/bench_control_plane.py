@@ -24,13 +24,27 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   its workers (the agent's ``Offer``: what moves the training); ``fault_to_all_published_s`` until
   every node's record at it was in etcd; ``fault_to_all_running_s`` until every record said
   ``running`` (the job is settled: the next move may be planned). ``fault_window_cpu_s``: the CPU
-  seconds etcd, the controller and the simulated nodes used from the fault to all running. All the
+  seconds etcd, the controller and the simulated nodes used from the fault to all running.
+  ``fault_etcd_requests``: the gRPC messages etcd received, by method, from the fault until a
+  second after all running (every node's and the controller's, lease keepalives included), and
+  ``fault_etcd_requests_per_node`` their sum over N-1. All the
   nodes share this one process (and the machine's cores with etcd and the controller), which
   bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs this process.
   ``writes_deferred`` repeats the faults with the nodes' writes held from the fault until every
   node acted (their reads and watches pass), so that no node's writes delay another's receipt of
   the plan in this one process, as they do not when each agent has a machine of its own.
   ``target_all_acted_s`` is the issue's target (1 s up to 1,024 nodes, 2 s up to 4,096).
+- ``floor`` (simulated sizes): what fault → every node acted is when each agent has a machine of
+  its own, measured in parts before the simulated job forms (see scripts/fanout.py):
+  ``fanout``, a write of a generation head's size timed to the first and the last of N-1 bare
+  watchers spread over ``--floor-procs`` processes (``write_to_first_s``, ``write_to_last_s``);
+  ``one_node``, one simulated node alone in a job of N, a survivor of live replacements that the
+  benchmark writes itself, from the write (``write_to_acted_s``) and from its watch taking the plan
+  (``saw_to_acted_s``) to its handing the plan to its workers. ``all_acted_s`` is the sum of the
+  ``parts``: the simulated ``fault_to_plan_s`` median, the fan-out's ``write_to_last_s`` median and
+  the one node's ``write_to_acted_s`` median (which counts one watcher's delivery a second time);
+  ``target_met`` compares it with the target. The watchers share this machine's cores with etcd,
+  so the fan-out, and the floor, are bounds from above.
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
@@ -39,7 +53,8 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
 
-Usage: ``python scripts/bench_control_plane.py [--real 16,64] [--simulated 1024] [--repeats 5] [--no-torchrun]``.
+Usage: ``python scripts/bench_control_plane.py [--real 16,64] [--simulated 1024] [--repeats 5] [--no-torchrun]
+[--floor-procs 4]``.
 The machine's load changes the numbers: ``uptime`` is included.
 """
 
@@ -77,6 +92,7 @@ from rlaunch.store.keys import JobKeys  # noqa: E402
 from rlaunch.store.records import Event, Generation, JobSpec, NodeRecord, NodeState, decode, encode  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
+from scripts.fanout import fanout, one_node, watchers_main  # noqa: E402
 from scripts.simnodes import SIM_TTL, GatedWrites, SimNode  # noqa: E402
 
 LEASE_TTL = 3
@@ -117,13 +133,13 @@ async def read_generation(store: Store, keys: JobKeys) -> Generation | None:
     return (await generations.read(store, keys))[1]
 
 
-def summary(runs: list[float | None]) -> dict[str, Any]:
+def summary(runs: list[float | None], digits: int = 3) -> dict[str, Any]:
     """``median``, ``min``, ``max`` and the ``runs`` of one figure over an event's repeats (None: not reached)."""
     done = [r for r in runs if r is not None]
     if not done:
         return {"median": None, "min": None, "max": None, "runs": runs}
-    return {"median": round(statistics.median(done), 3), "min": round(min(done), 3), "max": round(max(done), 3),
-            "runs": runs}  # fmt: skip
+    return {"median": round(statistics.median(done), digits), "min": round(min(done), digits),
+            "max": round(max(done), digits), "runs": runs}  # fmt: skip
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -242,10 +258,20 @@ def ready_standby(node: SimNode) -> bool:
 
 
 async def simulated(
-    endpoint: str, n: int, repeats: int, etcd_pid: int, profile: str, node_profile: str, per_connection: int = 32
+    endpoint: str,
+    n: int,
+    repeats: int,
+    etcd_pid: int,
+    profile: str,
+    node_profile: str,
+    per_connection: int = 32,
+    floor_procs: int = 4,
 ) -> dict[str, Any]:
     """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
-    is lost, its ranks are replaced live, and a fresh node joins as the next standby."""
+    is lost, its ranks are replaced live, and a fresh node joins as the next standby. First, the
+    parts of the floor (see scripts/fanout.py), before anything else of this size runs."""
+    spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
+    alone = await one_node(endpoint, n, repeats)
     keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
     eps = parse_endpoints(endpoint)
     channels = [Store(eps, timeout=30) for _ in range(max(1, n // per_connection))]
@@ -269,6 +295,7 @@ async def simulated(
         assert gen is not None
         number = gen.number + 1
         victim = next(x for x in live[n // 2 + r :] if x.node_id in gen.assignment)
+        messages = await asyncio.to_thread(etcd_messages, endpoint)
         cpu = cpu_seconds(pids)
         if prof is not None:
             prof.enable()
@@ -300,6 +327,9 @@ async def simulated(
         planned = await read_generation(main, keys)
         run["plan"] = planned.kind if planned is not None and planned.number == number else None
         run["plan_s"] = planned.created_at - fault_wall if run["plan"] else None
+        await asyncio.sleep(1.0)  # the events written in the background after the records
+        after = await asyncio.to_thread(etcd_messages, endpoint)
+        run["etcd_requests"] = {m: after[m] - messages.get(m, 0.0) for m in after if after[m] > messages.get(m, 0.0)}
         print(json.dumps({"n": n, "repeat": r, "deferred": deferred, **run}), file=sys.stderr, flush=True)
         # a new machine in place of the lost one: a fresh node joins as the next standby
         fresh = SimNode(f"r{r:03d}", gated[r % len(gated)], keys)  # type: ignore[arg-type]
@@ -344,12 +374,20 @@ async def simulated(
             "fault_to_all_published_s": summary([run["published_s"] for run in done]),
             "fault_to_all_running_s": summary([run.get("running_s") for run in done]),
             "fault_window_cpu_s": {k: summary([run["cpu_s"][k] for run in done]) for k in pids},
+            "fault_etcd_requests_per_node": summary([sum(run["etcd_requests"].values()) / (n - 1) for run in done], 2),
+            "fault_etcd_requests": [run["etcd_requests"] for run in done],
             "plans": [run["plan"] for run in done],
             "errors": [run["error"] for run in done if "error" in run],
         }
 
     target = 1.0 if n <= 1024 else 2.0
     inline, deferred_runs = figures(runs["inline"]), figures(runs["deferred"])
+    parts = {
+        "fault_to_plan_s": inline["fault_to_plan_s"]["median"],
+        "fanout_write_to_last_s": summary(spread["write_to_last_s"])["median"],
+        "one_node_write_to_acted_s": summary(alone["write_to_acted_s"], 5)["median"],
+    }
+    floor = None if None in parts.values() else round(sum(parts.values()), 3)
     met = [f["fault_to_all_acted_s"]["median"] for f in (inline, deferred_runs)]
     result = {
         "n": n, "kind": "simulated", "repeats": repeats, "form_s": round(form_s, 3), **inline,
@@ -360,6 +398,13 @@ async def simulated(
             mode: round(1000 * f["fault_window_cpu_s"]["nodes"]["median"] / (n - 1), 3)
             for mode, f in (("inline", inline), ("writes_deferred", deferred_runs))
             if f["fault_window_cpu_s"]["nodes"]["median"] is not None
+        },
+        "floor": {
+            "all_acted_s": floor, "target_met": floor is not None and floor <= target, "parts": parts,
+            "fanout": {**spread, "write_to_first_s": summary(spread["write_to_first_s"]),
+                       "write_to_last_s": summary(spread["write_to_last_s"])},
+            "one_node": {**alone, "write_to_acted_s": summary(alone["write_to_acted_s"], 5),
+                         "saw_to_acted_s": summary(alone["saw_to_acted_s"], 5)},
         },
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
         "steady_methods": methods, "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
@@ -568,13 +613,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="faults per size (each a new event: median and spread)")
     parser.add_argument("--nodes-per-connection", type=int, default=32, help="simulated nodes sharing one etcd "
                         "connection (an agent has its own; 1 costs this process more per node)")  # fmt: skip
+    parser.add_argument("--floor-procs", type=int, default=4, help="processes the floor's bare watchers are spread "
+                        "over (see scripts/fanout.py)")  # fmt: skip
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
                         "fault windows to FILE.<N>")  # fmt: skip
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--watchers-of", default="", help=argparse.SUPPRESS)  # a process of the floor's watchers
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     end_on_sigterm()
+    if args.watchers_of:
+        watchers_main(args.endpoint, args.watchers_of, args.count, args.nodes_per_connection)
+        return
     if args.controller_of:
         asyncio.run(controller_process(args.endpoint, args.controller_of, args.profile))
         return
@@ -585,7 +637,8 @@ def main() -> None:
         assert etcd.proc is not None
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
-                                               args.profile_nodes, args.nodes_per_connection)))  # fmt: skip
+                                               args.profile_nodes, args.nodes_per_connection,
+                                               args.floor_procs)))  # fmt: skip
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             try:

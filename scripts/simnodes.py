@@ -9,8 +9,9 @@ few shared etcd channels:
   each generation's rank map from the one held, or reads it whole, as an agent does;
 - it decides with the agent's own :func:`~rlaunch.agent.transitions.decide` on every change the
   watch wakes it for, and carries the actions out as the agent does, with no processes:
-  ``Publish`` puts its node record (and a ``node_state`` event when the state changes, as
-  :class:`~rlaunch.agent.record.RecordPublisher` does); ``Acknowledge`` puts its ack and deletes
+  ``Publish`` puts its node record (and a ``node_state`` event when the state changes), in one
+  request with the events emitted before it, as :class:`~rlaunch.agent.record.RecordPublisher` does;
+  ``Acknowledge`` puts its ack and deletes
   the previous one; ``Emit`` goes to its own :class:`~rlaunch.events.EventLog` (etcd puts in the
   background); starting and stopping workers writes the events the supervisor writes; ``Offer``
   hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
@@ -74,6 +75,10 @@ class GatedWrites:
     async def put_all(self, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
         await self._gate.wait()
         await self._store.put_all(items, lease=lease)
+
+    async def put_each(self, items: list[tuple[str, bytes, int | None]]) -> None:
+        await self._gate.wait()
+        await self._store.put_each(items)
 
     async def delete(self, key: str) -> None:
         await self._gate.wait()
@@ -141,7 +146,7 @@ class SimNode:
     async def _send(self) -> None:
         record = self.record
         assert record is not None
-        await self.store.put(self.keys.node(self.node_id), encode(record), lease=self.lease)
+        await self.events.put_with(self.keys.node(self.node_id), encode(record), self.lease)
         if record is self.record:
             self._unsent = False
         self.published.setdefault(record.generation, time.monotonic())

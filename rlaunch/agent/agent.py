@@ -147,7 +147,7 @@ class Agent:
             probe_port=self._probe_port, lease=lambda: self._lease,
             restarts=lambda: max(0, self.workers.starts - 1), fault=lambda: self.faults.sentence,
             moves=lambda: self.moves.current, reach=lambda: self.reach.current, clock=self._clock,
-            monotonic=self._monotonic,
+            monotonic=self._monotonic, put=self.events.put_with,
         )  # fmt: skip
         self.faults = Faults(self.node_id, self.store, self.keys, self.records, self.events.emit, self._wake.set,
                              self._clock)  # fmt: skip

@@ -16,7 +16,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from rlaunch.agent.config import LaunchConfig
 from rlaunch.agent.reach import Reach
@@ -57,8 +57,12 @@ class RecordPublisher:
         reach: Callable[[], Reach] = Reach,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        put: Callable[[str, bytes, int], Awaitable[None]] | None = None,
     ) -> None:
         self._store = store
+        #: how the record goes to etcd: ``(key, value, lease)``; the agent's sends the events emitted
+        #: with it in the same request (see rlaunch.events.EventLog.put_with)
+        self._put = put or (lambda key, value, lease: store.put(key, value, lease=lease))
         self._keys = keys
         self._cfg = cfg
         self._link = link
@@ -160,7 +164,7 @@ class RecordPublisher:
         async with self._sending:
             record = self.record
             assert record is not None
-            await self._store.put(self._keys.node(self._cfg.node_id), encode(record), lease=self._lease())
+            await self._put(self._keys.node(self._cfg.node_id), encode(record), self._lease())
             if record is self.record:
                 self._unsent = False  # (a newer record made meanwhile is sent by its own publish)
 

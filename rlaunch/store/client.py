@@ -479,6 +479,15 @@ class Store:
 
         await self._call(txn)
 
+    async def put_each(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
+        """Put every ``(key, value, lease)`` of ``items`` in one transaction (one request)."""
+
+        async def txn(c: aetcd.Client) -> None:
+            t = c.transactions
+            await c.transaction(compare=[], success=[t.put(k.encode(), v, lease=le) for k, v, le in items], failure=[])
+
+        await self._call(txn)
+
     async def delete(self, key: str) -> None:
         await self._call(lambda c: c.delete(key.encode()))
 

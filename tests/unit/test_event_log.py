@@ -92,6 +92,13 @@ class _CountingEtcd:
         self.requests.append([k for k, _ in items])
         self.sizes.append(sum(len(k) + len(v) for k, v in items))
 
+    async def put_each(self, items: list[tuple[str, bytes, int | None]]) -> None:
+        await asyncio.sleep(0.001)  # a request to etcd: other tasks run meanwhile
+        if "put_each" in self.down:
+            raise StoreUnavailableError("etcd did not answer within 5.0 s")
+        self.requests.append([f"{k}@{lease}" for k, _, lease in items])
+        self.sizes.append(sum(len(k) + len(v) for k, v, _ in items))
+
 
 def test_a_local_event_reaches_the_file_and_the_observers_but_not_etcd(tmp_path: Path) -> None:
     path = tmp_path / "job" / "events.jsonl"
@@ -168,3 +175,97 @@ def test_a_batch_is_capped_by_its_bytes() -> None:
     assert over == [1], f"only the huge event goes over the limit, alone: {etcd.sizes}"
     keys = [k for r in etcd.requests for k in r]
     assert keys == sorted(keys), "in order"
+
+
+def test_a_record_goes_in_one_request_with_the_events_emitted_before_it() -> None:
+    """A move's offer and the node state published with it go with the node record: one request of
+    a node's at a fault, not two. The record keeps its lease, the events theirs; later events follow."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0, 3.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit("replacement_offered", 2)
+        log.emit("node_state", 2)
+        await log.put_with(keys.node("n1"), b"{}", 7)
+        log.emit("recovered", 2)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    first, second, third = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0, 3.0))
+    assert etcd.puts == [f"{keys.node('n1')}@7,{first}@1,{second}@1", third]
+
+
+def test_records_sent_one_after_the_other_each_take_the_events_emitted_before_them() -> None:
+    """A survivor offers, publishes, then (its workers recovered) says so and publishes again: two
+    requests. The writer, woken by the first events, does not take the next record's events first."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0, 3.0, 4.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        for _ in range(2):
+            log.emit("offered_or_recovered", 2)
+            log.emit("node_state", 2)
+            await log.put_with(keys.node("n1"), b"{}", 7)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    one, two, three, four = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0, 3.0, 4.0))
+    record = f"{keys.node('n1')}@7"
+    assert etcd.puts == [f"{record},{one}@1,{two}@1", f"{record},{three}@1,{four}@1"]
+
+
+def test_events_of_a_record_etcd_did_not_take_are_written_first_by_the_log() -> None:
+    """The record's request failed (the agent sends the record again later): its events stay first in
+    line, and the log writes them before the ones emitted after."""
+    etcd = _CountingEtcd(down=("put_each",))
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.emit("node_state", 2)  # before the writer runs: pending when the record goes
+        with pytest.raises(StoreUnavailableError):
+            await log.put_with(keys.node("n1"), b"{}", 7)
+        log.emit("recovered", 2)
+        log.start()
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    assert etcd.puts == [f"{keys.event(int(1e9), 'n1')},{keys.event(int(2e9), 'n1')}"], "in order, together"
+
+
+def test_a_record_does_not_wait_for_a_request_of_events_in_flight() -> None:
+    """An outage can hold the writer's request (and its event-by-event retries) for many timeouts: the
+    record goes alone meanwhile, and the events stay with the writer, in order."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0])
+    held = asyncio.Event()
+
+    async def run() -> None:
+        slow_put = etcd.put
+
+        async def put(key: str, value: bytes, lease: int | None = None) -> None:
+            if key != keys.node("n1"):
+                await held.wait()  # the event's request hangs until the record went
+            await slow_put(key, value, lease)
+
+        etcd.put = put  # type: ignore[method-assign]
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit("replacement_offered", 2)
+        await asyncio.sleep(0.01)  # the writer took it and waits on etcd
+        log.emit("node_state", 2)
+        await asyncio.wait_for(log.put_with(keys.node("n1"), b"{}", 7), 1.0)
+        held.set()
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    first, second = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    assert etcd.puts == [keys.node("n1"), first, second]
