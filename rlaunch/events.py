@@ -168,8 +168,9 @@ class EventLog:
         """Put ``key`` under ``lease`` in one request with the events pending now. While a request of
         events is in flight, the key goes alone, never waiting on it (an outage makes the writer try each
         event of a failed batch in turn), and the events stay with the writer, so that they reach etcd
-        in the order they were emitted. Raises :class:`~rlaunch.errors.StoreError` when etcd did not
-        take it: its events stay pending, first in line."""
+        in the order they were emitted. If the request with the events fails (their lease gone, a
+        request too large), its events stay pending, first in line, and the key goes alone: raises
+        :class:`~rlaunch.errors.StoreError` only when etcd did not take the key itself."""
         taken = []
         if self._free.is_set():
             taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
@@ -182,12 +183,20 @@ class EventLog:
                 self._lease = await self._store.grant_lease(EVENT_TTL_S)
             events = [(put.key, put.value, self._lease) for _, put in taken]
             await self._store.put_each([(key, value, lease), *events])
+            return
+        except StoreError as exc:
+            self._lease = None  # if it was the events' lease that failed, the next request grants another
+            log.info("[%s] a record and %d events were not written together (%s); the record goes alone",
+                     self._node_id, len(taken), exc)  # fmt: skip
         except BaseException:
             self._pending.extendleft(queued for queued, _ in reversed(taken))
             self._ready.set()
             raise
         finally:
             self._free.set()
+        self._pending.extendleft(queued for queued, _ in reversed(taken))
+        self._ready.set()
+        await self._store.put(key, value, lease=lease)
 
     async def _put_batch(self, batch: list[_Put]) -> None:
         """Write ``batch`` in one transaction or, if that fails, its events one by one (so an outage
@@ -198,6 +207,7 @@ class EventLog:
             await self._store.put_all([(q.key, q.value) for q in batch], lease=self._lease)
             return
         except StoreError as exc:
+            self._lease = None  # if it was the lease that failed, the next request grants another
             log.info("[%s] %d events were not written to etcd together (%s); writing them one by one",
                      self._node_id, len(batch), exc)  # fmt: skip
         for queued in batch:
@@ -209,6 +219,7 @@ class EventLog:
                 self._lease = await self._store.grant_lease(EVENT_TTL_S)
             await self._store.put(queued.key, queued.value, lease=self._lease)
         except StoreError as exc:
+            self._lease = None
             log.warning("[%s] event %s was not written to etcd: %s", self._node_id, queued.kind, exc)
 
     async def _file_writer(self) -> None:

@@ -72,12 +72,14 @@ class _CountingEtcd:
         self.requests: list[list[str]] = []
         self.sizes: list[int] = []
         self.down = down
+        self.grants = 0
 
     @property
     def puts(self) -> list[str]:
         return [",".join(request) for request in self.requests]
 
     async def grant_lease(self, ttl: int) -> int:
+        self.grants += 1
         return 1
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
@@ -220,24 +222,33 @@ def test_records_sent_one_after_the_other_each_take_the_events_emitted_before_th
     assert etcd.puts == [f"{record},{one}@1,{two}@1", f"{record},{three}@1,{four}@1"]
 
 
-def test_events_of_a_record_etcd_did_not_take_are_written_first_by_the_log() -> None:
-    """The record's request failed (the agent sends the record again later): its events stay first in
-    line, and the log writes them before the ones emitted after."""
-    etcd = _CountingEtcd(down=("put_each",))
+@pytest.mark.parametrize("record_down", [False, True])
+def test_a_record_etcd_did_not_take_with_its_events_goes_alone_and_they_are_written_first_by_the_log(
+    record_down: bool,
+) -> None:
+    """The request of a record and its events failed (the events' lease gone, say): the record goes at
+    once alone (raising only if etcd does not take it either: the agent sends it again later), the
+    events' lease is granted anew, and the events stay first in line, before the ones emitted after."""
     keys = JobKeys("job")
+    etcd = _CountingEtcd(down=("put_each", keys.node("n1")) if record_down else ("put_each",))
     times = iter([1.0, 2.0])
 
     async def run() -> None:
         log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
         log.emit("node_state", 2)  # before the writer runs: pending when the record goes
-        with pytest.raises(StoreUnavailableError):
+        if record_down:
+            with pytest.raises(StoreUnavailableError):
+                await log.put_with(keys.node("n1"), b"{}", 7)
+        else:
             await log.put_with(keys.node("n1"), b"{}", 7)
         log.emit("recovered", 2)
         log.start()
         await log.close(timeout=1.0)
 
     asyncio.run(run())
-    assert etcd.puts == [f"{keys.event(int(1e9), 'n1')},{keys.event(int(2e9), 'n1')}"], "in order, together"
+    events = f"{keys.event(int(1e9), 'n1')},{keys.event(int(2e9), 'n1')}"
+    assert etcd.puts == ([] if record_down else [keys.node("n1")]) + [events], "in order, together"
+    assert etcd.grants == 2, "the lease of the failed request is not used again"
 
 
 def test_a_record_does_not_wait_for_a_request_of_events_in_flight() -> None:
