@@ -81,8 +81,8 @@ class Migration:
 
         NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
         the switch will not wait on them (a peer that fails while building one then delays the move,
-        not the job). Nor before every tracked DDP rebuilt its gradient buckets (its second step: see
-        :mod:`rlaunch.runtime.buckets`). The plan offered is remembered: the switch is to that one, even
+        not the job). Nor before every tracked DDP rebuilt its gradient buckets, in its first steps
+        (see :mod:`rlaunch.runtime.buckets`). The plan offered is remembered: the switch is to that one, even
         if the listener takes a newer plan meanwhile.
         """
         with self._lock:
@@ -92,7 +92,7 @@ class Migration:
             return 0
         if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
             return 0
-        if buckets.pending(self._s.tracked):  # the joiner's DDP rebuilt its buckets: this one's first
+        if buckets.awaited(self._s.tracked, self._s.votes):  # the joiner's DDP rebuilt its buckets: this one's first
             return 0
         self._offered = prepared
         prepared.phases.mark(Phase.READY_VOTED)

@@ -52,6 +52,8 @@ class RankState:
     step: int = 0
     #: the last step whose optimizer step this rank applied
     applied: int = -1
+    #: the votes this process cast (DDP's bucket rebuild comes within its first few: rlaunch.runtime.buckets)
+    votes: int = 0
     #: where rt.steps() goes on after a recovery
     resume_at: int | None = None
     #: what the current step changes besides parameters and optimizers

@@ -173,8 +173,9 @@ class Recovery:
         while True:
             gen, moved = plan.generation, set(plan.moved_ranks)
             # before DDP's bucket rebuild (a fault in the first step): the joiner's DDP has rebuilt, so a
-            # redone step would hang (see rlaunch.runtime.buckets); every survivor is at the same point
-            early = buckets.refusal(s.tracked)
+            # redone step would hang (see rlaunch.runtime.buckets). A survivor whose rebuild's broadcast
+            # failed partway may disagree: its refusal alone restarts the job.
+            early = buckets.refusal(s.tracked, s.votes)
             if early:
                 self._give_up(plan, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}")
             refused = self._refusal()

@@ -57,7 +57,6 @@ import torch.distributed as dist
 from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Hello, Role, StartRole
@@ -644,11 +643,9 @@ class Runtime:
     # -- sandbox and joining ------------------------------------------------------------------
 
     def _sandbox_iterations(self) -> int:
-        """Sandbox iterations to run: as asked, but at least ``buckets.MIN_SANDBOX_ITERATIONS`` with a
-        DDP model, so that a joiner's DDP has rebuilt its gradient buckets, as the ranks it joins have
-        (see :mod:`rlaunch.runtime.buckets`)."""
-        uses_ddp = any(isinstance(obj, DistributedDataParallel) for obj in self._s.tracked.values())
-        return max(self._sandbox_steps, buckets.MIN_SANDBOX_ITERATIONS) if uses_ddp else self._sandbox_steps
+        """Sandbox iterations to run: as asked, but enough with a DDP model that a joiner's DDP has
+        rebuilt its gradient buckets, as the ranks it joins have (see :mod:`rlaunch.runtime.buckets`)."""
+        return buckets.sandbox_iterations(self._s.tracked, self._sandbox_steps)
 
     def _sandbox(self, n: int) -> Iterator[int]:
         for step in range(n):

@@ -94,6 +94,7 @@ class Voting:
         is being replaced.
         """
         s = self._s
+        s.votes += 1
         checking = s.link is not None
         move = checking and s.verify_due
         verifying = checking and self.verifier.due(s.step, move)

@@ -1,5 +1,6 @@
 """DDP's one-time bucket rebuild, read from a real DDP (one gloo rank): ahead until its second
-synced forward, never with find_unused_parameters (torch's Reducer does not rebuild then)."""
+synced forward (its third with a static graph), never with find_unused_parameters (torch's Reducer
+does not rebuild then), and awaited by moves only within the first votes."""
 
 from __future__ import annotations
 
@@ -13,24 +14,45 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.runtime import buckets
 
 
-def _step(model: nn.Module) -> None:
-    model(torch.ones(4, 8)).sum().backward()
+def _step(*models: nn.Module) -> None:
+    for model in models:
+        model(torch.ones(4, 8)).sum().backward()
 
 
-def test_the_rebuild_is_ahead_until_ddps_second_forward_and_never_with_find_unused_parameters(tmp_path: Path) -> None:
+def test_the_rebuild_is_ahead_until_ddps_second_forward_its_third_with_a_static_graph(tmp_path: Path) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
+        static = DistributedDataParallel(nn.Linear(8, 1), static_graph=True)
         unused = DistributedDataParallel(nn.Linear(8, 1), find_unused_parameters=True)
-        tracked = {"model": model, "unused": unused, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
-        assert buckets.pending(tracked) == ["model"]
-        assert "'model'" in buckets.refusal(tracked) and "second step" in buckets.refusal(tracked)
-        _step(model)
-        _step(unused)
-        assert buckets.pending(tracked) == ["model"], "the first backward only records the gradients' order"
-        _step(model)
-        _step(unused)
-        assert buckets.pending(tracked) == [] and buckets.refusal(tracked) == ""
+        tracked = {"model": model, "static": static, "unused": unused, "opt": torch.optim.SGD(model.parameters())}
+        assert buckets.pending(tracked) == ["model", "static"]
+        assert "'model', 'static'" in buckets.refusal(tracked, 1)
+        assert buckets.sandbox_iterations(tracked, 0) == 3, "a static graph rebuilds at its third step"
+        assert buckets.sandbox_iterations({"model": model}, 0) == 2 and buckets.sandbox_iterations({}, 0) == 0
+        _step(model, static, unused)
+        assert buckets.pending(tracked) == ["model", "static"], "the first backward only records the gradients' order"
+        _step(model, static, unused)
+        assert buckets.pending(tracked) == ["static"]
+        _step(model, static, unused)
+        assert buckets.pending(tracked) == [] and buckets.refusal(tracked, 3) == ""
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rebuild_still_ahead_after_the_first_votes_is_not_awaited(tmp_path: Path) -> None:
+    """A DDP that never runs a synced backward (a teacher under no_grad) never rebuilds: a drain must
+    not wait for it for ever (a joiner's sandbox, running the same code, did not rebuild it either)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
+    try:
+        teacher = DistributedDataParallel(nn.Linear(8, 1))
+        for _ in range(5):
+            with torch.no_grad():
+                teacher(torch.ones(4, 8))
+        tracked = {"teacher": teacher}
+        assert buckets.pending(tracked) == ["teacher"]
+        assert buckets.awaited(tracked, buckets.VOTES) == ["teacher"]
+        assert buckets.awaited(tracked, buckets.VOTES + 1) == [] and buckets.refusal(tracked, buckets.VOTES + 1) == ""
     finally:
         dist.destroy_process_group()
