@@ -161,7 +161,9 @@ class UserLoop:
         self.enter()
         if self._driving is not None and self.rt.in_step and self.voted_in == self.rt.step:
             # A second optimizer step in a driven step: the loop went on to another loader's epochs (a
-            # later phase's train loader): its reads drive the steps from here, this one first.
+            # later phase's train loader), whose reads drive the steps from here, this one first; or it
+            # steps several optimizers on one batch (a GAN's), each then a step of its own (moves are
+            # refused in such a loop: nothing is redone, and it trains as the framework does).
             assert self._driven is not None
             self._driving = self._latest
             self._driven.begin()
@@ -208,7 +210,7 @@ class UserLoop:
     def end(self) -> None:
         """The framework's loop ended (a loop over the loader's epochs: no more steps are driven, and the
         agent learns that this rank is done stepping). Called where the framework says its training
-        ended (Accelerate's ``end_training()``), else at exit (:meth:`rlaunch.runtime.runtime.Runtime.drive`).
+        ended (Accelerate's ``end_training()``), else at a clean exit (:meth:`rlaunch.runtime.runtime.Runtime.drive`).
         What the loaders read later passes through, and an optimizer step steps as the framework would."""
         if self._driven is not None:
             self._driven.end()

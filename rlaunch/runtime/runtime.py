@@ -625,9 +625,11 @@ class Runtime:
         Left to interpreter teardown, the groups would be destroyed by C++ static destructors
         after Python has gone, which can abort the process ("terminate called without an
         active exception"). Steps a framework's loop still drives end first, while the agent is
-        there to be told.
+        there to be told, unless the script ends on an uncaught exception (Python keeps it in
+        ``sys.last_value`` for exit handlers): that rank is not done stepping, it failed, and a
+        joiner's landing may wait on a peer that is gone.
         """
-        if self._driven is not None:
+        if self._driven is not None and getattr(sys, "last_value", None) is None:
             try:
                 self._driven.end()
             except Exception as exc:  # the groups are released all the same
