@@ -248,6 +248,8 @@ def test_an_optimizer_step_with_no_step_begun_says_what_lightning_did(tmp_path: 
     )  # fmt: skip
     with pytest.raises(rlaunch.errors.RlaunchError) as raised:
         fit.fit(Tiny(log_on_epoch=False), DataLoader(data, batch_size=8))
-    assert f"Lightning {pl.__version__} stepped the optimizer SGD on a train batch from a loader it never passed to " \
+    assert (
+        f"Lightning {pl.__version__} stepped the optimizer SGD on a train batch from a loader it never passed to "
         "the strategy's process_dataloader" in str(raised.value)
+    )
     assert "second time" not in str(raised.value)
