@@ -53,11 +53,18 @@ _LOADER_ARGS = (
 class TrainData:
     """What Lightning iterates for training (see the module docstring); sized like the loader."""
 
-    def __init__(self, loader: Any, data: EpochLoader | None, before_read: Callable[[], None]) -> None:
+    def __init__(self, loader: Any, before_read: Callable[[], None]) -> None:
         self.loader = loader
-        self.data = data  # None: read as it is (live moves refused)
+        self.data: EpochLoader | None = None  # None: read as it is (live moves refused)
         self._before_read = before_read
         self._plain: Iterator[Any] | None = None
+        self._settled = False
+
+    def settle(self, loader: Any, data: EpochLoader | None) -> None:
+        """What is read. Set at once, except for a loader Lightning set up before the strategy's setup
+        (``estimated_stepping_batches`` read in ``configure_optimizers``): that one waits for the
+        setup's end, and Lightning, which set it up once, keeps iterating this object."""
+        self.loader, self.data, self._settled = loader, data, True
         if data is None:  # read as Lightning would: it sets the samplers' epoch itself (rt.epochs does otherwise)
             self.sampler, self.batch_sampler = loader.sampler, loader.batch_sampler
 
@@ -65,15 +72,16 @@ class TrainData:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.data is None:
-            self._plain = iter(self.loader)
+        # Not settled: Lightning's first iter(), during the setup; the epoch's iterator is made at its first read.
+        self._plain = iter(self.loader) if self.data is None and self._settled else None
         return _Reads(self)
 
     def read(self) -> Any:
         self._before_read()
         if self.data is not None:
             return self.data.batch()
-        assert self._plain is not None
+        if self._plain is None:
+            self._plain = iter(self.loader)
         return next(self._plain)
 
     # Lightning's checkpoints save the train loader's state when it has one: the position (the
@@ -96,19 +104,20 @@ class _Reads(Iterator[Any]):
         return self._owner.read()
 
 
-def train_data(
-    rt: Runtime, loader: Any, before_read: Callable[[], None], *, as_is: bool = False
-) -> tuple[TrainData, str]:
-    """Wrap the train loader Lightning prepared; the sentence refusing live moves ("" when none).
+def train_data(rt: Runtime, train: TrainData, *, as_is: bool = False) -> str:
+    """Settle the train loader Lightning prepared (``train.loader``); the sentence refusing live moves
+    ("" when none).
 
     ``as_is``: live moves are refused already (``limit_train_batches`` cutting epochs short, say),
     so the loader is read as Lightning reads it, with nothing to resume.
     """
-    _seed_workers(loader, max(rt.rank, 0))
+    _seed_workers(train.loader, max(rt.rank, 0))
     if as_is:
-        return TrainData(loader, None, before_read), ""
-    loader, data, why = resumable(rt, loader)
-    return TrainData(loader, data, before_read), why
+        train.settle(train.loader, None)
+        return ""
+    loader, data, why = resumable(rt, train.loader)
+    train.settle(loader, data)
+    return why
 
 
 class WorkerSeeds:

@@ -47,7 +47,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.errors import UsageError
+from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.frameworks import refuse_unified_lightning, require
 from rlaunch.lightning import checks
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
@@ -205,22 +205,37 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if plateau:
             rt.track_if_same(**plateau)
         self._driver = rt.drive()
+        if self._data is not None:  # the train loader Lightning set up for its estimate: wrapped now
+            self._settle(self._data)
 
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self._trainer
-        if self._driver is None or trainer is None or not trainer.training:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not trainer.training:
             return dataloader  # validation, testing, prediction: read as Lightning prepared them
+        if self._driver is None:
+            if self._fitted:
+                return dataloader  # a second fit: it steps as Lightning does (see setup)
+            # Before the strategy's setup ended: Trainer.estimated_stepping_batches, read in configure_optimizers
+            # (or the module's setup), sets up the train loader once, before anything is tracked. It is
+            # wrapped now and settled at the setup's end (Lightning does not set it up again).
+            self._data = TrainData(dataloader, self._before_read)
+            return self._data
         if self._data is not None:
             self._refuse(
                 "The fit has more than one train loader (or makes it again), whose positions are not carried; use "
                 "one train loader (combine datasets in its dataset), made once."
             )
-            self._data = TrainData(dataloader, None, self._before_read)  # read as it is; its reads still begin steps
+            self._data = TrainData(dataloader, self._before_read)  # read as it is; its reads still begin steps
+            self._data.settle(dataloader, None)
             return self._data
-        self._data, why = train_data(self._runtime(), dataloader, self._before_read, as_is=self._as_lightning)
+        self._data = TrainData(dataloader, self._before_read)
+        self._settle(self._data)
+        return self._data
+
+    def _settle(self, train: TrainData) -> None:
+        why = train_data(self._runtime(), train, as_is=self._as_lightning)
         if why:
             self._refuse(why)
-        return self._data
 
     def _refuse(self, why: str) -> None:
         self._runtime().refuse_moves(f"rlaunch.lightning: {why}")
@@ -355,6 +370,13 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if self._driver is None or self._stepping:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._data is None:  # no train batch was read through the strategy: no runtime step has begun
+            raise RlaunchError(
+                f"Lightning {pl.__version__} stepped the optimizer {type(opt).__name__} on a train batch from a loader "
+                "it never passed to the strategy's process_dataloader, so rlaunch.lightning began no step for it and "
+                "cannot vote on it; this is a defect of rlaunch.lightning with this Lightning version: report it, and "
+                'train with strategy="ddp" meanwhile.'
+            )
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         if not module.automatic_optimization:
             return self._manual_optimizer_step(opt, closure, module)

@@ -225,3 +225,47 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
         val_check_interval=2,
     )
     assert FaultInStep.seen_at_read and rt._s.refused == ""
+
+
+class Estimated(Tiny):
+    """A OneCycleLR sized by the Trainer's estimate, as Lightning's docs size one (in configure_optimizers,
+    during the strategy's setup: the estimate sets up the train loader there, once)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_train_loader_set_up_by_the_estimate_in_configure_optimizers_begins_every_step(tmp_path: Path) -> None:
+    rt = _runtime()
+    trainer = _fit(rt, Estimated(log_on_epoch=False), tmp_path)
+    assert rt._s.refused == ""
+    assert trainer.global_step == 8 and rt._s.step == 7, "each of the 8 steps (from 0) began before its batch was read"
+    (train,) = trainer.fit_loop._combined_loader.flattened
+    assert isinstance(train, rlaunch.lightning.data.TrainData) and train.data is not None, "read through rt.epochs"
+    assert rt._s.tracked["scheduler0"].total_steps == 8
+
+
+class Unhanded(rlaunch.lightning.Strategy):
+    """A Lightning that reads a train loader it never passed to the strategy (none does today)."""
+
+    def process_dataloader(self, dataloader: object) -> object:
+        return dataloader
+
+
+def test_an_optimizer_step_with_no_step_begun_says_what_lightning_did(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    fit = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, strategy=Unhanded(rt=_runtime()), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(rlaunch.errors.RlaunchError) as raised:
+        fit.fit(Tiny(log_on_epoch=False), DataLoader(data, batch_size=8))
+    assert (
+        f"Lightning {pl.__version__} stepped the optimizer SGD on a train batch from a loader it never passed to "
+        "the strategy's process_dataloader" in str(raised.value)
+    )
+    assert "second time" not in str(raised.value)

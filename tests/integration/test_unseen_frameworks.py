@@ -1,0 +1,89 @@
+"""Two scripts written as Lightning's and Accelerate's own tutorials write them, not for these tests
+(``tests/scripts/lightning_tutorial.py``, ``tests/scripts/accelerate_tutorial.py``), run as a user would:
+uninterrupted under plain torchrun and under rlaunch, and in a job where one node is drained and then
+another is SIGKILLed mid-epoch; every rank must end bit-identical to the framework alone under torchrun.
+
+The faults come from outside, as a user's would: the scripts print ``epoch E batch B`` at each batch
+(and sleep); the test drains b once the standbys are warm (the active ranks wait at batch 4 until then:
+a drain before a survivor's DDP has rebuilt its buckets, at its second forward, hangs) and SIGKILLs
+a's agent and workers when a's log reaches batch 5 of the last epoch (in the Accelerate port: inside
+an accumulation window).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import SCRIPTS, Cluster, wait_for
+from tests.integration.test_migration import drain, warm
+
+FINAL = re.compile(r"rank (\d+) final: (params=\w+ optim=\w+ sched=\w+ steps=\d+(?: eval=[0-9.,]+)?)")
+LIGHTNING = SCRIPTS / "lightning_tutorial.py"
+ACCELERATE = SCRIPTS / "accelerate_tutorial.py"
+pytestmark = pytest.mark.timeout(900)
+
+
+def finals(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in FINAL.finditer(text)}
+
+
+def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
+    """Every rank's final digests from one uninterrupted 2-rank run on one node."""
+    res = subprocess.run(
+        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    got = finals(res.stdout)
+    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    assert "live moves are refused" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
+    return got
+
+
+def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, str]:
+    """a and b active, c and d warm standbys: b is drained at the start, a's node is SIGKILLed in epoch 2."""
+    hold = cluster.tmp / "hold"
+    a, b, c, d = cluster.agents_in_order(
+        ["a", "b", "c", "d"], script, *args, "--step-time", "0.5", "--hold", str(hold), flags=("--max-restarts", "1")
+    )  # fmt: skip
+    wait_for(lambda: warm(cluster, "c") and warm(cluster, "d"), 300, "standbys c and d to be warm")
+    hold.touch()
+    drain(cluster, "b")
+    assert "epoch 2 batch" not in a.output(), "the drain must end before the epoch the kill is planned in"
+    wait_for(lambda: "epoch 2 batch 5" in a.output(), 120, "a to reach batch 5 of epoch 2")
+    a.kill_with_workers()
+    assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (c.output()[-3000:], d.output()[-3000:])
+    assert "final" not in a.output() + b.output()
+    assert "[c/1] rank 1 final" in c.output() and "[d/0] rank 0 final" in d.output()
+    assert "event joined" in d.output() and "live moves are refused" not in c.output() + d.output()
+    return finals(c.output() + d.output())
+
+
+def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
+    sized = ("--total-steps", "36")  # see the test below for the scheduler sized by the Trainer's estimate
+    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *sized)
+    assert ddp[0] == ddp[1]
+    assert run("rlaunch", LIGHTNING, "--root", str(tmp_path / "rl"), *sized) == ddp
+    job = drain_then_kill(cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *sized)
+    assert job == ddp, "the job must end as Lightning's DDP does, on every rank"
+
+
+def test_a_lightning_scheduler_sized_by_estimated_stepping_batches_trains_as_ddp(tmp_path: Path) -> None:
+    """Lightning's docs size a OneCycleLR with self.trainer.estimated_stepping_batches in
+    configure_optimizers, which sets up the train loader from inside the strategy's setup."""
+    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"))
+    assert run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr")) == ddp
+    assert run("rlaunch", LIGHTNING, "--root", str(tmp_path / "rl")) == ddp
+
+
+def test_an_accelerate_tutorial_port_survives_a_drain_and_a_lost_node(cluster: Cluster) -> None:
+    tutorial = run("torch.distributed.run", ACCELERATE, "--loop", "tutorial")
+    assert tutorial[0] == tutorial[1]
+    assert run("torch.distributed.run", ACCELERATE) == tutorial, "the port trains as the tutorial's loop"
+    assert run("rlaunch", ACCELERATE) == tutorial
+    assert drain_then_kill(cluster, ACCELERATE) == tutorial, "the job must end as the tutorial's loop does"

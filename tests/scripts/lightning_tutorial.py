@@ -1,0 +1,140 @@
+"""A PyTorch Lightning script as Lightning's own tutorials write one, trained on random tensors.
+
+A ``LightningModule`` (a small MLP), ``self.log`` with ``prog_bar=True``, a validation step logging
+``val_loss`` with ``sync_dist=True``, ``configure_optimizers`` returning an optimizer and a step-interval
+scheduler, a shuffled ``DataLoader``, ``seed_everything``, and the ``Trainer``'s default callbacks
+(checkpointing, progress bar, model summary) and logger left on. The one line rlaunch asks for is the
+strategy; ``--strategy ddp`` gives Lightning's own for the baseline. The scheduler's length is
+``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``, unless
+``--total-steps`` gives it.
+
+Test hooks (only with ``--step-time``): each training batch sleeps that long and prints
+``epoch E batch B`` so a test can choose where to inject a fault, and ``--hold FILE`` keeps the active
+ranks at batch 4 of epoch 0 until FILE exists (so that standbys can warm up first). At the end every
+rank writes ``rank R final: params=<digest> optim=<digest> sched=<digest> steps=N`` in one ``os.write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import rlaunch.lightning
+
+
+class LitRegressor(pl.LightningModule):
+    def __init__(self, lr: float = 1e-2, total_steps: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, object]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=self.hparams.lr,
+            total_steps=self.hparams.total_steps or self.trainer.estimated_stepping_batches,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Pace(pl.Callback):
+    """The test hooks: a sleep per training batch, a progress line, a hold at batch 4."""
+
+    def __init__(self, step_time: float, hold: str) -> None:
+        self.step_time = step_time
+        self.hold = hold
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
+        if self.hold and (trainer.current_epoch, i) == (0, 4) and os.environ.get("RLAUNCH_ROLE") == "active":
+            while not os.path.exists(self.hold):
+                time.sleep(0.1)
+        print(f"epoch {trainer.current_epoch} batch {i}", flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        time.sleep(self.step_time)
+
+
+def make_data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def digest(obj: object) -> str:
+    h = hashlib.sha256()
+
+    def walk(v: object) -> None:
+        if isinstance(v, torch.Tensor):
+            h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=repr):
+                h.update(repr(k).encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+        else:
+            h.update(repr(v).encode())
+
+    walk(obj)
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["rlaunch", "ddp"], default="rlaunch")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--root", default="lightning_runs")
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--hold", default="")
+    ap.add_argument("--total-steps", type=int, default=0, help="0: the Trainer's estimate")
+    args = ap.parse_args()
+
+    pl.seed_everything(42)
+    train_loader = DataLoader(make_data(384, 0), batch_size=16, shuffle=True)
+    val_loader = DataLoader(make_data(128, 1), batch_size=32)
+    model = LitRegressor(total_steps=args.total_steps)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.nodes,
+        strategy=rlaunch.lightning.Strategy() if args.strategy == "rlaunch" else "ddp",
+        default_root_dir=args.root,
+        callbacks=[Pace(args.step_time, args.hold)] if args.step_time else None,
+    )
+    trainer.fit(model, train_loader, val_loader)
+
+    line = (
+        f"rank {trainer.global_rank} final: params={digest(model.state_dict())} "
+        f"optim={digest(trainer.optimizers[0].state_dict())} "
+        f"sched={digest(trainer.lr_scheduler_configs[0].scheduler.state_dict())} steps={trainer.global_step}\n"
+    )
+    os.write(1, line.encode())
+
+
+if __name__ == "__main__":
+    main()
