@@ -4,9 +4,8 @@ uninterrupted under plain torchrun and under rlaunch, and in a job where one nod
 another is SIGKILLed mid-epoch; every rank must end bit-identical to the framework alone under torchrun.
 
 The faults come from outside, as a user's would: the scripts print ``epoch E batch B`` at each batch
-(and sleep); the test drains b once the standbys are warm (the active ranks wait at batch 4 until then:
-a drain before a survivor's DDP has rebuilt its buckets, at its second forward, hangs) and SIGKILLs
-a's agent and workers when a's log reaches batch 5 of the last epoch (in the Accelerate port: inside
+(and sleep); the test drains b once the standbys are warm (the active ranks wait at batch 4 until then)
+and SIGKILLs a's agent and workers when a's log reaches batch 5 of the last epoch (in the Accelerate port: inside
 an accumulation window).
 """
 
@@ -65,20 +64,14 @@ def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, str
 
 
 def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
-    sized = ("--total-steps", "36")  # see the test below for the scheduler sized by the Trainer's estimate
-    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *sized)
-    assert ddp[0] == ddp[1]
-    assert run("rlaunch", LIGHTNING, "--root", str(tmp_path / "rl"), *sized) == ddp
-    job = drain_then_kill(cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *sized)
-    assert job == ddp, "the job must end as Lightning's DDP does, on every rank"
-
-
-def test_a_lightning_scheduler_sized_by_estimated_stepping_batches_trains_as_ddp(tmp_path: Path) -> None:
-    """Lightning's docs size a OneCycleLR with self.trainer.estimated_stepping_batches in
-    configure_optimizers, which sets up the train loader from inside the strategy's setup."""
+    """The OneCycleLR is sized by self.trainer.estimated_stepping_batches in configure_optimizers, as
+    Lightning's docs do, which sets up the train loader from inside the strategy's setup."""
     ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"))
-    assert run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr")) == ddp
+    assert ddp[0] == ddp[1]
+    assert run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr")) == ddp, "rlaunch's strategy"
     assert run("rlaunch", LIGHTNING, "--root", str(tmp_path / "rl")) == ddp
+    job = drain_then_kill(cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"))
+    assert job == ddp, "the job must end as Lightning's DDP does, on every rank"
 
 
 def test_an_accelerate_tutorial_port_survives_a_drain_and_a_lost_node(cluster: Cluster) -> None:

@@ -5,8 +5,7 @@ A ``LightningModule`` (a small MLP), ``self.log`` with ``prog_bar=True``, a vali
 scheduler, a shuffled ``DataLoader``, ``seed_everything``, and the ``Trainer``'s default callbacks
 (checkpointing, progress bar, model summary) and logger left on. The one line rlaunch asks for is the
 strategy; ``--strategy ddp`` gives Lightning's own for the baseline. The scheduler's length is
-``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``, unless
-``--total-steps`` gives it.
+``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``.
 
 Test hooks (only with ``--step-time``): each training batch sleeps that long and prints
 ``epoch E batch B`` so a test can choose where to inject a fault, and ``--hold FILE`` keeps the active
@@ -31,7 +30,7 @@ import rlaunch.lightning
 
 
 class LitRegressor(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, total_steps: int = 0) -> None:
+    def __init__(self, lr: float = 1e-2) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
@@ -54,7 +53,7 @@ class LitRegressor(pl.LightningModule):
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer,
             max_lr=self.hparams.lr,
-            total_steps=self.hparams.total_steps or self.trainer.estimated_stepping_batches,
+            total_steps=self.trainer.estimated_stepping_batches,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -110,13 +109,12 @@ def main() -> None:
     ap.add_argument("--root", default="lightning_runs")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--hold", default="")
-    ap.add_argument("--total-steps", type=int, default=0, help="0: the Trainer's estimate")
     args = ap.parse_args()
 
     pl.seed_everything(42)
     train_loader = DataLoader(make_data(384, 0), batch_size=16, shuffle=True)
     val_loader = DataLoader(make_data(128, 1), batch_size=32)
-    model = LitRegressor(total_steps=args.total_steps)
+    model = LitRegressor()
     trainer = pl.Trainer(
         max_epochs=3,
         accelerator="cpu",
