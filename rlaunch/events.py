@@ -179,32 +179,34 @@ class EventLog:
             return
         self._free.clear()
         try:
-            if self._lease is None:
-                self._lease = await self._store.grant_lease(EVENT_TTL_S)
-            events = [(put.key, put.value, self._lease) for _, put in taken]
+            events_lease = await self._events_lease()
+            events = [(put.key, put.value, events_lease) for _, put in taken]
             await self._store.put_each([(key, value, lease), *events])
             return
-        except StoreError as exc:
+        except BaseException as exc:
+            self._pending.extendleft(queued for queued, _ in reversed(taken))
+            self._ready.set()
+            if not isinstance(exc, StoreError):
+                raise
             self._lease = None  # if it was the events' lease that failed, the next request grants another
             log.info("[%s] a record and %d events were not written together (%s); the record goes alone",
                      self._node_id, len(taken), exc)  # fmt: skip
-        except BaseException:
-            self._pending.extendleft(queued for queued, _ in reversed(taken))
-            self._ready.set()
-            raise
         finally:
             self._free.set()
-        self._pending.extendleft(queued for queued, _ in reversed(taken))
-        self._ready.set()
         await self._store.put(key, value, lease=lease)
+
+    async def _events_lease(self) -> int:
+        """The lease every event is put under (granted at the first request, and again after a failed one)."""
+        if self._lease is None:
+            self._lease = await self._store.grant_lease(EVENT_TTL_S)
+        return self._lease
 
     async def _put_batch(self, batch: list[_Put]) -> None:
         """Write ``batch`` in one transaction or, if that fails, its events one by one (so an outage
         loses no more events than when each went alone)."""
         try:
-            if self._lease is None:
-                self._lease = await self._store.grant_lease(EVENT_TTL_S)
-            await self._store.put_all([(q.key, q.value) for q in batch], lease=self._lease)
+            lease = await self._events_lease()
+            await self._store.put_all([(q.key, q.value) for q in batch], lease=lease)
             return
         except StoreError as exc:
             self._lease = None  # if it was the lease that failed, the next request grants another
@@ -215,9 +217,8 @@ class EventLog:
 
     async def _put_one(self, queued: _Put) -> None:
         try:
-            if self._lease is None:
-                self._lease = await self._store.grant_lease(EVENT_TTL_S)
-            await self._store.put(queued.key, queued.value, lease=self._lease)
+            lease = await self._events_lease()
+            await self._store.put(queued.key, queued.value, lease=lease)
         except StoreError as exc:
             self._lease = None
             log.warning("[%s] event %s was not written to etcd: %s", self._node_id, queued.kind, exc)
