@@ -115,10 +115,24 @@ def test_fsdp_drain_is_live_and_a_loss_without_replica_rolls_back_live_to_host_s
     assert "Traceback" not in c.output() + d.output()
 
 
+def test_fsdp_over_two_ranks_loses_a_node_and_rolls_back_live(cluster: Cluster) -> None:
+    """One rank per node, FSDP over ranks 0 and 1 (nodes a and b), each the other's buddy: b is
+    SIGKILLed, a rolls back to its own copy in its own process and sends its copy of rank 1 to the
+    standby c, and the steps since the snapshot are redone (issue 16's first layout)."""
+    a, b, c = _start(cluster, "fsdp", ["a", "b", "c"], flags=("--nproc-per-node", "1"))
+    after_a_scheduled_snapshot(a)  # the fault comes outside a snapshot's window
+    b.kill_with_workers()
+    for agent in (a, c):
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    assert _finals(a, c) == _reference("fsdp", nproc=2), "every shard must end as in an uninterrupted run"
+    assert "'rolled_back_to': " in a.output() and "'sends_to': [1]" in a.output(), a.output()[-3000:]
+    assert a.output().count("event workers_started") == 1, "the survivor kept its process"
+    assert "event joined" in c.output() and "Traceback" not in a.output() + c.output()
+
+
 def test_fsdp_ranks_lost_with_their_buddy_restart_with_a_sentence_naming_both(cluster: Cluster) -> None:
     """One rank per node, FSDP over 3 ranks: a and b are lost at once. Rank 1 held rank 0's
-    snapshot, so only the restart is left, and its reason says so. (A 1-rank-per-node rollback:
-    tests/integration/test_loops.py.)"""
+    snapshot, so only the restart is left, and its reason says so."""
     one = ("--nproc-per-node", "1", "--max-restarts", "1")
     e, f, g, h, i = _start(cluster, "fsdp", ["e", "f", "g", "h", "i"], flags=one, nnodes=3)
     after_a_scheduled_snapshot(g)
