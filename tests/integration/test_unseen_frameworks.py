@@ -1,7 +1,9 @@
 """Two scripts written as Lightning's and Accelerate's own tutorials write them, not for these tests
 (``tests/scripts/lightning_tutorial.py``, ``tests/scripts/accelerate_tutorial.py``), run as a user would:
-uninterrupted under plain torchrun and under rlaunch, and in a job where one node is drained and then
+uninterrupted under plain torchrun, and under rlaunch in a job where one node is drained and then
 another is SIGKILLed mid-epoch; every rank must end bit-identical to the framework alone under torchrun.
+(An uninterrupted rlaunch run would repeat what the job shows: the same script, its ranks' finals and no
+refusal of live moves.)
 
 The faults come from outside, as a user's would: the scripts print ``epoch E batch B`` at each batch
 (and sleep); the test drains b once the standbys are warm (the active ranks wait at batch 4 until then)
@@ -69,7 +71,6 @@ def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: C
     ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"))
     assert ddp[0] == ddp[1]
     assert run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr")) == ddp, "rlaunch's strategy"
-    assert run("rlaunch", LIGHTNING, "--root", str(tmp_path / "rl")) == ddp
     job = drain_then_kill(cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"))
     assert job == ddp, "the job must end as Lightning's DDP does, on every rank"
 
@@ -78,5 +79,4 @@ def test_an_accelerate_tutorial_port_survives_a_drain_and_a_lost_node(cluster: C
     tutorial = run("torch.distributed.run", ACCELERATE, "--loop", "tutorial")
     assert tutorial[0] == tutorial[1]
     assert run("torch.distributed.run", ACCELERATE) == tutorial, "the port trains as the tutorial's loop"
-    assert run("rlaunch", ACCELERATE) == tutorial
     assert drain_then_kill(cluster, ACCELERATE) == tutorial, "the job must end as the tutorial's loop does"
