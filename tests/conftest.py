@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -18,6 +20,17 @@ from tests.cluster import TRAIN, Cluster, checksums, kill_leftovers, reap_zombie
 # Orphans of the processes tests start are reparented to pytest, which reaps them: a zombie
 # left after a test is then a defect of rlaunch, not of the container's init.
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")
+
+
+# SIGTERM (timeout(1), a CI runner cancelling the job) and SIGHUP end the run as Ctrl-C does: pytest
+# then tears down the running test's fixtures, so the agents, etcd members and network namespaces
+# they started end with it (by default the signal killed pytest alone and left them running).
+for _sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_sig, _interrupt)
 
 
 @pytest.fixture(scope="session")
