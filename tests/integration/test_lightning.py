@@ -122,15 +122,15 @@ def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp
     """What runs after a step's vote is not redone, and two ReduceLROnPlateau schedulers step on values
     synced there: one on val_loss (validation), one every step on end_loss, logged with sync_dist=True in
     on_train_batch_end. A failed group hands back each rank's own input, which the plateau scheduler then
-    takes. In the first attempt a's worker is SIGKILLed in epoch 0's validation; in the restarted one,
-    right after step 4's vote, before it syncs end_loss. Each time b refuses the live replacement with a
-    sentence, and the job restarts (the script keeps no checkpoint: from the start), ending as Lightning's
-    DDP does."""
+    takes. In the first run a's worker is SIGKILLed in epoch 0's validation; in the restarted one, right
+    after step 4's vote, before it syncs end_loss. Each time b refuses the live replacement with a
+    sentence, and the job restarts (the script keeps no checkpoint: from the start; each refused
+    replacement counts as a restart too), ending as Lightning's DDP does."""
     args = ("--plateau", "--step-plateau", "--epochs", "2")
     ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
     a, b = cluster.agents_in_order(
         ["a", "b"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *PATTERNS, *args,
-        "--crash-in-validation", "0:0", "--crash-after-vote", "0:4:1", flags=("--max-restarts", "2"),
+        "--crash-in-validation", "0:0", "--crash-after-vote", "0:4:1", flags=("--max-restarts", "4"),
     )  # fmt: skip
     assert [x.wait(300) for x in (a, b)] == [0, 0], (a.output()[-3000:], b.output()[-3000:])
     why = "rlaunch.lightning: A fault was seen after an epoch's end ran past step 9's vote"

@@ -17,11 +17,15 @@ stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Ligh
 ``--seed-workers`` (``seed_everything(workers=True)``). Test hooks: ``--step-time``
 slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
 (repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
-global step, ``--crash RANK:STEP`` that rank's worker alone, and ``--crash-in-validation RANK:EPOCH``
-that rank's worker alone at the first batch of that epoch's validation (in the job's first attempt only).
+global step, ``--crash RANK:STEP`` that rank's worker alone, ``--crash-in-validation RANK:EPOCH``
+that rank's worker alone at the first batch of that epoch's validation (in the job's first attempt only),
+and ``--crash-after-vote RANK:STEP[:RESTARTS]`` that rank's worker alone right after that global step's
+vote, before the model's ``on_train_batch_end`` (once per ``--root``, in a run restarted at least RESTARTS
+times). ``--step-plateau`` adds a step-interval ``ReduceLROnPlateau`` on ``end_loss``, logged with
+``sync_dist=True`` in ``on_train_batch_end`` (its sync runs after the step's vote).
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``
-(and `` plateau=[...]`` with ``--plateau``).
+(and `` plateau=[...]`` with ``--plateau`` or ``--step-plateau``).
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ class TestHooks(pl.Callback):
 
     def __init__(
         self, step_time: float, gates: list[str], die: str, crash: str = "", crash_in_val: str = "",
-        crash_after_vote: str = "",
+        crash_after_vote: str = "", root: str = ".",
     ) -> None:  # fmt: skip
         self.step_time = step_time
         self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
@@ -142,7 +146,8 @@ class TestHooks(pl.Callback):
         self.crash = tuple(int(v) for v in crash.split(":")) if crash else None
         self.crash_in_val = tuple(int(v) for v in crash_in_val.split(":")) if crash_in_val else None
         after = [int(v) for v in crash_after_vote.split(":")] if crash_after_vote else None
-        self.crash_after_vote = (*after, 0)[:3] if after else None  # rank, step, attempt
+        self.crash_after_vote = (*after, 0)[:3] if after else None  # rank, step, restarts at least
+        self.crashed_after_vote = os.path.join(root, "crashed-after-vote")  # once per job
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
@@ -163,11 +168,15 @@ class TestHooks(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
         if self.step_time:
             time.sleep(self.step_time)
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        # global_step counts the optimizer steps taken: STEP + 1 right after step STEP's (its vote's)
-        at = (trainer.global_rank, trainer.global_step - 1, attempt)
-        if self.crash_after_vote == at and os.environ.get("RLAUNCH_ROLE") == "active":
-            os.kill(os.getpid(), signal.SIGKILL)  # before the model's on_train_batch_end logs its synced value
+        if self.crash_after_vote and os.environ.get("RLAUNCH_ROLE") == "active":
+            rank, step, restarts = self.crash_after_vote
+            # global_step counts the optimizer steps taken: STEP + 1 right after step STEP's (its vote's)
+            at = (trainer.global_rank, trainer.global_step - 1)
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if at == (rank, step) and restarted >= restarts and not os.path.exists(self.crashed_after_vote):
+                os.makedirs(os.path.dirname(self.crashed_after_vote), exist_ok=True)
+                open(self.crashed_after_vote, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # before the model's on_train_batch_end logs its synced value
 
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
@@ -211,7 +220,7 @@ def main() -> None:
     ap.add_argument("--crash", default="", help="RANK:STEP: that rank's worker alone is SIGKILLed there")
     ap.add_argument("--crash-in-validation", default="", help="RANK:EPOCH: ... in that epoch's validation")
     ap.add_argument(
-        "--crash-after-vote", default="", help="RANK:STEP[:ATTEMPT]: ... right after that global step's vote"
+        "--crash-after-vote", default="", help="RANK:STEP[:RESTARTS]: ... right after that global step's vote"
     )
     ap.add_argument("--step-plateau", action="store_true", help="a step-interval ReduceLROnPlateau on end_loss")
     args = ap.parse_args()
@@ -233,7 +242,7 @@ def main() -> None:
         precision = None
     model = LitRegressor(manual=args.manual, plateau=args.plateau, step_plateau=args.step_plateau)
     hooks = TestHooks(
-        args.step_time, args.gate, args.die, args.crash, args.crash_in_validation, args.crash_after_vote
+        args.step_time, args.gate, args.die, args.crash, args.crash_in_validation, args.crash_after_vote, args.root
     )  # fmt: skip
     callbacks: list[pl.Callback] = [hooks]
     if args.accum_schedule:
