@@ -5,8 +5,8 @@ the job trains as under Lightning's DDP, but a drain of the node is refused and 
 the job from the user's checkpoint, rather than move a rank live and diverge (the strategy hands
 the sentence to ``rt.refuse_moves``; ``rlaunch status`` shows it). :func:`stepping` names what
 needs Lightning's own optimizer step (no vote at all), :func:`refusals` what only refuses moves;
-:func:`logged_in_training`, :func:`validation_mid_window` and :func:`validation_after_fault` what
-can only be seen once the fit runs.
+:func:`logged_in_training`, :func:`validation_mid_window`, :func:`validation_after_fault` and
+:func:`collectives_after_fault` what can only be seen once the fit runs.
 """
 
 from __future__ import annotations
@@ -245,4 +245,17 @@ def validation_after_fault(what: str, step: int) -> str:
         "a checkpoint's or early stopping's decision across ranks) gave this rank's own values, which the callbacks "
         "and a plateau scheduler may have taken, and a redone step does not run it again; so the job restarts from "
         "your checkpoint instead of moving a rank live."
+    )
+
+
+def collectives_after_fault(count: int, step: int) -> str:
+    """The sentence for a fault seen after step ``step``'s vote, where ``count`` collectives issued since
+    (in ``on_train_batch_end``, a callback) handed this rank its own inputs instead of every rank's result."""
+    what = "a collective" if count == 1 else f"{count} collectives"
+    return (
+        f"A fault was seen after step {step}'s vote, and {what} issued since (self.log(sync_dist=True) in "
+        "on_train_batch_end, a callback's reduce or broadcast) gave this rank its own values instead of every "
+        "rank's, which a callback or a step-interval ReduceLROnPlateau may have taken, and a redone step does not "
+        "run them again; so the job restarts from your checkpoint instead of moving a rank live (sync such values "
+        "in training_step, before the optimizer step, where a fault's step is redone)."
     )

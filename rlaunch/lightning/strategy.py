@@ -18,10 +18,12 @@ is Lightning's ``DDPStrategy`` with these hook points (the loop stays Lightning'
   (``self.log``) and did to the callbacks is put back first;
 - with manual optimization the vote is in the ``training_step``'s ``optimizer.step()`` and a
   discarded step reruns the whole ``training_step``;
-- what runs after a step's vote and before the next step (validation, the epoch's end: early
-  stopping's and the checkpoint's decisions across ranks, a plateau scheduler) is never redone:
-  a fault seen there refuses the live move (its collectives gave each rank its own values), and
-  the job restarts from the user's checkpoint.
+- what runs after a step's vote and before the next step (the rest of the batch: its
+  ``on_train_batch_end`` hooks, a step-interval plateau scheduler; validation; the epoch's end:
+  early stopping's and the checkpoint's decisions across ranks) is never redone: a fault seen
+  after validation or an epoch's end, or after a collective of the rest of the batch gave this
+  rank its own values, refuses the live move, and the job restarts from the user's checkpoint
+  (:mod:`rlaunch.lightning.aftervote`).
 
 What it cannot carry is named at ``fit`` time (:mod:`rlaunch.lightning.checks`): the job then
 trains as under Lightning's DDP and takes the restart path on a fault or drain.
@@ -50,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.errors import RlaunchError, UsageError
 from rlaunch.frameworks import refuse_unified_lightning, require
 from rlaunch.lightning import checks
+from rlaunch.lightning.aftervote import Reading, Stretch, refusal
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.lightning.position import LoopPosition, Monitored
@@ -121,8 +124,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._logged_seen: set[str] = set()  # keys logged in training that were checked
         self._metrics: list[Any] = []  # the model's torchmetrics Metric modules
         self._metric_counts: dict[int, int] = {}  # their update counts at the step's start
-        self._validated = False  # validation ran since the current step began
-        self._epochs_at_begin: int | None = None  # epochs processed (their end's hooks ran) when it began
+        self._stretch = Stretch.BEFORE_STEPS  # where the fit stands against the steps' votes
+        self._at_vote: Reading | None = None  # read where the last vote applied its step
+        self._validations = 0  # validation runs begun
         self._as_lightning = False  # live moves were refused at setup: the train data is read as Lightning would
         self._read_at = -1  # Lightning's count of batches when the last one was read
 
@@ -195,6 +199,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             tracked["scaler"] = scaler
         self._position = LoopPosition(trainer)
         tracked["lightning"] = self._position
+        epoch_loop = trainer.fit_loop.epoch_loop
+        epoch_loop._broadcast_sigterm_tensor = _alike(rt, epoch_loop._broadcast_sigterm_tensor)
         rt.track(**tracked)
         carried = checks.carried_callbacks(trainer)
         if carried:
@@ -276,8 +282,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         if joined:
             self._take_position()
         self._metric_counts = {id(m): m._update_count for m in self._metrics}
-        self._validated = False
-        self._epochs_at_begin = self._trainer.fit_loop.epoch_progress.total.processed
+        self._stretch = Stretch.STEPPING
 
     def _check_logged(self) -> None:
         """What the training hooks logged since the last check: refused if it cannot be carried."""
@@ -290,24 +295,29 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
                 self._refuse(why)
 
     def _fault_after_vote(self) -> str:
-        """Why this rank must not move live: a fault was seen after validation or an epoch's end ran
-        past the current step's vote ("" otherwise). Their collectives then gave this rank its own
-        values (a failed group hands back each rank's inputs), which the callbacks and a plateau
-        scheduler took, and the step the runtime redoes is the next one: nothing runs them again.
-        (Validation before the first step, Lightning's sanity check, is not counted: a fault in the
-        first step is seen after it, and its values are let go.)"""
-        driver = self._driver
-        if driver is None or driver.step is None or not self._runtime().step_failed:
+        """Why this rank must not move live: a fault was seen after the last vote, past work that no
+        redone step runs again ("" otherwise; see :mod:`rlaunch.lightning.aftervote`)."""
+        if self._driver is None:
             return ""
-        if self._trainer.fit_loop.epoch_progress.total.processed != self._epochs_at_begin:
-            return checks.validation_after_fault("an epoch's end", driver.step)
-        if self._validated:
-            return checks.validation_after_fault("validation", driver.step)
-        return ""
+        return refusal(self._stretch, self._at_vote, self._reading(), self._runtime().step_failed)
+
+    def _reading(self) -> Reading:
+        driver = self._driver
+        assert driver is not None
+        return Reading(
+            step=-1 if driver.step is None else driver.step,
+            epochs=self._trainer.fit_loop.epoch_progress.total.processed,
+            validations=self._validations,
+            own_results=self._runtime().own_results,
+        )
+
+    def _voted(self) -> None:
+        """The vote applied the step: what runs from here to the next step's first read is not run again."""
+        self._stretch, self._at_vote = Stretch.AFTER_VOTE, self._reading()
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._validated = True
+        self._validations += 1
 
     def _take_position(self) -> None:
         """(a standby that just joined) Continue where the rank it replaces stands: its loop position,
@@ -392,6 +402,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
             self._after_closure(module, opt, result)
             self._check_metrics()
             if self._runtime().optimizer_step(opt, scaler=self._scaler()):
+                self._voted()
                 return result
             self._redo_window(opt)
             progress.load_state_dict(copy.deepcopy(at_entry))
@@ -492,7 +503,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         result = closure()
         self._after_closure(module, opt, result)
         self._check_metrics()
-        if not self._runtime().optimizer_step(opt, scaler=self._scaler()):
+        if self._runtime().optimizer_step(opt, scaler=self._scaler()):
+            self._voted()
+        else:
             self._discarded = True
         return result
 
@@ -516,6 +529,19 @@ def _relog(results: dict[str, Any], logged: dict[str, tuple[Any, dict[str, Any]]
         for name, value in fields.items():
             setattr(metric, name, value)
         results[key] = metric
+
+
+def _alike(rt: Runtime, broadcast: Callable[[], None]) -> Callable[[], None]:
+    """Lightning's broadcast of its SIGTERM flag, issued before each batch is read, inside ``rt.alike()``:
+    the flag is 0 on every rank until one receives SIGTERM (which ends that rank's fit), so after a fault
+    each rank's own value is every rank's, and it does not count as work after a vote that went on from
+    this rank's own values (see :mod:`rlaunch.lightning.aftervote`)."""
+
+    def alike_broadcast() -> None:
+        with rt.alike():
+            broadcast()
+
+    return alike_broadcast
 
 
 def _metric_modules(module: Any) -> list[Any]:

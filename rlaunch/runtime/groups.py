@@ -13,7 +13,10 @@ If the communicator fails (a peer died) or the runtime abandons the group (its a
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
 own inputs and the group is marked ``failed``: later collectives return at once (torch's object
 collectives give the caller's own objects, as a sandbox does), so the step runs to
-``optimizer_step``, where the runtime recovers. Gloo cannot cancel an operation in
+``optimizer_step``, where the runtime recovers. Each group counts the collectives that handed their
+caller its own inputs (:attr:`SwitchableGroup.own_results`): a framework's work after a step's vote,
+which no redone step runs again, must not go on from such values (see ``rlaunch.lightning``); those
+issued inside :func:`alike` are left out. Gloo cannot cancel an operation in
 flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
 connected sockets (found at build time): the inner operation then fails at once instead of
 staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
@@ -30,6 +33,7 @@ waiting on them synchronizes with the current stream as it would with NCCL's.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import logging
@@ -37,8 +41,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +72,32 @@ COLLECTIVES = (
     "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
     "reduce_scatter_single_coalesced", "all_to_all_single",
 )  # fmt: skip
+
+
+_issuing = threading.local()  # .alike: collectives issued now on this thread have inputs alike on every rank
+
+
+@contextlib.contextmanager
+def alike() -> Iterator[None]:
+    """Collectives issued inside, on this thread, have inputs that are the same on every rank (a flag
+    that is 0 everywhere, say): handing a caller its own inputs then gives every rank the same result,
+    so they are not counted in :attr:`SwitchableGroup.own_results`."""
+    before = getattr(_issuing, "alike", False)
+    _issuing.alike = True
+    try:
+        yield
+    finally:
+        _issuing.alike = before
+
+
+class _InFlight(NamedTuple):
+    """A guarded operation in flight."""
+
+    future: Future[Any] | None  # what its caller waits on (None: the caller waits on the work itself)
+    tensors: list[torch.Tensor]  # its inputs, handed back if it is abandoned
+    ended: threading.Event  # set when the communicator is done with it
+    work: Any  # the inner work of one its caller waits on (whether it is still running), else None
+    counted: bool  # handing back its inputs counts in own_results (see alike)
 
 
 class _Retirer:
@@ -153,10 +183,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: a replacement is planned: until the recovery ends, collectives return at once, un-issued
         #: (a peer already in recovery would never issue its side; see Recovery.on_replace)
         self.paused = False
-        #: operations in flight: their future (None: one its caller waits for), inputs, and "ended"
-        #: in flight: each operation's future (None: its caller waits for it), inputs, "ended", and
-        #: the inner work of one its caller waits for (whether it is still running)
-        self._pending: dict[int, tuple[Future[Any] | None, list[torch.Tensor], threading.Event, Any]] = {}
+        #: the operations in flight, by issue number
+        self._pending: dict[int, _InFlight] = {}
+        #: collectives that handed their caller its own inputs instead of a result (the group had failed
+        #: or was paused, or abandoned them in flight), barriers and those issued inside alike() aside
+        self.own_results = 0
         self._ids = itertools.count()
         self._lock = threading.Lock()
         #: serves torch's object collectives while the group is failed or paused (see unissued)
@@ -176,7 +207,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     @property
     def busy(self) -> bool:
         """A collective is in flight (read without the lock: a hint for the heartbeat)."""
-        return any(fut is not None or not work.is_completed() for fut, _, _, work in list(self._pending.values()))
+        return any(op.future is not None or not op.work.is_completed() for op in list(self._pending.values()))
 
     def abandon(self, why: str) -> None:
         """Give up this group's operations in flight: their callers get their inputs back.
@@ -187,13 +218,14 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
+            self.own_results += sum(op.counted for op in pending.values())
         backends.cut(id(self.comm))
-        for fut, tensors, ended, _ in pending.values():
-            if fut is not None:  # an operation its caller waits for ends in that wait: the cut fails it
-                ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
-                fut.set_result(tensors)
+        for op in pending.values():
+            if op.future is not None:  # an operation its caller waits for ends in that wait: the cut fails it
+                op.ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
+                op.future.set_result(op.tensors)
 
-    def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor]) -> dist.Work:
+    def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor], counted: bool) -> dist.Work:
         try:
             inner = work.get_future()
         except RuntimeError:  # gloo's reduce-scatters give no future: their caller's wait() waits
@@ -203,8 +235,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         ended = threading.Event()
         with self._lock:
             abandoned = bool(self.failed)  # abandoned since the caller checked: never wait on it
-            if not abandoned:
-                self._pending[key] = (outer, tensors, ended, work if outer is None else None)
+            if abandoned:
+                self.own_results += counted
+            else:
+                self._pending[key] = _InFlight(outer, tensors, ended, work if outer is None else None, counted)
             # paused since the caller checked (a replacement plan came): the peers may never issue it
             overtaken = self.paused and not abandoned
         if abandoned and outer is not None:
@@ -223,6 +257,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             with self._lock:
                 if self._pending.pop(key, None) is None:
                     return  # abandoned: the caller gets its inputs back
+                if error:
+                    self.own_results += counted
                 if error and not self.failed:
                     self.failed = error
                     log.warning(
@@ -243,13 +279,17 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
 
     def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
         """A collective of a failed or paused group: it returns at once, un-issued, with the caller's
-        inputs as they are (the step is rolled forward or redone; its results are not used).
+        inputs as they are (the step is rolled forward or redone; its results are not used, unless the
+        caller is past the step's vote: see :attr:`own_results`).
 
         One issued by torch's object collectives is served as a sandbox serves it (every rank's
         object is the caller's own, as if it were the source): they receive sizes and bytes that a
         peer writes, and a receiver left with unwritten buffers would read garbage (an EOFError,
         or an allocation of petabytes) before the step ever reached its recovery.
         """
+        if _counted(name):
+            with self._lock:
+                self.own_results += 1
         if name in _OBJECT_CARRIERS and in_object_collective():
             if self._stand_in is None:
                 self._stand_in = SandboxComm(max(self.group_rank, 0), len(self.members))
@@ -347,6 +387,12 @@ _OBJECT_CARRIERS = ("broadcast", "scatter", "allgather", "gather")
 _UNGUARDED = ("send", "recv", "recv_anysource")
 
 
+def _counted(name: str) -> bool:
+    """Whether a collective ``name`` issued now counts in ``own_results`` when it hands back its
+    caller's inputs: a barrier has no result, and those issued inside :func:`alike` give every rank the same."""
+    return name != "barrier" and not getattr(_issuing, "alike", False)
+
+
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
         if self.failed or self.paused:
@@ -363,12 +409,13 @@ def _forward(name: str) -> Any:
                 raise
             with self._lock:
                 self.failed = self.failed or f"its NCCL communicator recorded {recorded} ({str(exc).splitlines()[0]})"
+                self.own_results += _counted(name)
             backends.cut(id(comm), wait=0)
             return works.done(works.flat(args))
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
-        return self._guard(id(comm), work, works.flat(args))
+        return self._guard(id(comm), work, works.flat(args), _counted(name))
 
     method.__name__ = name
     return method

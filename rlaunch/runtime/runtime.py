@@ -65,7 +65,7 @@ from rlaunch.runtime import buckets, contract, devicework, partition, pending, r
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
-from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, retire
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, alike, retire
 from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
@@ -614,6 +614,26 @@ class Runtime:
         not act on collective results (``rt.steps()`` yields the step again if it is redone).
         """
         return self._recovery.planned or any(g.failed for g in self._s.groups.mine())
+
+    @property
+    def own_results(self) -> int:
+        """How many collectives so far handed this rank its own inputs instead of their result (its
+        group had failed, was paused for a replacement, or abandoned them in flight), barriers and
+        those issued inside :meth:`alike` aside.
+
+        Before a step's vote such results are let go: the step is rolled forward or redone. Work that
+        runs after the vote and that no redone step runs again (a framework's hooks after its optimizer
+        step) can compare the count across its stretch: a change means it went on from values that
+        were this rank's own, not every rank's.
+        """
+        return sum(g.own_results for g in self._s.groups)
+
+    @staticmethod
+    def alike() -> contextlib.AbstractContextManager[None]:
+        """``with rt.alike():`` the collectives issued inside (on this thread) have inputs that are the same
+        on every rank, so a failed group's handing back each rank's own gives every rank the same result:
+        they are left out of :attr:`own_results`."""
+        return alike()
 
     def group_version(self, name: str) -> int:
         """The generation whose communicator group ``name`` holds (changes only when rebuilt)."""

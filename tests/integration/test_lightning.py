@@ -8,7 +8,8 @@ accumulation scheduled by epoch (a ``GradientAccumulationScheduler``: 2 batches 
 4 from epoch 1, so a joiner's sandbox has another window than the epoch it joins), fp16 AMP with a
 ``GradScaler`` on CPU, and torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Lightning
 wraps in its ``DistributedSamplerWrapper`` (its order comes from the sampler's own generator at each
-epoch's start). A fault during validation, which no redone step runs again, takes the restart path.
+epoch's start). A fault after a step's vote that reached what no redone step runs again (validation,
+a value synced in on_train_batch_end) takes the restart path.
 """
 
 from __future__ import annotations
@@ -117,22 +118,26 @@ def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster:
     assert finals(b.output() + c.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
 
 
-def test_a_fault_during_validation_takes_the_restart_path(cluster: Cluster, tmp_path: Path) -> None:
-    """Validation runs after a step's vote, and a ReduceLROnPlateau steps on its synced val_loss. a's
-    worker is SIGKILLed in epoch 0's validation: b's sync of val_loss then gives b's own value (a failed
-    group hands back each rank's input), which its plateau scheduler took, and no redone step runs the
-    validation again. So b refuses the live replacement with a sentence, and the job restarts (the
-    script keeps no checkpoint: from the start), ending as Lightning's DDP does."""
-    args = ("--plateau", "--epochs", "2")
+def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp_path: Path) -> None:
+    """What runs after a step's vote is not redone, and two ReduceLROnPlateau schedulers step on values
+    synced there: one on val_loss (validation), one every step on end_loss, logged with sync_dist=True in
+    on_train_batch_end. A failed group hands back each rank's own input, which the plateau scheduler then
+    takes. In the first run a's worker is SIGKILLed in epoch 0's validation; in the restarted one, right
+    after step 4's vote, before it syncs end_loss. Each time b refuses the live replacement with a
+    sentence, and the job restarts (the script keeps no checkpoint: from the start; each refused
+    replacement counts as a restart too), ending as Lightning's DDP does."""
+    args = ("--plateau", "--step-plateau", "--epochs", "2")
     ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
     a, b = cluster.agents_in_order(
         ["a", "b"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *PATTERNS, *args,
-        "--crash-in-validation", "0:0", flags=("--max-restarts", "2"),
+        "--crash-in-validation", "0:0", "--crash-after-vote", "0:4:1", flags=("--max-restarts", "4"),
     )  # fmt: skip
     assert [x.wait(300) for x in (a, b)] == [0, 0], (a.output()[-3000:], b.output()[-3000:])
     why = "rlaunch.lightning: A fault was seen after an epoch's end ran past step 9's vote"
     assert f"live moves are refused: {why}" in b.output(), b.output()[-3000:]
-    assert "event replacement_refused" in b.output() and "event recovered" not in b.output()
+    why = "rlaunch.lightning: A fault was seen after step 4's vote, and a collective issued since"
+    assert f"live moves are refused: {why}" in b.output(), b.output()[-3000:]
+    assert b.output().count("event replacement_refused") == 2 and "event recovered" not in b.output()
     assert finals(a.output() + b.output()) == ddp, "the restarted job ends as Lightning's DDP does"
 
 

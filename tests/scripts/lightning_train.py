@@ -17,11 +17,15 @@ stateful`` (torchdata's ``StatefulDataLoader(shuffle=True)``, whose sampler Ligh
 ``--seed-workers`` (``seed_everything(workers=True)``). Test hooks: ``--step-time``
 slows steps down, ``--gate FILE:STEP`` holds the active ranks at that global step until FILE exists
 (repeatable), ``--die RANK:STEP`` SIGKILLs that rank's node (agent and worker) at the start of that
-global step, ``--crash RANK:STEP`` that rank's worker alone, and ``--crash-in-validation RANK:EPOCH``
-that rank's worker alone at the first batch of that epoch's validation (in the job's first attempt only).
+global step, ``--crash RANK:STEP`` that rank's worker alone, ``--crash-in-validation RANK:EPOCH``
+that rank's worker alone at the first batch of that epoch's validation (in the job's first attempt only),
+and ``--crash-after-vote RANK:STEP[:RESTARTS]`` that rank's worker alone right after that global step's
+vote, before the model's ``on_train_batch_end`` (once per ``--root``, in a run restarted at least RESTARTS
+times). ``--step-plateau`` adds a step-interval ``ReduceLROnPlateau`` on ``end_loss``, logged with
+``sync_dist=True`` in ``on_train_batch_end`` (its sync runs after the step's vote).
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N val_loss=V``
-(and `` plateau=[...]`` with ``--plateau``).
+(and `` plateau=[...]`` with ``--plateau`` or ``--step-plateau``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class LitRegressor(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, manual: bool = False, plateau: bool = False) -> None:
+    def __init__(
+        self, lr: float = 1e-2, manual: bool = False, plateau: bool = False, step_plateau: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = not manual
@@ -67,17 +73,27 @@ class LitRegressor(pl.LightningModule):
             sched.step()
         return loss
 
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.hparams.step_plateau:  # a synced value logged after the optimizer step (its sync: after the vote)
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.log("end_loss", loss.detach().float(), sync_dist=True)  # type: ignore[union-attr]
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
 
-    def configure_optimizers(self) -> dict[str, object]:
+    def configure_optimizers(self) -> tuple[list[object], list[dict[str, object]]]:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         if self.hparams.plateau:
             plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            schedulers = [{"scheduler": plateau, "monitor": "val_loss"}]
+        else:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+            schedulers = [{"scheduler": scheduler, "interval": "step"}]
+        if self.hparams.step_plateau:
+            on_step = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.8, patience=1)
+            schedulers.append({"scheduler": on_step, "monitor": "end_loss", "interval": "step"})
+        return [optimizer], schedulers
 
     def lr_scheduler_step(self, scheduler: object, metric: object) -> None:
         if metric is not None:
@@ -119,13 +135,19 @@ class RandomData(pl.LightningDataModule):
 class TestHooks(pl.Callback):
     """Slows steps down, holds them at a gate, or kills this rank's node (see the module docstring)."""
 
-    def __init__(self, step_time: float, gates: list[str], die: str, crash: str = "", crash_in_val: str = "") -> None:
+    def __init__(
+        self, step_time: float, gates: list[str], die: str, crash: str = "", crash_in_val: str = "",
+        crash_after_vote: str = "", root: str = ".",
+    ) -> None:  # fmt: skip
         self.step_time = step_time
         self.gates = {int(g.rsplit(":", 1)[1]): g.rsplit(":", 1)[0] for g in gates}
         self.die = tuple(int(v) for v in die.split(":")) if die else None
         self.joined = False
         self.crash = tuple(int(v) for v in crash.split(":")) if crash else None
         self.crash_in_val = tuple(int(v) for v in crash_in_val.split(":")) if crash_in_val else None
+        after = [int(v) for v in crash_after_vote.split(":")] if crash_after_vote else None
+        self.crash_after_vote = (*after, 0)[:3] if after else None  # rank, step, restarts at least
+        self.crashed_after_vote = os.path.join(root, "crashed-after-vote")  # once per job
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
         active = os.environ.get("RLAUNCH_ROLE") == "active"  # never on the standby that took the rank
@@ -146,6 +168,15 @@ class TestHooks(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
         if self.step_time:
             time.sleep(self.step_time)
+        if self.crash_after_vote and os.environ.get("RLAUNCH_ROLE") == "active":
+            rank, step, restarts = self.crash_after_vote
+            # global_step counts the optimizer steps taken: STEP + 1 right after step STEP's (its vote's)
+            at = (trainer.global_rank, trainer.global_step - 1)
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if at == (rank, step) and restarted >= restarts and not os.path.exists(self.crashed_after_vote):
+                os.makedirs(os.path.dirname(self.crashed_after_vote), exist_ok=True)
+                open(self.crashed_after_vote, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # before the model's on_train_batch_end logs its synced value
 
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
@@ -188,6 +219,10 @@ def main() -> None:
     ap.add_argument("--die", default="")
     ap.add_argument("--crash", default="", help="RANK:STEP: that rank's worker alone is SIGKILLed there")
     ap.add_argument("--crash-in-validation", default="", help="RANK:EPOCH: ... in that epoch's validation")
+    ap.add_argument(
+        "--crash-after-vote", default="", help="RANK:STEP[:RESTARTS]: ... right after that global step's vote"
+    )
+    ap.add_argument("--step-plateau", action="store_true", help="a step-interval ReduceLROnPlateau on end_loss")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -205,8 +240,10 @@ def main() -> None:
 
         plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8)))
         precision = None
-    model = LitRegressor(manual=args.manual, plateau=args.plateau)
-    hooks = TestHooks(args.step_time, args.gate, args.die, args.crash, args.crash_in_validation)
+    model = LitRegressor(manual=args.manual, plateau=args.plateau, step_plateau=args.step_plateau)
+    hooks = TestHooks(
+        args.step_time, args.gate, args.die, args.crash, args.crash_in_validation, args.crash_after_vote, args.root
+    )  # fmt: skip
     callbacks: list[pl.Callback] = [hooks]
     if args.accum_schedule:
         schedule = dict(tuple(int(v) for v in part.split(":")) for part in args.accum_schedule.split(","))
@@ -221,9 +258,9 @@ def main() -> None:
     trainer.fit(model, datamodule=RandomData(args.loader, args.workers, args.augment))
     opt = trainer.optimizers[0]
     optim = [t for s in opt.state.values() for t in s.values()]
-    optim += [sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict().items())]
+    optim += [sorted(config.scheduler.state_dict().items()) for config in trainer.lr_scheduler_configs]
     val = trainer.callback_metrics.get("val_loss")
-    seen = f" plateau={','.join(repr(v) for v in model.plateau_seen)}" if args.plateau else ""
+    seen = f" plateau={','.join(repr(v) for v in model.plateau_seen)}" if args.plateau or args.step_plateau else ""
     line = (
         f"rank {trainer.global_rank} final: params={digest(list(model.state_dict().values()))} "
         f"optim={digest(optim)} steps={trainer.global_step} "

@@ -14,6 +14,7 @@ from torch.distributed import HashStore
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlaunch.runtime.groups import SandboxComm
+from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.runtime import Runtime
 from rlaunch.runtime.vote import RefusedError
 
@@ -225,6 +226,61 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
         val_check_interval=2,
     )
     assert FaultInStep.seen_at_read and rt._s.refused == ""
+
+
+class SyncedAfterStep(Tiny):
+    """Logs a synced value in ``on_train_batch_end``: its collective runs after the step's vote."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("end_loss", outputs["loss"].detach(), sync_dist=True)
+
+
+class FailAfterVote(pl.Callback):
+    """The world group fails right after step 2's vote (a peer is gone, seen by the next collective);
+    the next step's vote would go to recovery: here the failure is let go once that step began."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == 3:  # global_step counts the steps applied: step 2's vote was the last
+            self.rt.group.failed = "a peer is gone"
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.rt.group.failed = ""
+
+
+def test_a_fault_seen_after_a_collective_that_followed_the_vote_refuses_the_live_move(tmp_path: Path) -> None:
+    """A failed group hands back each rank's own inputs: a value synced in on_train_batch_end (after the
+    vote) is then this rank's own, which a callback or a step-interval plateau scheduler may take, and no
+    redone step logs it again. The fault is seen at the next step's first read, and refuses the move."""
+    rt = _runtime()
+    register(rt.group, rt._s.store, {0: 0}, default=True)  # torch.distributed is up: self.log syncs through it
+    try:
+        trainer = _fit(rt, SyncedAfterStep(log_on_epoch=False), tmp_path, epochs=1, callbacks=[FailAfterVote(rt)])
+        assert rt.own_results == 1, "the allreduce of end_loss at step 2 (its barrier has no result)"
+        assert _sentence(rt._s.refused).startswith(
+            "A fault was seen after step 2's vote, and a collective issued since (self.log(sync_dist=True) in "
+            "on_train_batch_end"
+        )
+        # Lightning's broadcast of its SIGTERM flag before each read (with more than one rank) is issued inside
+        # rt.alike(): the flag is 0 on every rank, so a rank's own value is everyone's.
+        rt.group.failed = "a peer is gone"
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert rt.own_results == 1
+        torch.distributed.broadcast(torch.zeros(1), src=0)  # any other broadcast counts
+        assert rt.own_results == 2
+    finally:
+        unregister(rt.group)
+    # The same fault with nothing synced after the vote (the values synced in training_step were, before it):
+    # no collective went on from this rank's own values, and the move goes on live.
+    rt = _runtime()
+    register(rt.group, rt._s.store, {0: 0}, default=True)
+    try:
+        _fit(rt, Tiny(log_on_epoch=False), tmp_path, epochs=1, callbacks=[FailAfterVote(rt)])
+        assert rt._s.refused == ""
+    finally:
+        unregister(rt.group)
 
 
 class Estimated(Tiny):
