@@ -59,13 +59,15 @@ def refusal(stretch: Stretch, at_vote: Reading | None, now: Reading, fault: bool
         raise ValueError(f"unknown stretch {stretch!r}")
     if at_vote is None:
         raise ValueError("the stretch after a vote has no reading taken at that vote")
-    if not fault:
+    # The count rises only when a group failed, was paused for a replacement plan or abandoned: a fault,
+    # even where step_failed does not say so yet (a group only paused, before the plan reaches the runtime).
+    own = now.own_results - at_vote.own_results
+    if not fault and own <= 0:
         return ""
     if now.epochs != at_vote.epochs:
         return checks.validation_after_fault("an epoch's end", at_vote.step)
     if now.validations != at_vote.validations:
         return checks.validation_after_fault("validation", at_vote.step)
-    own = now.own_results - at_vote.own_results
-    if own:
+    if own > 0:
         return checks.collectives_after_fault(own, at_vote.step)
     return ""

@@ -253,9 +253,9 @@ def collectives_after_fault(count: int, step: int) -> str:
     (in ``on_train_batch_end``, a callback) handed this rank its own inputs instead of every rank's result."""
     what = "a collective" if count == 1 else f"{count} collectives"
     return (
-        f"A fault was seen after step {step}'s vote, and {what} issued since (self.log(sync_dist=True) in "
-        "on_train_batch_end, a callback's reduce or broadcast) gave this rank its own values instead of every "
-        "rank's, which a callback or a step-interval ReduceLROnPlateau may have taken, and a redone step does not "
-        "run them again; so the job restarts from your checkpoint instead of moving a rank live (sync such values "
-        "in training_step, before the optimizer step, where a fault's step is redone)."
+        f"A fault was seen after step {step}'s vote, and {what} issued since (such as self.log(sync_dist=True) "
+        "in on_train_batch_end, or a callback's reduce or broadcast) gave this rank its own values instead of the "
+        "result across ranks, which a callback or a step-interval ReduceLROnPlateau may have taken, and a redone "
+        "step does not run them again; so the job restarts from your checkpoint instead of moving a rank live "
+        "(sync such values in training_step, before the optimizer step, where a fault's step is redone)."
     )

@@ -186,7 +186,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: the operations in flight, by issue number
         self._pending: dict[int, _InFlight] = {}
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
-        #: or was paused, or abandoned them in flight), barriers and those issued inside alike() aside
+        #: or was paused, or abandoned them in flight), barriers, sends and those issued inside alike() aside
         self.own_results = 0
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -389,8 +389,9 @@ _UNGUARDED = ("send", "recv", "recv_anysource")
 
 def _counted(name: str) -> bool:
     """Whether a collective ``name`` issued now counts in ``own_results`` when it hands back its
-    caller's inputs: a barrier has no result, and those issued inside :func:`alike` give every rank the same."""
-    return name != "barrier" and not getattr(_issuing, "alike", False)
+    caller's inputs: a barrier and a send have no result, and those issued inside :func:`alike` give every
+    rank the same."""
+    return name not in ("barrier", "send") and not getattr(_issuing, "alike", False)
 
 
 def _forward(name: str) -> Any:

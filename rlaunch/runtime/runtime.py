@@ -618,8 +618,8 @@ class Runtime:
     @property
     def own_results(self) -> int:
         """How many collectives so far handed this rank its own inputs instead of their result (its
-        group had failed, was paused for a replacement, or abandoned them in flight), barriers and
-        those issued inside :meth:`alike` aside.
+        group had failed, was paused for a replacement, or abandoned them in flight), barriers, sends
+        and those issued inside :meth:`alike` aside.
 
         Before a step's vote such results are let go: the step is rolled forward or redone. Work that
         runs after the vote and that no redone step runs again (a framework's hooks after its optimizer
@@ -631,7 +631,7 @@ class Runtime:
     @staticmethod
     def alike() -> contextlib.AbstractContextManager[None]:
         """``with rt.alike():`` the collectives issued inside (on this thread) have inputs that are the same
-        on every rank, so a failed group's handing back each rank's own gives every rank the same result:
+        on every rank, so a failed group's handing back each rank's own inputs gives every rank the same result:
         they are left out of :attr:`own_results`."""
         return alike()
 

@@ -260,7 +260,7 @@ def test_a_fault_seen_after_a_collective_that_followed_the_vote_refuses_the_live
         trainer = _fit(rt, SyncedAfterStep(log_on_epoch=False), tmp_path, epochs=1, callbacks=[FailAfterVote(rt)])
         assert rt.own_results == 1, "the allreduce of end_loss at step 2 (its barrier has no result)"
         assert _sentence(rt._s.refused).startswith(
-            "A fault was seen after step 2's vote, and a collective issued since (self.log(sync_dist=True) in "
+            "A fault was seen after step 2's vote, and a collective issued since (such as self.log(sync_dist=True) in "
             "on_train_batch_end"
         )
         # Lightning's broadcast of its SIGTERM flag before each read (with more than one rank) is issued inside
