@@ -43,6 +43,11 @@ def _run(*argv: str) -> str:
     return out.stdout
 
 
+def _v6(addr: str) -> str:
+    """An IPv6 address as the kernel and rlaunch write it (``fd0a:09:0::1`` is ``fd0a:9::1``)."""
+    return str(ipaddress.IPv6Address(addr))
+
+
 def rate_bytes(rate: str) -> float:
     """Bytes per second of a tc rate such as ``10gbit`` or ``500mbit``."""
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
@@ -79,9 +84,9 @@ class Hosts:
         self._v4 = f"10.{a}.{b}"
         self._v6 = f"fd{a:02x}:{b:02x}:{self.id[4]}"
         self.bridge = f"rb{self.id}"
-        self.hosts = [Host(self.id, i, f"{self._v4}.{i + 1}", f"{self._v6}::{i + 1:x}") for i in range(count)]
+        self.hosts = [Host(self.id, i, f"{self._v4}.{i + 1}", _v6(f"{self._v6}::{i + 1:x}")) for i in range(count)]
         self.root_v4 = f"{self._v4}.254"
-        self.root_v6 = f"{self._v6}::fe"
+        self.root_v6 = _v6(f"{self._v6}::fe")
         self._extra_bridges: list[str] = []
         self._made: list[Host] = []
 
