@@ -175,12 +175,14 @@ class Cluster:
         flags: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         where: tuple[str, ...] = (),
+        endpoint: str = "",
     ) -> AgentProc:
-        """Start agent ``node_id``; ``where``: the command prefix that runs it on another host (netns)."""
+        """Start agent ``node_id``; ``where``: the command prefix that runs it on another host (netns);
+        ``endpoint``: the etcd endpoints it is given, where not the cluster's own (another network's)."""
         argv = [
             *where, sys.executable, "-m", "rlaunch",
             "--nnodes", str(nnodes), "--nproc-per-node", "1",
-            "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id,
+            "--rdzv-endpoint", endpoint or self.endpoint, "--rdzv-id", self.job_id,
             "--node-id", node_id, "--lease-ttl", "3", "--rdzv-timeout", "60",
             *flags, str(script), *script_args,
         ]  # fmt: skip

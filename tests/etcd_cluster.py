@@ -1,7 +1,9 @@
 """Test harness: a real 3-member etcd cluster whose members tests kill and restart.
 
 On loopback by default; on the hosts of a :class:`tests.netns.Hosts` when given ``places`` (each
-member's address and the command prefix that runs a process there).
+member's address and the command prefix that runs a process there). There a member answers
+clients on every address of its host, so on a second network too (a management network), while
+it advertises, and talks to its peers on, the address it was given.
 
 Each member is a real etcd process with its own data directory and free client and peer ports.
 A killed member is restarted on the same ports and data (as an operator would), so it rejoins
@@ -112,12 +114,14 @@ class EtcdCluster:
 
     def _spawn(self, member: Member) -> None:
         client = f"http://{member.endpoint}"
+        # on a host of its own, every address of the host (a network added later reaches it too)
+        listen = f"http://{host_port('::', member.client_port)}" if member.prefix else client
         cmd = [
             *member.prefix,
             self._binary,
             "--name", member.name,
             "--data-dir", str(member.data_dir),
-            "--listen-client-urls", client,
+            "--listen-client-urls", listen,
             "--advertise-client-urls", client,
             "--listen-peer-urls", member.peer_url,
             "--initial-advertise-peer-urls", member.peer_url,

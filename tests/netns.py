@@ -4,7 +4,10 @@ Each host is a network namespace (``ip netns``) with one veth pair onto a bridge
 namespace, an IPv4 address (``10.<a>.<b>.<i>/24``) and an IPv6 one (``fd<a>:<b>::<i>/64``). The
 root namespace holds ``.254`` / ``::fe`` on the bridge, so the test itself reaches every host
 (``rlaunch status``, etcd's health). A process runs on a host through :meth:`Hosts.argv`
-(``ip netns exec``); it sees the host's interfaces only, while sharing the machine's files.
+(``ip netns exec``); it sees the host's interfaces only, while sharing the machine's files. A host
+can get more interfaces: one whose default route leads to no other host
+(:meth:`Hosts.add_interface`), or one on a second network that joins some hosts alone, a
+management network say (:meth:`Hosts.add_network`).
 
 Faults are real networking:
 
@@ -40,6 +43,11 @@ def _run(*argv: str) -> str:
     return out.stdout
 
 
+def _v6(addr: str) -> str:
+    """An IPv6 address as the kernel and rlaunch write it (``fd0a:09:0::1`` is ``fd0a:9::1``)."""
+    return str(ipaddress.IPv6Address(addr))
+
+
 def rate_bytes(rate: str) -> float:
     """Bytes per second of a tc rate such as ``10gbit`` or ``500mbit``."""
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
@@ -67,7 +75,7 @@ class Host:
 
 
 class Hosts:
-    """``count`` hosts on one bridge; a second, isolated network on demand (:meth:`add_interface`)."""
+    """``count`` hosts on one bridge; more networks on demand (:meth:`add_interface`, :meth:`add_network`)."""
 
     def __init__(self, count: int, ipv4: bool = True) -> None:
         self.ipv4 = ipv4  # False: IPv6-only hosts (no IPv4 address but loopback)
@@ -76,9 +84,9 @@ class Hosts:
         self._v4 = f"10.{a}.{b}"
         self._v6 = f"fd{a:02x}:{b:02x}:{self.id[4]}"
         self.bridge = f"rb{self.id}"
-        self.hosts = [Host(self.id, i, f"{self._v4}.{i + 1}", f"{self._v6}::{i + 1:x}") for i in range(count)]
+        self.hosts = [Host(self.id, i, f"{self._v4}.{i + 1}", _v6(f"{self._v6}::{i + 1:x}")) for i in range(count)]
         self.root_v4 = f"{self._v4}.254"
-        self.root_v6 = f"{self._v6}::fe"
+        self.root_v6 = _v6(f"{self._v6}::fe")
         self._extra_bridges: list[str] = []
         self._made: list[Host] = []
 
@@ -107,21 +115,40 @@ class Hosts:
     def add_interface(self, host: Host) -> str:
         """Give ``host`` a second interface (``eth<n>``) on a network of its own, which reaches no
         other host, and make it the host's default route: its address, as :meth:`addr` of it."""
-        n = len(host.interfaces)
-        bridge = f"rb{self.id}x{host.index}"
-        veth = f"v{self.id}h{host.index}x"
         net = f"172.{16 + host.index}.{int(self.id[:2], 16)}"
-        ns = ("ip", "netns", "exec", host.name)
-        _run("ip", "link", "add", bridge, "type", "bridge")
-        self._extra_bridges.append(bridge)
-        _run("ip", "link", "set", bridge, "up")
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"eth{n}", "netns", host.name)
-        _run("ip", "link", "set", veth, "master", bridge, "up")
-        _run(*ns, "ip", "addr", "add", f"{net}.1/24", "dev", f"eth{n}")
-        _run(*ns, "ip", "link", "set", f"eth{n}", "up")
-        _run(*ns, "ip", "route", "add", "default", "via", f"{net}.254", "dev", f"eth{n}")
-        host.interfaces.append(f"eth{n}")
+        bridge = self._bridge(f"rb{self.id}x{host.index}")
+        interface = self._plug(host, bridge, f"v{self.id}h{host.index}x", f"{net}.1")
+        _run("ip", "netns", "exec", host.name, "ip", "route", "add", "default", "via", f"{net}.254", "dev", interface)
         return f"{net}.1"
+
+    def add_network(self, members: Sequence[Host]) -> list[str]:
+        """A second network (a management network, say) joining ``members`` alone: each gets an
+        interface (``eth<n>``) on a bridge of its own, and nothing routes between it and the first
+        network, so a host not on it cannot reach these addresses. Their addresses on it, in order."""
+        k = len(self._extra_bridges)
+        net = f"172.{24 + k % 8}.{int(self.id[:2], 16)}"
+        bridge = self._bridge(f"rb{self.id}n{k}")
+        addrs = [f"{net}.{h.index + 1}" for h in members]
+        for host, addr in zip(members, addrs, strict=True):
+            self._plug(host, bridge, f"v{self.id}h{host.index}n{k}", addr)
+        return addrs
+
+    def _bridge(self, name: str) -> str:
+        _run("ip", "link", "add", name, "type", "bridge")
+        self._extra_bridges.append(name)
+        _run("ip", "link", "set", name, "up")
+        return name
+
+    def _plug(self, host: Host, bridge: str, veth: str, v4: str) -> str:
+        """A new interface of ``host`` on ``bridge``, with the address ``v4``/24: its name."""
+        interface = f"eth{len(host.interfaces)}"
+        ns = ("ip", "netns", "exec", host.name)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", interface, "netns", host.name)
+        _run("ip", "link", "set", veth, "master", bridge, "up")
+        _run(*ns, "ip", "addr", "add", f"{v4}/24", "dev", interface)
+        _run(*ns, "ip", "link", "set", interface, "up")
+        host.interfaces.append(interface)
+        return interface
 
     # -- processes ----------------------------------------------------------------------------
 
@@ -129,6 +156,10 @@ class Hosts:
     def argv(host: Host, argv: Sequence[str]) -> list[str]:
         """``argv`` run on ``host`` (in its namespace)."""
         return ["ip", "netns", "exec", host.name, *argv]
+
+    def route(self, host: Host, addr: str) -> str:
+        """What ``host``'s kernel says of its route to ``addr`` (``ip route get``: the interface, the source)."""
+        return _run("ip", "netns", "exec", host.name, "ip", "route", "get", addr)
 
     # -- faults -------------------------------------------------------------------------------
 

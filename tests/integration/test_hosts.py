@@ -4,10 +4,14 @@ Three jobs, each exercising several things at once to keep the suite short:
 
 1. IPv4 with faults. Node a's host has two interfaces, its default route on a network that reaches
    no peer: it advertises the address of its route to etcd, and gloo binds that address, not the
-   one its host name resolves to (loopback here). Node b is cut from etcd alone for a while
-   shorter than its lease: it trains on, and nobody replaces or fences it. Then b's link goes
-   down: its lease expires, the standby c takes its rank live, and when the link comes back b
-   hears that its lease is gone and is fenced; its workers never train again.
+   one its host name resolves to (loopback here). Standby d's host reaches etcd over a management
+   network that only it and the etcd hosts share, so the route to etcd picks an address no peer
+   can reach: d is given its data network's address (``--local-addr``) and takes a rank live over
+   it. Node b is cut from etcd alone (its peers still reach it) for a while shorter than its
+   lease: it trains on, and nobody replaces or fences it. Then b is cut from etcd alone again, past
+   its lease: it trains on until etcd expires the lease, the standby c takes its rank live, and
+   when the cut heals b hears that its lease is gone and is fenced. Then c's link goes down: its
+   lease expires, d takes its rank live, and when the link comes back c is fenced.
 2. IPv6 only (the hosts have no IPv4 address but loopback): join, train, a live drain, and a live
    replacement of a SIGKILLed node, bit-identical to an uninterrupted run.
 3. Cuts between hosts that all still reach etcd (nobody's lease expires; every collective just
@@ -37,10 +41,12 @@ from tests.integration.test_migration import RESILIENT, _reference, assert_ident
 from tests.netns import Hosts
 
 STEPS = 400
-ARGS = ("--steps", str(STEPS), "--step-time", "0.1", "--log-every", "5")
+ARGS = ("--step-time", "0.1", "--log-every", "5")
 #: long enough that a cut from etcd of a few seconds ends well inside it (a renewal that finds no
 #: member tries each of the three in turn, one second each)
 TTL = 15
+#: the least a lease can have left when its node is cut from etcd: it was renewed every TTL/3
+LEASE_LEFT = TTL * 2 / 3 - 1
 #: each node's last applied step sampled every second (the default, 30 s, could miss an old
 #: holder's steps past its replacement's switch)
 SAMPLED = {"RLAUNCH_PROGRESS_S": "1", "RLAUNCH_PROGRESS_BATCH": "1"}
@@ -52,15 +58,19 @@ class Job:
     def __init__(self, tmp: Path, hosts: Hosts, family: int) -> None:
         self.hosts, self.family = hosts, family
         self.tag = uuid.uuid4().hex
+        self.steps = STEPS
         places = [(h.addr(family), hosts.argv(h, [])) for h in hosts.hosts[:3]]
         self.etcd = EtcdCluster(tmp, self.tag, places=places)
         self.cluster = Cluster(self.etcd.endpoints, tmp, self.tag)
 
-    def agent(self, name: str, host: int, flags: tuple[str, ...] = (), env: dict[str, str] | None = None) -> AgentProc:
-        """Start agent ``name`` on host ``host`` and wait until it registered (join order is node order)."""
+    def agent(
+        self, name: str, host: int, flags: tuple[str, ...] = (), env: dict[str, str] | None = None, endpoint: str = ""
+    ) -> AgentProc:
+        """Start agent ``name`` on host ``host`` and wait until it registered (join order is node order);
+        ``endpoint``: the etcd endpoints it is given, where not the ones on the hosts' first network."""
         agent = self.cluster.agent(
-            name, RESILIENT, *ARGS, flags=("--lease-ttl", str(TTL), *flags),
-            where=tuple(self.hosts.argv(self.hosts[host], [])), env=env,
+            name, RESILIENT, "--steps", str(self.steps), *ARGS, flags=("--lease-ttl", str(TTL), *flags),
+            where=tuple(self.hosts.argv(self.hosts[host], [])), env=env, endpoint=endpoint,
         )  # fmt: skip
         wait_for(lambda: self.cluster.node(name), 60, f"node {name} to register")
         return agent
@@ -120,18 +130,26 @@ def holds_ranks(job: Job, node: str) -> bool:
     return bool((n := job.cluster.node(node)) and n["role"] == "active" and n["state"] == "running")
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("job_on_hosts", [4], indirect=True)
-def test_across_hosts_an_etcd_cut_is_ridden_out_and_a_pulled_link_is_replaced_live_and_fenced(
+def test_across_hosts_etcd_cuts_are_ridden_out_until_the_lease_ends_and_lost_nodes_are_replaced_live_and_fenced(
     job_on_hosts: Job,
 ) -> None:
     job, hosts = job_on_hosts, job_on_hosts.hosts
+    job.steps = 500  # the job trains on through two of its phases (a lease each)
     dead_end = hosts.add_interface(hosts[3])  # a's host: its default route reaches nobody
+    # d's host reaches etcd over a management network of its own: the route to etcd picks an address
+    # no peer can reach, so d is given its data network's address
+    *etcd_mgmt, d_mgmt = hosts.add_network([*hosts.hosts[:3], hosts[6]])
+    assert f"src {d_mgmt}" in hosts.route(hosts[6], etcd_mgmt[0])
+    mgmt = ",".join(f"{x}:{m.client_port}" for x, m in zip(etcd_mgmt, job.etcd.members, strict=True))
     a = job.agent("a", 3, env=SAMPLED)
     b = job.agent("b", 4, env=SAMPLED)
     c = job.agent("c", 5, env=SAMPLED)
-    wait_for(lambda: warm(job.cluster, "c"), 120, "standby c to be warm")
+    d = job.agent("d", 6, flags=("--local-addr", hosts[6].v4), env=SAMPLED, endpoint=mgmt)
+    wait_for(lambda: warm(job.cluster, "c") and warm(job.cluster, "d"), 120, "standbys c and d to be warm")
     addrs = {n["node_id"]: n["addr"] for n in job.cluster.status()["nodes"]}
-    assert addrs == {"a": hosts[3].v4, "b": hosts[4].v4, "c": hosts[5].v4}, (addrs, dead_end)
+    assert addrs == {"a": hosts[3].v4, "b": hosts[4].v4, "c": hosts[5].v4, "d": hosts[6].v4}, (addrs, dead_end)
     progress(a, 5, 60, "across hosts")
 
     # b cut from etcd alone, for less than its lease: it trains on; nobody replaces or fences it.
@@ -146,22 +164,36 @@ def test_across_hosts_an_etcd_cut_is_ridden_out_and_a_pulled_link_is_replaced_li
     assert (nodes["b"]["role"], nodes["c"]["role"]) == ("active", "standby"), nodes
     assert "event fenced" not in b.output() and "'plan': 'replace'" not in a.output()
 
-    # b's link goes down: its lease expires, c takes rank 1 live; b is fenced once its link is back.
-    hosts.link_down(hosts[4])
+    # b cut from etcd alone again, now past its lease: it trains on until etcd expires the lease,
+    # then c takes rank 1 live; b hears that its lease is gone once the cut heals, and is fenced.
+    hosts.cut(hosts[4], etcd_addrs)
     cut_at = time.monotonic()
-    wait_for(
-        lambda: (n := job.cluster.node("c")) and n["role"] == "active" and n["state"] == "running",
-        90, "standby c to take b's rank",
-    )  # fmt: skip
-    assert time.monotonic() - cut_at >= TTL - 1, "replaced only once the lease was gone"
+    progress(a, 20, 10, "while b is cut from etcd again")
+    wait_for(lambda: holds_ranks(job, "c"), 90, "standby c to take b's rank")
+    assert time.monotonic() - cut_at >= LEASE_LEFT, "replaced only once the lease was gone"
     progress(a, 10, 60, "after the replacement")
-    hosts.link_up(hosts[4])
+    hosts.heal(hosts[4])
     assert b.wait(60) == 1, b.output()[-3000:]
     assert "its lease" in b.output() and "event fenced" in b.output()
-    assert a.wait(180) == 0 and c.wait(60) == 0, (a.output()[-2000:], c.output()[-2000:])
-    assert 0 < last_trained(b) <= resumed_at(a), "the old holder of rank 1 never trained past the switch"
+
+    # c's link goes down: its lease expires, d takes rank 1 live over the data network it was
+    # told to advertise; c is fenced once its link is back.
+    hosts.link_down(hosts[5])
+    cut_at = time.monotonic()
+    wait_for(lambda: holds_ranks(job, "d"), 90, "standby d to take c's rank")
+    assert time.monotonic() - cut_at >= LEASE_LEFT, "replaced only once the lease was gone"
+    # live: without --local-addr, a's probe cannot reach the address d advertises, d is not ready,
+    # and after --standby-wait every worker restarts instead (a resumes once only)
+    wait_for(lambda: len(resumes(a)) == 2, 10, "a to resume with d live")
+    progress(a, 10, 60, "after the second replacement")
+    hosts.link_up(hosts[5])
+    assert c.wait(60) == 1, c.output()[-3000:]
+    assert "its lease" in c.output() and "event fenced" in c.output()
+    assert a.wait(180) == 0 and d.wait(60) == 0, (a.output()[-2000:], d.output()[-2000:])
+    first, second = resumes(a)
+    assert 0 < last_trained(b) <= first and first < last_trained(c) <= second, "no old holder trained past its switch"
     assert "workers_started" not in a.output().split("event workers_started", 1)[1], "a kept its process"
-    got = finals(a, c)
+    got = finals(a, d)
     assert sorted(got) == [0, 1] and got[0][:2] == got[1][:2], "the replicas agree at the end"
 
 
