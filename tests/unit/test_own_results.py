@@ -10,7 +10,6 @@ redone step runs again, reads this count (see ``rlaunch.lightning.aftervote``).
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
@@ -18,19 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rlaunch.runtime import backend as backends
-from rlaunch.runtime.groups import SwitchableGroup, alike
-from rlaunch.store.embedded import free_port
-
-TIMEOUT = datetime.timedelta(seconds=30)
+from rlaunch.runtime.groups import alike
+from tests.gloo_pair import run_pair, world_group
 
 
 def _gone(rank: int, port: int, results: Any) -> None:
     """Rank 1 takes part in one allreduce and exits; rank 0 goes on issuing."""
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
-    group = SwitchableGroup("world", [0, 1], rank, backends.build(store, "g1/world/", rank, 2, TIMEOUT), 1)
+    group = world_group(rank, port)
     both = torch.full((2,), float(rank + 1))
     group.allreduce([both]).wait()
     if rank == 1:
@@ -53,8 +47,7 @@ def _gone(rank: int, port: int, results: Any) -> None:
 
 def _hung(rank: int, port: int, results: Any) -> None:
     """Rank 1 never issues; rank 0's operations in flight are abandoned (a plan, or the agent's word)."""
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
-    group = SwitchableGroup("world", [0, 1], rank, backends.build(store, "g1/world/", rank, 2, TIMEOUT), 1)
+    group = world_group(rank, port)
     if rank == 1:
         time.sleep(3)  # past the abandon, never issuing
         return
@@ -69,30 +62,14 @@ def _hung(rank: int, port: int, results: Any) -> None:
     results.put((value.tolist(), group.own_results))
 
 
-def _run(target: Any) -> tuple[Any, ...]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        return tuple(results.get(timeout=60))
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-
-
 def test_a_gone_peer_counts_each_result_that_was_the_callers_own_inputs() -> None:
-    both, found, later, failed, counts = _run(_gone)
+    both, found, later, failed, counts = run_pair(_gone)
     assert both == [3.0, 3.0], "completed: every rank's sum, and nothing counted"
     assert failed and found == [7.0, 7.0] and later == [8.0, 8.0], "the caller's own inputs came back"
     assert counts == [0, 1, 2, 2, 2], "the failed allreduce and the un-issued one count; a barrier and alike() do not"
 
 
 def test_operations_abandoned_in_flight_count_unless_issued_alike() -> None:
-    value, count = _run(_hung)
+    value, count = run_pair(_hung)
     assert value == [3.0, 3.0]
     assert count == 1, "the abandoned allreduce counts; the broadcast issued inside alike() does not"
