@@ -225,6 +225,15 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 op.ended.wait(ABANDON_WAIT_S)  # the cut operation lets go of the tensors first
                 op.future.set_result(op.tensors)
 
+    def leave(self, why: str) -> None:
+        """This rank handed its state over in a drain and its worker is ending: from now on its
+        collectives here return at once, un-issued. Its peers have swapped this communicator out, so
+        one issued after the switch (a framework's teardown; Lightning's SIGTERM handler, which
+        broadcasts on the default group when the agent stops the worker) would wait for peers that
+        never issue it."""
+        with self._lock:
+            self.failed = self.failed or why
+
     def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor], counted: bool) -> dist.Work:
         try:
             inner = work.get_future()

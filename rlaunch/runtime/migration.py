@@ -211,6 +211,8 @@ class Migration:
             phases.mark(Phase.TRANSFER_END)
             phases.transfer_bytes = sent
             report(s.link, s.rank, phases)  # before "left": the agent may stop this worker as soon as it hears that
+            for group in self._groups:  # before "left": the agent's SIGTERM may come right after it
+                group.leave(f"rank {s.rank} left the job at step {next_step}")
             s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
             raise SystemExit(0)
         self._groups.swap(comms, gen)

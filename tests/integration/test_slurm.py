@@ -144,7 +144,13 @@ def test_sbatch_runs_one_agent_per_node_and_a_slurm_drain_moves_ranks_live_to_th
             (e for e in job_events(endpoint, job, tls) if e.kind == "drained" and e.node_id == target), None
         )
         mark = wait_for(drained, 180, f"rlaunch to drain {target} after Slurm marked it")
-        events = job_events(endpoint, job, tls)
+
+        # The survivor's "switched" comes after its first step on the new group, which can be after "drained".
+        def switched() -> list[Event] | None:
+            got = job_events(endpoint, job, tls)
+            return got if any(e.kind == "switched" and e.node_id == survivor for e in got) else None
+
+        events = wait_for(switched, 60, "the survivor's first step after the switch", interval=1.0)
         status = job_status(endpoint, job, tls)
         wait_for(lambda: slurm.job_fields(job_id)["NodeList"] == "n[1,3]", 60, f"{target} to leave the Slurm job")
         assert slurm.job_fields(job_id)["JobState"] == "RUNNING", "the job runs on without the drained node"

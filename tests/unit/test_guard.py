@@ -2,7 +2,7 @@
 
 Two real gloo processes: the reduce-scatter completes when both take part; with a hung peer, an
 abandon (before or during the wait) ends the wait at once, marks the group failed, and the
-group no longer reports an operation in flight.
+group no longer reports an operation in flight. A rank that left in a drain issues nothing more.
 """
 
 from __future__ import annotations
@@ -97,3 +97,27 @@ def test_a_plan_ends_a_collective_a_recovering_peer_never_issues_and_pauses_the_
     assert "one of its collectives was in flight" in tp_failed, "abandoned: rebuilt by the recovery"
     assert idle_failed == "" and idle_paused, "a group with nothing in flight is kept, paused"
     assert later == [1.0, 1.0] and planned
+
+
+def _left(rank: int, port: int, results: Any) -> None:
+    """Rank 1 has handed its state over in a drain: its peer swapped the group out and never issues
+    on it again, yet a broadcast still comes (Lightning's SIGTERM handler, when the agent stops the
+    leaver's worker)."""
+    group = world_group(rank, port)
+    both = torch.ones(2)
+    group.allreduce([both]).wait()
+    if rank == 0:
+        time.sleep(8)  # alive, its connections open, never issuing again
+        return
+    group.leave("rank 1 left the job at step 3")
+    flag = torch.tensor([5.0])
+    began = time.monotonic()
+    group.broadcast([flag], dist.BroadcastOptions()).wait()
+    results.put((time.monotonic() - began, flag.tolist(), group.failed, both.tolist()))
+
+
+def test_a_rank_that_left_in_a_drain_issues_no_collective_its_peers_would_never_meet() -> None:
+    waited, flag, failed, both = run_pair(_left)
+    assert both == [2.0, 2.0], "the group worked until the leave"
+    assert waited < 2.0, f"the broadcast after the leave waited {waited:.1f} s for a peer that never issues it"
+    assert flag == [5.0] and failed == "rank 1 left the job at step 3"
