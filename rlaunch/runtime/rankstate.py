@@ -66,6 +66,9 @@ class RankState:
     #: the last vote said some rank has no replica to serve it: the job takes host snapshots
     #: (a joiner learns it with its state; see rlaunch.runtime.snapshots)
     snapshots_wanted: bool = False
+    #: a framework's loop drives the steps (rt.drive): it issues collectives between a step's vote and the
+    #: next step's start (Lightning's SIGTERM broadcast), so no survivor may roll forward (see Recovery)
+    driven: bool = False
     #: why this rank's state must not move live, as the script said (rt.refuse_moves); "" when it may
     refused: str = ""
     #: the host snapshots' interval in steps, alike on every rank (0: none; a joiner learns it with its state)

@@ -65,6 +65,24 @@ def commit_point(mine: int, step: int, applied: Sequence[int]) -> tuple[int, boo
     return agreed, agreed > mine
 
 
+def driven_refusal(moved: Sequence[int], agreed: int, applied: Sequence[int]) -> str:
+    """Why a loop a framework drives cannot be recovered live here ("" when it can): some survivor
+    would roll forward (``applied``: every survivor's last applied step; ``agreed``: the commit point).
+
+    That survivor goes on past step ``agreed``'s vote, into what the framework runs before the next
+    step (Lightning's SIGTERM broadcast, the collectives of ``on_train_batch_end``), while the
+    survivors that had applied it redo the next step from its start: their first collectives would
+    be paired with the wrong ones. Every survivor decides from the same reports, so all refuse alike.
+    """
+    if min(applied) >= agreed:
+        return ""
+    return (
+        f"a live replacement of ranks {sorted(moved)} cannot be made here: the fault came in step {agreed}'s vote, "
+        "which some survivors applied and others did not, and a framework's loop cannot roll those forward: they "
+        f"would issue the collectives that follow the vote while the others redo step {agreed + 1}"
+    )
+
+
 def newest(plans: Sequence[ReplacePlan]) -> ReplacePlan:
     """The plan to recover to: the one of the highest generation (older ones were superseded)."""
     return max(plans, key=lambda p: p.generation)
@@ -206,7 +224,10 @@ class Recovery:
                         f"{s.timeout.total_seconds():.0f} s; the recovery cannot go on, so this worker stops."
                     ) from None
         reports = sorted((json.loads(v) for v in values), key=lambda r: int(r["rank"]))
-        agreed, rolled = commit_point(s.applied, s.step, [int(r["applied"]) for r in reports])
+        applied = [int(r["applied"]) for r in reports]
+        agreed, rolled = commit_point(s.applied, s.step, applied)
+        if s.driven:
+            self._give_up(plan, driven_refusal(sorted(moved), agreed, applied))
         # Every survivor decides from the same reports: the first refusal any of them gave stands.
         refused = next((str(r["refused"]) for r in reports if r["refused"]), "")
         sources, why = self._sources(plan, survivors) if not refused else ({}, refused)

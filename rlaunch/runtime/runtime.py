@@ -278,6 +278,7 @@ class Runtime:
         nowhere the framework says, as Fabric's: the agent learns that this rank is done stepping).
         """
         self._host.turn_off()
+        self._s.driven = True
         self._driven = DrivenSteps(self)
         return self._driven
 
