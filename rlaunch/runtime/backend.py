@@ -245,7 +245,8 @@ class Communicators:
                 PrefixStore("nccl/", pstore), rank, size, name=name, device=device, timeout=timeout, blocking=False,
                 ranks=None if ranks is None else list(ranks),
             )  # fmt: skip
-            pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, comm)
+            # for tensors of the rank's device type: CUDA (a test's fake NCCL may take CPU tensors instead)
+            pg._register_backend(torch.device(device.type), ProcessGroup.BackendType.NCCL, comm)
             pg._set_default_backend(ProcessGroup.BackendType.NCCL)
             pg.bound_device_id = device
             self._nccl_comms[id(pg)] = comm
@@ -261,6 +262,14 @@ class Communicators:
         if device_type == "cpu":
             return True
         return device_type == "cuda" and id(comm) in self._nccl_comms
+
+    def queues(self, comm: Any, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether an operation of ``comm`` on ``tensors`` is NCCL's: its future completes when it is
+        queued on the GPU, not when the GPU is done (gloo's complete when the operation ends)."""
+        if id(comm) not in self._nccl_comms:
+            return False
+        device_type = comm.bound_device_id.type
+        return any(t.device.type == device_type for t in tensors)
 
     def is_ready(self, comm: Any) -> bool:
         """Whether ``comm`` can carry traffic now: its NCCL communicator finished its non-blocking

@@ -18,6 +18,10 @@ then reads what torch's watchdog recorded on each NCCL communicator. What it fin
   replacement is planned, so recovery ends the worker with a sentence after the group's timeout,
   and the job goes on as after any worker failure. Either way the step is never applied on
   partly reduced gradients.
+
+The wait also tells each group what became of the collectives queued on its GPU (whose results its
+callers already took, see :attr:`rlaunch.runtime.groups.SwitchableGroup.own_results`): after a wait that
+ended well, on a communicator that recorded nothing, they are done; otherwise they count as lost.
 """
 
 from __future__ import annotations
@@ -60,12 +64,19 @@ def finish(groups: Iterable[Any], sync: Callable[[], None] = _sync_current_strea
     groups = list(groups)
     if not groups:
         return Found()
+    queued = [g.device_queued for g in groups]  # before the wait: what it waits for
     wait = ""
     try:
         sync()
     except RuntimeError as exc:  # an illegal access, an ECC error: CUDA's errors are sticky
         wait = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     errors = tuple((g, e) for g in groups if (e := backends.current().error(g.comm)))
+    failed = {id(g) for g, _ in errors}
+    for group, mark in zip(groups, queued, strict=True):
+        if wait or id(group) in failed:
+            group.device_lost()
+        else:
+            group.device_done(mark)
     return Found(wait, errors)
 
 

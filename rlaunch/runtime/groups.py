@@ -16,7 +16,12 @@ collectives give the caller's own objects, as a sandbox does), so the step runs 
 ``optimizer_step``, where the runtime recovers. Each group counts the collectives that handed their
 caller its own inputs (:attr:`SwitchableGroup.own_results`): a framework's work after a step's vote,
 which no redone step runs again, must not go on from such values (see ``rlaunch.lightning``); those
-issued inside :func:`alike` are left out. Gloo cannot cancel an operation in
+issued inside :func:`alike` are left out. An NCCL collective's future completes when it is queued on
+the GPU, so the guard sees it succeed even when it is lost later, in a communicator that is cut or
+records an error before the GPU ran it: each group also counts the collectives queued on its
+communicator's GPU since that work was last known done (:meth:`SwitchableGroup.device_done`, after the
+runtime waited for the GPU before a step's vote), and adds them to ``own_results`` when it loses them.
+Gloo cannot cancel an operation in
 flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
 connected sockets (found at build time): the inner operation then fails at once instead of
 staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
@@ -188,6 +193,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
         #: or was paused, or abandoned them in flight), barriers, sends and those issued inside alike() aside
         self.own_results = 0
+        #: counted collectives whose futures completed when they were queued on the GPU (NCCL's), so far;
+        #: those past ``_device_settled`` are not known done there, and count in own_results if their
+        #: communicator is cut or records an error first
+        self._device_queued = 0
+        self._device_settled = 0
         self._ids = itertools.count()
         self._lock = threading.Lock()
         #: serves torch's object collectives while the group is failed or paused (see unissued)
@@ -201,6 +211,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             old, self.comm, self.version = self.comm, comm, version
             self.failed = ""
             self.paused = False
+            self._device_settled = self._device_queued  # the old one's work is not lost: it is retired, not cut
         backends.current().forget(id(old))  # from now on its fds may be reused: never cut them
         retire(old)
 
@@ -218,7 +229,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
-            self.own_results += sum(op.counted for op in pending.values())
+            self.own_results += sum(op.counted for op in pending.values()) + self._device_lost()
         backends.cut(id(self.comm))
         for op in pending.values():
             if op.future is not None:  # an operation its caller waits for ends in that wait: the cut fails it
@@ -234,7 +245,34 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             self.failed = self.failed or why
 
-    def _guard(self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor], counted: bool) -> dist.Work:
+    @property
+    def device_queued(self) -> int:
+        """How many counted collectives were queued on the GPU here so far: read it before waiting for the
+        GPU, and pass it to :meth:`device_done` once the wait ended well."""
+        return self._device_queued
+
+    def device_done(self, queued: int) -> None:
+        """The GPU finished the collectives queued here before :attr:`device_queued` read ``queued``, and
+        the communicator recorded no error: they are no longer lost if it is cut later."""
+        with self._lock:
+            self._device_settled = max(self._device_settled, queued)
+
+    def device_lost(self) -> None:
+        """The GPU work queued here is not known to have ended well (its communicator recorded an error,
+        or the wait for the GPU failed): the collectives queued since it was last known done count in
+        :attr:`own_results`."""
+        with self._lock:
+            self.own_results += self._device_lost()
+
+    def _device_lost(self) -> int:
+        """(under the lock) The collectives queued on the GPU and not known done, counted once."""
+        lost, self._device_settled = self._device_queued - self._device_settled, self._device_queued
+        return lost
+
+    def _guard(
+        self, comm_id: int, work: dist.Work, tensors: list[torch.Tensor], counted: bool, queued: bool
+    ) -> dist.Work:
+        """``queued``: the work is NCCL's, whose future completes when it is queued on the GPU."""
         try:
             inner = work.get_future()
         except RuntimeError:  # gloo's reduce-scatters give no future: their caller's wait() waits
@@ -266,8 +304,12 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             with self._lock:
                 if self._pending.pop(key, None) is None:
                     return  # abandoned: the caller gets its inputs back
+                current = comm_id == id(self.comm)
                 if error:
-                    self.own_results += counted
+                    # the operations queued on the cut communicator's GPU are lost with it
+                    self.own_results += counted + (self._device_lost() if current else 0)
+                elif counted and queued and current:
+                    self._device_queued += 1  # queued, not done: lost if the communicator is cut first
                 if error and not self.failed:
                     self.failed = error
                     log.warning(
@@ -344,6 +386,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             why = str(exc).splitlines()[0]
             with self._lock:
                 self.failed = self.failed or why
+                self.own_results += self._device_lost()
             backends.cut(id(comm), wait=0)
             log.warning(
                 "group %s (rank %d of it): a monitored barrier failed (%s); this step will be recovered",
@@ -419,13 +462,14 @@ def _forward(name: str) -> Any:
                 raise
             with self._lock:
                 self.failed = self.failed or f"its NCCL communicator recorded {recorded} ({str(exc).splitlines()[0]})"
-                self.own_results += _counted(name)
+                self.own_results += _counted(name) + self._device_lost()
             backends.cut(id(comm), wait=0)
             return works.done(works.flat(args))
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
-        return self._guard(id(comm), work, works.flat(args), _counted(name))
+        tensors = works.flat(args)
+        return self._guard(id(comm), work, tensors, _counted(name), backends.current().queues(comm, tensors))
 
     method.__name__ = name
     return method

@@ -626,6 +626,12 @@ class Runtime:
         runs after the vote and that no redone step runs again (a framework's hooks after its optimizer
         step) can compare the count across its stretch: a change means it went on from values that
         were this rank's own, not every rank's.
+
+        On NCCL a collective's result is handed over when it is queued on the GPU, before it ran there:
+        such collectives count too when their communicator is aborted, or records an error, or the wait
+        for the GPU fails, before the runtime knew their GPU work done (it knows that once it has waited
+        for the GPU ahead of each step's vote); so after a fault the count can take up to a step's NCCL
+        collectives, queued before the fault was seen.
         """
         return sum(g.own_results for g in self._s.groups)
 
