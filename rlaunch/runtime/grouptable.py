@@ -22,6 +22,8 @@ from torch.distributed import Store
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime.groups import SwitchableGroup
 
+#: the name of the group of every rank (rt.group)
+WORLD = "world"
 #: builds a communicator: (store, prefix, rank, size, timeout, backend) -> ProcessGroup
 Builder = Callable[[Store, str, int, int, datetime.timedelta, backends.Backend, Sequence[int] | None], Any]
 

@@ -58,26 +58,26 @@ from torch.distributed import Store
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rlaunch.errors import RlaunchError, TransferBrokenError
+from rlaunch.errors import RlaunchError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import buckets, contract, devicework, partition, pending, replicas, reshard, rng, snapshots, verify
+from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
-from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, alike, retire
-from rlaunch.runtime.grouptable import GroupTable
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, alike
+from rlaunch.runtime.grouptable import WORLD, GroupTable
+from rlaunch.runtime.joining import Joining
 from rlaunch.runtime.mesh import RuntimeMesh, check_shape
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.moves import Moves
-from rlaunch.runtime.phases import MovePhases, Phase, report
+from rlaunch.runtime.phases import Phase, report
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
 from rlaunch.runtime.store import AgentStore
-from rlaunch.runtime.transfer import Landing, TransferError, receive_state
 from rlaunch.runtime.untracked import live_schedulers, untracked_state
 from rlaunch.runtime.verify import Verifier
 from rlaunch.runtime.vote import RefusedError, StepVote
@@ -87,7 +87,6 @@ __all__ = ["RefusedError", "Runtime", "commit_point", "init"]
 
 log = logging.getLogger(__name__)
 
-WORLD = "world"
 #: Seconds between heartbeats to the agent (its hang detector; see rlaunch.detectors.hang).
 HEARTBEAT_S = 1.0
 
@@ -154,13 +153,8 @@ class Runtime:
         #: per step, from its start to this rank's last collective before the vote: its own work,
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
-        #: (joiner) the transfer whose optimizer state still lands during the first step: the landing,
-        #: its channel and the hold on the optimizers' state (see _land)
-        self._landing: tuple[Landing, Any, pending.Held] | None = None
-        self._landing_lock = threading.Lock()
-        self._landing_owner: int | None = None  # the thread inside _land (a signal handler may re-enter it)
-        #: a landing that failed: every later _land raises it again, so no step applies on partial state
-        self._landing_failed: BaseException | None = None
+        #: (a standby) its join, and the landing of the state it receives
+        self._joining = Joining(self._s, self._migration, self._moves, self._voting, self._start_listener)
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
@@ -433,19 +427,6 @@ class Runtime:
             mesh.show_rank_to_torch()
         return mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
 
-    def _rebind_mesh(self, rank: int) -> None:
-        """(joiner) Move the mesh's dimension groups to the lines of ``rank``, before they are rebuilt.
-
-        The group table renames them where they stand, so the joiner builds its groups in the
-        survivors' order.
-        """
-        s = self._s
-        if s.mesh is None:
-            return
-        for old, group, new in s.mesh.rebind(rank):
-            s.groups.rename(old, new)
-            register(group, s.store, {g: i for i, g in enumerate(group.members)})
-
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""
         s = self._s
@@ -453,7 +434,7 @@ class Runtime:
         s.applied = start - 1
         if s.standby:
             yield from self._sandbox(min(self._sandbox_iterations(), total))
-            step = self._join()
+            step = self._joining.join()
         last = time.perf_counter()
         try:
             while step < total:
@@ -463,7 +444,7 @@ class Runtime:
                 self._in_step = True
                 yield step
                 self._in_step = False
-                self._land()  # a joiner's first step that never voted: its state is whole before the next
+                self._joining.land()  # a joiner's first step that never voted: its state is whole before the next
                 now = time.perf_counter()
                 self._after_step(now - last)
                 self._host.stepped(now - last)  # what a host snapshot costs the steps it overlaps
@@ -486,11 +467,11 @@ class Runtime:
                 step += 1
         except GeneratorExit:  # the loop left early (a break, or a framework's loop ended): done stepping too
             self._in_step = False
-            self._land()  # what the script does after its loop may read the optimizer state: whole
+            self._joining.land()  # what the script does after its loop may read the optimizer state: whole
             with contextlib.suppress(OSError, AgentLinkError):  # the agent may be gone (at exit)
                 self._done_stepping()
             raise
-        self._land()  # a joiner given the job's last step has nothing left to run: its state is whole all the same
+        self._joining.land()  # a joiner given the job's last step has nothing left to run: its state is whole too
         self._done_stepping()
 
     def _done_stepping(self) -> None:
@@ -511,7 +492,7 @@ class Runtime:
         if self._s.after_move is not None:
             self._s.after_move.mark(Phase.FIRST_STEP_START)
         if self._host.due(step):  # before anything of the step draws from the generators
-            self._land()  # a snapshot copies the optimizer state: all of it
+            self._joining.land()  # a snapshot copies the optimizer state: all of it
             self._host.take(step)
         if self._s.seed is not None:
             self._reseed(step)
@@ -536,7 +517,7 @@ class Runtime:
         objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
         s = self._s
-        self._land()  # a joiner's first step: its state is whole and verified before its vote
+        self._joining.land()  # a joiner's first step: its state is whole and verified before its vote
         if not optimizers:
             raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
         names = ", ".join(type(o).__name__ for o in optimizers)
@@ -685,143 +666,6 @@ class Runtime:
             self._in_step = False
         assert self._s.link is not None
         self._s.link.call("warm", steps=n)
-
-    def _join(self) -> int:
-        """Wait to be given ranks, build the new groups, receive state; return the next step."""
-        s = self._s
-        assert s.link is not None
-        if not s.tracked:
-            raise RuntimeError(
-                "rt.track() was not called before rt.steps(): a standby has nothing to receive its state into; "
-                "call rt.track(model=..., optimizer=...) first."
-            )
-        plan = self._migration.wait_plan(0)
-        began = time.perf_counter()
-        phases = MovePhases(plan.generation, Role.JOINER.value)
-        phases.mark(Phase.PLAN_SEEN)
-        s.rank = plan.rank
-        self._rebind_mesh(s.rank)
-        comms = self._migration.prepare(plan)
-        phases.mark(Phase.PREPARED)
-        s.standby = False
-        self._leave_sandbox(comms, plan.generation)
-        phases.mark(Phase.GROUPS_SWAPPED)
-        reshard.to_coordinate(s.tracked)  # uneven shards: rank 0's shapes become this rank's
-        phases.mark(Phase.TRANSFER_START)
-        link = s.link
-
-        def joined(landing: Landing) -> None:
-            """(landing thread) Every byte is here: the sender may go. The agent hears it now, before the
-            leaver is drained (a leaver gone before its joiner joined is a stalled move, restarted)."""
-            try:
-                link.call(
-                    "joined", generation=plan.generation, seconds=time.perf_counter() - began,
-                    verify_s=landing.verify_s,
-                )  # fmt: skip
-            except (OSError, AgentLinkError) as exc:  # the agent is gone: it stops this worker anyway
-                log.warning("rank %d: the agent did not hear that the state landed: %s", s.rank, exc)
-
-        with self._broken_transfer():
-            landing = receive_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn, on_landed=joined)
-        phases.mark(Phase.PARAMS_LANDED)
-        s.after_move = phases
-        # The first step runs while the optimizer state lands: whatever reads it first waits for it.
-        optimizers = [o for o in s.tracked.values() if isinstance(o, torch.optim.Optimizer)]
-        hold = pending.hold(optimizers, self._land)
-        self._landing = (landing, comms["channel"], hold)
-        s.applied = landing.step - 1
-        s.generation = plan.generation
-        s.verify_due = True  # the first vote after joining compares the replicas
-        if not hold.whole:
-            self._land()  # an optimizer whose state nothing could guard: it is whole before the step
-        self._start_listener()
-        return landing.step
-
-    def _land(self) -> None:
-        """(joiner) Wait for the rest of the state and verify all of it, once, before anything reads
-        the optimizer state: before the first vote (a move that does not verify is committed nowhere:
-        this rank never votes, the others' vote fails and they redo the step without it), before a host
-        snapshot, at the first step's end, and wherever the script reads an optimizer's ``state``."""
-        if not self._landing_lock.acquire(blocking=False):
-            if self._landing_owner == threading.get_ident():
-                raise RlaunchError(
-                    f"rank {self._s.rank}: the optimizer state was read by code that interrupted its own landing (a "
-                    "signal handler that saves a checkpoint during a joiner's first step); it cannot wait for itself, "
-                    "so this worker stops: save from the training loop, or after rt.optimizer_step(), instead."
-                )
-            self._landing_lock.acquire()
-        self._landing_owner = threading.get_ident()
-        try:
-            self._land_locked()
-        finally:
-            self._landing_owner = None
-            self._landing_lock.release()
-
-    def _land_locked(self) -> None:
-        if self._landing_failed is not None:
-            # Caught by the script once (a retry loop, a logging hook): the state is still partial, so
-            # no step may apply on it.
-            raise RlaunchError(
-                f"rank {self._s.rank}: the state this joiner received did not land whole ({self._landing_failed}); "
-                "it cannot train on, so this worker stops."
-            ) from self._landing_failed
-        held, self._landing = self._landing, None
-        if held is None:
-            return
-        landing, channel, hold = held
-        s = self._s
-        assert s.after_move is not None
-        try:
-            with self._broken_transfer():
-                landed = landing.finish()  # reads no optimizer's state: the hold stands until it is whole
-        except BaseException as exc:
-            # The hold stays: every later read of the partial state (a checkpoint a script saves after
-            # catching this) raises too.
-            self._landing_failed = exc
-            raise
-        else:
-            hold.release()
-        finally:
-            retire(channel)  # one use only (an NCCL channel is aborted when retired)
-        s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
-        s.after_move.mark(Phase.VERIFIED)
-        # The first vote compares what landed, as digested: no second pass over it. (The other
-        # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
-        self._voting.prime(landed.terms)
-        # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
-        # optimizer state: not before it is whole, or the first step would wait for it.)
-        self._moves.report()
-
-    @contextlib.contextmanager
-    def _broken_transfer(self) -> Iterator[None]:
-        """A transfer whose sender went away or never came (the job ended, or it died) is a
-        :class:`TransferBrokenError`; a refused one stays a :class:`TransferError`."""
-        try:
-            yield
-        except TransferError:
-            raise
-        except (RuntimeError, TimeoutError) as exc:
-            raise TransferBrokenError(
-                f"The state transfer for rank {self._s.rank} broke off ({str(exc).splitlines()[0]}): its sender is "
-                "gone, so this standby cannot take the rank and stops; if the job still runs, the controller plans "
-                "again."
-            ) from exc
-
-    def _leave_sandbox(self, comms: dict[str, Any], generation: int) -> None:
-        """(joiner) Take this rank's place in every group: a group with this rank gets its communicator
-        of ``generation`` and is known to torch with its members only; one without it is held as an
-        active non-member holds it, with no communicator (its sandbox's would answer collectives
-        with made-up data) and unknown to torch."""
-        s = self._s
-        for group in s.groups:
-            group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
-            if group.label in comms:
-                group.swap(comms[group.label], generation)
-                if group.label != WORLD:
-                    register(group, s.store, {g: i for i, g in enumerate(group.members)})
-            elif group.group_rank < 0:
-                unregister(group)
-                group.comm = None
 
     # -- background threads --------------------------------------------------------------------
 

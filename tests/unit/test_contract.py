@@ -85,7 +85,7 @@ def test_a_joiner_renames_its_mesh_groups_where_they_stand_in_the_build_order() 
         rt.new_group("metrics", [0, 1, 2, 3])
         before = rt._s.groups.names()
         assert before == ["world", "mesh.dp.0", "mesh.tp.0", "metrics"]
-        rt._rebind_mesh(3)
+        rt._joining.rebind_mesh(3)
         assert rt._s.groups.names() == ["world", "mesh.dp.1", "mesh.tp.1", "metrics"]
         survivor = RuntimeMesh((2, 2), ("dp", "tp"), 3)
         assert [n for n, _ in survivor.lines(3)] == rt._s.groups.names()[1:3]

@@ -86,7 +86,8 @@ def test_a_landing_that_failed_once_fails_every_later_read_and_vote() -> None:
     )  # fmt: skip
     opt = _adam()
     rt._s.after_move = MovePhases(generation=2, role="joiner")
-    rt._landing = (_BrokenLanding(), SandboxComm(0, 1), pending.hold([opt], rt._land))  # type: ignore[assignment]
+    joining = rt._joining
+    joining._held = (_BrokenLanding(), SandboxComm(0, 1), pending.hold([opt], joining.land))  # type: ignore[assignment]
     with pytest.raises(TransferBrokenError):
         opt.state_dict()
     with pytest.raises(RlaunchError, match="did not land whole"):

@@ -286,14 +286,14 @@ def test_a_joiner_holds_the_groups_without_its_rank_as_an_active_non_member(stan
     longer known to torch and answers nothing made up."""
     rt = standby.rt
     rt._s.rank = 3
-    rt._rebind_mesh(3)
+    rt._joining.rebind_mesh(3)
     rt._s.standby = False
     # communicators of rank 3's groups, as phase 1 builds them (sandboxes stand in for them here)
     comms: dict[str, Any] = {
         g.label: SandboxComm(g.members.index(3), len(g.members)) for g in rt._s.groups if 3 in g.members
     }
     assert sorted(comms) == ["mesh.dp.1", "mesh.tp.1", "world"]
-    rt._leave_sandbox(comms, generation=1)
+    rt._joining.leave_sandbox(comms, generation=1)
     assert rt.group.comm is comms["world"] and rt.group.rank() == 3
     assert dist.get_rank(standby.mesh["dp"].get_group()) == 1 and standby.mesh.get_local_rank("tp") == 1
     assert standby.pair.comm is None and standby.pair.rank() == -1
