@@ -263,7 +263,7 @@ class Communicators:
             return True
         return device_type == "cuda" and id(comm) in self._nccl_comms
 
-    def queues(self, comm: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    def completes_at_enqueue(self, comm: Any, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether an operation of ``comm`` on ``tensors`` is NCCL's: its future completes when it is
         queued on the GPU, not when the GPU is done (gloo's complete when the operation ends)."""
         if id(comm) not in self._nccl_comms:

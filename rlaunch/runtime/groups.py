@@ -21,13 +21,12 @@ the GPU, so the guard sees it succeed even when it is lost later, in a communica
 records an error before the GPU ran it: each group also counts the collectives queued on its
 communicator's GPU since that work was last known done (:meth:`SwitchableGroup.device_done`, after the
 runtime waited for the GPU before a step's vote), and adds them to ``own_results`` when it loses them.
-Gloo cannot cancel an operation in
-flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
-connected sockets (found at build time): the inner operation then fails at once instead of
-staying in flight on the caller's tensors, where a frozen peer that resumed before being fenced
-could still complete it and write stale data into them (a DDP bucket of a later step). A failed
-communicator is cut the same way, and a cut one is destroyed without waiting for its timeout.
-An NCCL communicator (CUDA tensors of a group whose backend is NCCL) is aborted instead
+Gloo cannot cancel an operation in flight (``abort()`` does not wake it), so abandoning a group also
+shuts down its communicator's connected sockets (found at build time): the inner operation then
+fails at once instead of staying in flight on the caller's tensors, where a frozen peer that resumed
+before being fenced could still complete it and write stale data into them (a DDP bucket of a later
+step). A failed communicator is cut the same way, and a cut one is destroyed without waiting for its
+timeout. An NCCL communicator (CUDA tensors of a group whose backend is NCCL) is aborted instead
 (``ncclCommAbort`` wakes its pending operations): see :mod:`rlaunch.runtime.backend`.
 
 What the sandbox gives for each collective (object collectives included) is described in
@@ -188,6 +187,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: a replacement is planned: until the recovery ends, collectives return at once, un-issued
         #: (a peer already in recovery would never issue its side; see Recovery.on_replace)
         self.paused = False
+        #: why this rank no longer uses the group ("" while it does): it left the job in a drain (see leave)
+        self.left = ""
         #: the operations in flight, by issue number
         self._pending: dict[int, _InFlight] = {}
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
@@ -229,7 +230,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         with self._lock:
             pending, self._pending = self._pending, {}
             self.failed = self.failed or why
-            self.own_results += sum(op.counted for op in pending.values()) + self._device_lost()
+            self.own_results += sum(op.counted for op in pending.values()) + self._take_unsettled()
         backends.cut(id(self.comm))
         for op in pending.values():
             if op.future is not None:  # an operation its caller waits for ends in that wait: the cut fails it
@@ -241,9 +242,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         collectives here return at once, un-issued. Its peers have swapped this communicator out, so
         one issued after the switch (a framework's teardown; Lightning's SIGTERM handler, which
         broadcasts on the default group when the agent stops the worker) would wait for peers that
-        never issue it."""
-        with self._lock:
-            self.failed = self.failed or why
+        never issue it. The group is not failed, and what it hands back is not counted in
+        :attr:`own_results`: no step is recovered or checked on this rank again."""
+        self.left = self.left or why
 
     @property
     def device_queued(self) -> int:
@@ -262,9 +263,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         or the wait for the GPU failed): the collectives queued since it was last known done count in
         :attr:`own_results`."""
         with self._lock:
-            self.own_results += self._device_lost()
+            self.own_results += self._take_unsettled()
 
-    def _device_lost(self) -> int:
+    def _take_unsettled(self) -> int:
         """(under the lock) The collectives queued on the GPU and not known done, counted once."""
         lost, self._device_settled = self._device_queued - self._device_settled, self._device_queued
         return lost
@@ -307,7 +308,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 current = comm_id == id(self.comm)
                 if error:
                     # the operations queued on the cut communicator's GPU are lost with it
-                    self.own_results += counted + (self._device_lost() if current else 0)
+                    self.own_results += counted + (self._take_unsettled() if current else 0)
                 elif counted and queued and current:
                     self._device_queued += 1  # queued, not done: lost if the communicator is cut first
                 if error and not self.failed:
@@ -329,16 +330,16 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         return waits
 
     def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
-        """A collective of a failed or paused group: it returns at once, un-issued, with the caller's
+        """A collective of a failed, paused or left group: it returns at once, un-issued, with the caller's
         inputs as they are (the step is rolled forward or redone; its results are not used, unless the
-        caller is past the step's vote: see :attr:`own_results`).
+        caller is past the step's vote: see :attr:`own_results`, which a left group does not add to).
 
         One issued by torch's object collectives is served as a sandbox serves it (every rank's
         object is the caller's own, as if it were the source): they receive sizes and bytes that a
         peer writes, and a receiver left with unwritten buffers would read garbage (an EOFError,
         or an allocation of petabytes) before the step ever reached its recovery.
         """
-        if _counted(name):
+        if not self.left and _counted(name):  # (a left group takes no lock: a signal handler may issue here)
             with self._lock:
                 self.own_results += 1
         if name in _OBJECT_CARRIERS and in_object_collective():
@@ -375,7 +376,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         the communicator. Under rlaunch a failure (a peer gone, or the cut of an abandoned
         communicator) fails the group as a failed collective does, and the step is recovered.
         """
-        if self.failed or self.paused or self.sandboxed:
+        if self.failed or self.paused or self.left or self.sandboxed:
             return
         comm = self.comm
         try:
@@ -386,7 +387,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             why = str(exc).splitlines()[0]
             with self._lock:
                 self.failed = self.failed or why
-                self.own_results += self._device_lost()
+                self.own_results += self._take_unsettled()
             backends.cut(id(comm), wait=0)
             log.warning(
                 "group %s (rank %d of it): a monitored barrier failed (%s); this step will be recovered",
@@ -448,7 +449,7 @@ def _counted(name: str) -> bool:
 
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
-        if self.failed or self.paused:
+        if self.failed or self.paused or self.left:
             return self.unissued(name, args, kwargs)
         comm = self.comm
         try:
@@ -462,14 +463,15 @@ def _forward(name: str) -> Any:
                 raise
             with self._lock:
                 self.failed = self.failed or f"its NCCL communicator recorded {recorded} ({str(exc).splitlines()[0]})"
-                self.own_results += _counted(name) + self._device_lost()
+                self.own_results += _counted(name) + self._take_unsettled()
             backends.cut(id(comm), wait=0)
             return works.done(works.flat(args))
         if name in _UNGUARDED or not self.guarded or isinstance(comm, SandboxComm):
             return work
         self.last_issue = time.perf_counter()
         tensors = works.flat(args)
-        return self._guard(id(comm), work, tensors, _counted(name), backends.current().queues(comm, tensors))
+        at_enqueue = backends.current().completes_at_enqueue(comm, tensors)
+        return self._guard(id(comm), work, tensors, _counted(name), at_enqueue)
 
     method.__name__ = name
     return method

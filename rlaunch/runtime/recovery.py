@@ -15,7 +15,9 @@ back, the lost rank's buddy sends the copy it holds to the joiner, and the steps
 (:mod:`rlaunch.runtime.snapshots`). Without a snapshot that can serve, it is refused with a
 sentence the agent puts on the node's failure, and the job restarts: before anything is written
 where the job takes no snapshots, else once the survivors' reports say no snapshot can serve
-(every survivor decides from the same reports, so all decide alike).
+(every survivor decides from the same reports, so all decide alike). In a loop a framework drives
+(``rt.drive()``), a replacement where some survivor would roll forward is refused the same way
+(:func:`driven_refusal`).
 
 Two faults a few seconds apart give two plans; a survivor recovers to the newest one it holds, and
 one that began the exchange of an older plan moves to the newer one as soon as it arrives (the
@@ -77,9 +79,10 @@ def driven_refusal(moved: Sequence[int], agreed: int, applied: Sequence[int]) ->
     if min(applied) >= agreed:
         return ""
     return (
-        f"a live replacement of ranks {sorted(moved)} cannot be made here: the fault came in step {agreed}'s vote, "
-        "which some survivors applied and others did not, and a framework's loop cannot roll those forward: they "
-        f"would issue the collectives that follow the vote while the others redo step {agreed + 1}"
+        f"a live replacement of ranks {list(moved)} cannot be made here: the fault came in step {agreed}'s vote, "
+        "which some survivors applied and others did not, and a framework's loop cannot roll the survivors that did "
+        f"not apply it forward: they would issue the collectives that follow the vote while the others redo step "
+        f"{agreed + 1}"
     )
 
 
@@ -246,6 +249,9 @@ class Recovery:
         mine = sorted(m for m, src in sources.items() if src == s.rank)
         kind = s.groups["world"].backend
         self._sends = {m: s.groups.channel(gen, 0, m, kind) for m in mine}
+        for group in s.groups:
+            if group.label in comms:  # rebuilt after a fault: what its GPU ran since the last wait may be lost
+                group.device_lost()
         s.groups.swap(comms, gen)
         for group in s.groups.mine():
             group.paused = False  # the kept groups: every member stopped at the same collective

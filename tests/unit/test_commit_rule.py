@@ -33,6 +33,6 @@ def test_a_loop_a_framework_drives_refuses_a_roll_forward_on_every_survivor_alik
     them while the others redo the next step (rlaunch.runtime.recovery.driven_refusal)."""
     assert driven_refusal([3], agreed=41, applied=[41, 41, 41]) == "", "everyone discards step 42: all redo it"
     assert driven_refusal([3], agreed=42, applied=[42, 42]) == "", "everyone applied step 42"
-    why = driven_refusal([3], agreed=42, applied=[42, 41, 41])
-    assert "ranks [3]" in why and "step 42's vote" in why and "redo step 43" in why
-    assert driven_refusal([3], agreed=42, applied=[41, 42]) == why, "the same sentence, whatever the order"
+    why = driven_refusal([3, 5], agreed=42, applied=[42, 41, 41])
+    assert "ranks [3, 5]" in why and "step 42's vote" in why and "redo step 43" in why
+    assert driven_refusal([3, 5], agreed=42, applied=[41, 42]) == why, "any survivor behind refuses, the same"
