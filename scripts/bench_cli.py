@@ -1,7 +1,7 @@
 """What an ``rlaunch`` command costs to start: CPU seconds and wall time, against a bare interpreter.
 
-A ``rlaunch drain`` runs while its job switches nodes, and on a shared machine its CPU is taken
-from the training processes. Each case runs ``--repeats`` times (default 5), in turns, and the
+A ``rlaunch drain`` often runs on a machine that trains, and there its CPU is taken from the
+training processes. Each case runs ``--repeats`` times (default 5), in turns, and the
 JSON gives the median user+system CPU seconds and wall seconds of each, read from ``wait4``; the
 baseline is ``python -c pass`` in the same interpreter. The drain cases fail fast on purpose: one
 against an endpoint nothing listens on (``--timeout 1``: the imports and one refused connection),

@@ -6,8 +6,8 @@ flag takes its dash and its underscore spelling (``--nproc-per-node``, ``--nproc
 torchrun's do: the context normalizes ``_`` to ``-`` in option names before matching them.
 
 A subcommand's module is imported only when that command is chosen (:class:`LazyGroup`): a
-``rlaunch drain`` runs while its job switches nodes, and the CPU it spends importing the
-launcher's agent, the report's plotting and the status tables would be taken from training.
+``rlaunch drain`` often runs on a machine that trains, and the CPU it would spend importing the
+launcher's agent, the report's plotting and the status tables would be taken from the training.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A subcommand imports its own module only: ``rlaunch drain`` runs while its job switches nodes,
-and what it imports costs CPU taken from training (rlaunch.cli's LazyGroup)."""
+"""A subcommand imports its own module only: ``rlaunch drain`` often runs on a machine that trains,
+and what it imports costs CPU taken from the training (rlaunch.cli's LazyGroup)."""
 
 from __future__ import annotations
 
