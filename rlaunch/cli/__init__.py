@@ -4,22 +4,25 @@
 names one, so a script called like a subcommand is launched with ``rlaunch run SCRIPT``. Every
 flag takes its dash and its underscore spelling (``--nproc-per-node``, ``--nproc_per_node``), as
 torchrun's do: the context normalizes ``_`` to ``-`` in option names before matching them.
+
+A subcommand's module is imported only when that command is chosen (:class:`LazyGroup`): a
+``rlaunch drain`` often runs on a machine that trains, and the CPU it would spend importing the
+launcher's agent, the report's plotting and the status tables would be taken from the training.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import TYPE_CHECKING, Any
 
 import typer
+from typer.core import TyperGroup
 
 from rlaunch import __version__
-from rlaunch.cli.drain import drain, undrain
-from rlaunch.cli.etcd import etcd
-from rlaunch.cli.events import events
-from rlaunch.cli.launch import run
-from rlaunch.cli.report import report
-from rlaunch.cli.slurm import slurm_watch
-from rlaunch.cli.status import status
+
+if TYPE_CHECKING:  # typer carries its own copy of click, which TyperGroup's methods take and return
+    from typer._click import Command, Context
 
 #: What ``rlaunch --help`` tells a user about the tool.
 HELP = (
@@ -35,6 +38,26 @@ HELP = (
     "its dash or underscore spelling. `rlaunch run --help` lists the launch flags."
 )
 
+#: Each subcommand, in the order ``rlaunch --help`` lists them: ``module:function``.
+COMMANDS = {
+    "run": "rlaunch.cli.launch:run",
+    "status": "rlaunch.cli.status:status",
+    "drain": "rlaunch.cli.drain:drain",
+    "undrain": "rlaunch.cli.drain:undrain",
+    "events": "rlaunch.cli.events:events",
+    "etcd": "rlaunch.cli.etcd:etcd",
+    "report": "rlaunch.cli.report:report",
+    "slurm-watch": "rlaunch.cli.slurm:slurm_watch",
+}
+#: A subcommand's settings beyond its function's signature and docstring.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "run": {
+        "context_settings": {"allow_interspersed_args": False},
+        "help": "Launch SCRIPT on this node as one agent of the job "
+        "(the default when the first word is no subcommand).",
+    },
+}
+
 
 def _dashes(token: str) -> str:
     """Option names are matched with ``_`` read as ``-``: ``--node_rank`` is ``--node-rank``."""
@@ -43,20 +66,30 @@ def _dashes(token: str) -> str:
 
 CONTEXT = {"token_normalize_func": _dashes, "help_option_names": ["-h", "--help"]}
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, context_settings=CONTEXT)
-app.command(
-    "run", context_settings={"allow_interspersed_args": False},
-    help="Launch SCRIPT on this node as one agent of the job (the default when the first word is no subcommand).",
-)(run)  # fmt: skip
-app.command("status")(status)
-app.command("drain")(drain)
-app.command("undrain")(undrain)
-app.command("events")(events)
-app.command("etcd")(etcd)
-app.command("report")(report)
-app.command("slurm-watch")(slurm_watch)
 
-SUBCOMMANDS = ("run", "status", "drain", "undrain", "events", "etcd", "report", "slurm-watch")
+class LazyGroup(TyperGroup):
+    """rlaunch's commands, each built from its module (:data:`COMMANDS`) the first time it is asked for."""
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            module, function = COMMANDS[cmd_name].split(":")
+            one = typer.Typer(add_completion=False)
+            one.command(cmd_name, **SETTINGS.get(cmd_name, {}))(getattr(importlib.import_module(module), function))
+            self.commands[cmd_name] = typer.main.get_command(one)
+        return self.commands.get(cmd_name)
+
+
+app = typer.Typer(cls=LazyGroup, add_completion=False, no_args_is_help=True, help=HELP, context_settings=CONTEXT)
+
+
+@app.callback()
+def _group() -> None:
+    # Typer builds a group (rather than one command) only for an app with a callback or with
+    # commands registered up front; the commands here come from LazyGroup, so the group's body is empty.
+    pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +97,6 @@ def main(argv: list[str] | None = None) -> None:
     if args in (["--version"], ["-V"]):
         print(f"rlaunch {__version__}")
         return
-    if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h"):
+    if args and args[0] not in COMMANDS and args[0] not in ("--help", "-h"):
         args = ["run", *args]
     app(args=args, prog_name="rlaunch")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import typer.main
+from typer.core import TyperGroup
 
 from rlaunch.agent.config import (
     StaticRendezvous,
@@ -24,14 +25,25 @@ from rlaunch.store.client import Endpoint
 from rlaunch.store.records import Generation, GenerationStatus
 from tests.unit.test_config import config, script  # noqa: F401 - the fixture
 
+if TYPE_CHECKING:
+    from typer._click import Command, Context
+
 # --- every flag in both spellings ---------------------------------------------------------------
 
 
-def _parse(command: str, args: list[str]) -> dict[str, Any]:
+def _command(command: str) -> tuple[Command, Context]:
+    """The subcommand as ``rlaunch`` builds it (its module imported on demand), and its parent context."""
     group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup)
     parent = group.make_context("rlaunch", [command, "--help"], resilient_parsing=True)
-    sub = group.commands[command].make_context(command, args, parent=parent)  # type: ignore[attr-defined]
-    return dict(sub.params)
+    sub = group.get_command(parent, command)
+    assert sub is not None, command
+    return sub, parent
+
+
+def _parse(command: str, args: list[str]) -> dict[str, Any]:
+    sub, parent = _command(command)
+    return dict(sub.make_context(command, args, parent=parent).params)
 
 
 POSITIONAL = {"run": ["train.py"], "drain": ["node-b"], "undrain": ["node-b"]}
@@ -40,9 +52,8 @@ NEEDS_ENDPOINT = {"status", "drain", "undrain", "events"}
 
 @pytest.mark.parametrize("command", ["run", "status", "drain", "undrain", "events", "etcd"])
 def test_every_flag_takes_its_underscore_spelling(command: str) -> None:
-    group = typer.main.get_command(app)
     checked = 0
-    for param in group.commands[command].params:  # type: ignore[attr-defined]
+    for param in _command(command)[0].params:
         for opt in (o for o in param.opts if o.startswith("--") and "-" in o[2:]):
             underscore = "--" + opt[2:].replace("-", "_")
             value = [] if param.is_flag else ["7"]
