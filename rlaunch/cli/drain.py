@@ -25,6 +25,8 @@ from rlaunch.store.security import EtcdSecurity
 
 #: How often the command re-reads the job while it waits (bounded by --timeout).
 POLL_S = 0.2
+#: How far another host's clock may lag this one's and its events still be read as the drain's.
+CLOCK_MARGIN_S = 60.0
 
 
 class DrainRefused(RlaunchError):
@@ -84,7 +86,7 @@ async def _drain(
                 )
             if mark is not None:
                 return {"node": node_id, "replaced_by": mark.replaced_by, "generation": mark.generation,
-                        **await _switch_stats(store, keys, mark.generation)}  # fmt: skip
+                        **await _switch_stats(store, keys, mark.generation, requested)}  # fmt: skip
             await asyncio.sleep(POLL_S)
         await store.delete(keys.drain_request(node_id))
         raise DrainRefused(
@@ -95,11 +97,19 @@ async def _drain(
         await store.close()
 
 
-async def _switch_stats(store: Store, keys: JobKeys, generation: int) -> dict[str, Any]:
-    """Downtime and transfer figures reported by the workers for the migration to ``generation``."""
+async def _switch_stats(store: Store, keys: JobKeys, generation: int, requested: float) -> dict[str, Any]:
+    """Downtime and transfer figures reported by the workers for the migration to ``generation``.
+
+    Read while the survivors take their first steps after the switch, often on their machines: only
+    the events since the request (less a margin for the other hosts' clocks) are read, not the job's
+    whole history, and each of them once (the leavers' bytes add up; another host's event may come
+    later with an earlier key)."""
+    since = keys.event(int((requested - CLOCK_MARGIN_S) * 1e9), "")
+    seen: set[str] = set()
     out: dict[str, Any] = {}
     for _ in range(25):  # the switch is reported one step after the transfer
-        kvs, _ = await store.get_prefix(keys.events_prefix)
+        kvs = [kv for kv in await store.get_after(since, keys.events_prefix) if kv.key not in seen]
+        seen.update(kv.key for kv in kvs)
         for kv in kvs:
             ev = decode(Event, kv.value, kv.key)
             if ev.generation == generation and ev.kind == "switched":

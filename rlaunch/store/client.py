@@ -451,6 +451,13 @@ class Store:
         revision = rng.header.revision if rng.header is not None else 0
         return [_kv(kv) for kv in rng], revision
 
+    async def get_after(self, start: str, prefix: str) -> list[KV]:
+        """The keys under ``prefix`` from ``start`` on, in key order: the tail of keys that sort by
+        time (events), read without the older ones."""
+        end = aetcd.utils.prefix_range_end(prefix.encode())
+        rng = await self._call(lambda c: c.get_range(start.encode(), end))
+        return [_kv(kv) for kv in rng]
+
     async def get_at(self, key: str) -> tuple[KV | None, int]:
         """``key`` and the store revision it was read at (to start a watch right after).
 
