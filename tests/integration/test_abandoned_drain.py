@@ -33,7 +33,7 @@ def test_losing_the_controllers_node_during_a_drain_abandons_the_move(cluster: C
     out, err = drain.communicate(timeout=120)
     assert b.wait(180) == 0 and c.wait(180) == 0, (b.output()[-3000:], c.output()[-3000:])
     got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(b.output() + c.output())}
-    assert got == _reference(2, ("--steps", "200", "--step-time", "0")), "the job must end as if uninterrupted"
+    assert got == _reference(2, ("--steps", "200")), "the job must end as if uninterrupted"
     assert drain.returncode == 1 and "'b'" in err and "drained" in err, (out, err)
     assert "event drained" not in b.output() and "state_sent" not in b.output(), "b never handed its state over"
     assert "migration_abandoned" in b.output() or "migration_failed" in b.output()

@@ -12,6 +12,7 @@ the same script.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -38,6 +39,7 @@ def finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
     return {int(m.group(1)): (m.group(2), m.group(3)) for a in agents for m in FINAL.finditer(a.output())}
 
 
+@functools.cache  # the two DDP-first-step jobs compare with the same run
 def reference(*extra: str) -> dict[int, tuple[str, str]]:
     """Digests of an uninterrupted 2-rank run of the same script."""
     res = subprocess.run(

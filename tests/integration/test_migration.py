@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,6 +36,7 @@ def reference() -> dict[int, tuple[str, str]]:
     return _reference(2, ())
 
 
+@functools.cache  # the same uninterrupted run, once per session: test_recovery compares five jobs with it
 def _reference(nproc: int, extra: tuple[str, ...]) -> dict[int, tuple[str, str]]:
     """Digests of an uninterrupted run; ``--step-time`` only sleeps, so the reference skips it."""
     res = subprocess.run(

@@ -40,7 +40,7 @@ EXTRA = {"tp_dp": ("--loader", "--metrics-group")}
 
 def _args(layout: str, step_time: str = "0.1", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     more = (*EXTRA.get(layout, ()), *extra)
-    return ("--layout", layout, "--model", "uneven", "--steps", "300", "--step-time", step_time, *more)
+    return ("--layout", layout, "--model", "uneven", "--steps", "200", "--step-time", step_time, *more)
 
 
 def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
@@ -64,11 +64,17 @@ def _start(
     cluster: Cluster, layout: str, names: list[str], flags: tuple[str, ...] = (), extra: tuple[str, ...] = (),
     nnodes: int = 2,
 ) -> list[AgentProc]:  # fmt: skip
-    agents = cluster.agents_in_order(names, SHARDED, *_args(layout, extra=extra), flags=(*FLAGS, *flags), nnodes=nnodes)
+    """Start the job; its active ranks wait at step 10 until its standbys are warm, so that its faults
+    come early in its 200 steps however long the standbys take."""
+    gate = cluster.tmp / "standbys-warm"
+    agents = cluster.agents_in_order(
+        names, SHARDED, *_args(layout, extra=extra), "--gate", f"{gate}:10", flags=(*FLAGS, *flags), nnodes=nnodes
+    )
     for standby in names[nnodes:]:
         wait_for(lambda s=standby: warm(cluster, s), 180, f"standby {standby} to be warm")
     wait_for(lambda: "step 10/" in agents[0].output(), 120, "training to make progress")
     assert "final" not in agents[0].output(), "the job must still run when its standbys are warm"
+    gate.touch()
     return agents
 
 

@@ -14,7 +14,8 @@ StatefulDataLoader whose ``DistributedSampler`` splits the data over the data-pa
 only (``num_replicas`` its size, ``rank`` the coordinate on it), as tensor-parallel users write it.
 ``--metrics-group``: a group of every rank made after the mesh (``rt.new_group``), which averages
 the loss every 10 steps. ``--flip RANK:STEP``: that rank's first weight shard gets one flipped bit
-at the step's start (silent data corruption).
+at the step's start (silent data corruption). ``--gate FILE:STEP``: the active ranks wait at that
+step's start until FILE exists (a test holds the job there until its standbys are warm).
 
 Every rank prints ``rank R final: params=<digest> optim=<digest>`` of its local shards at the end.
 """
@@ -25,6 +26,7 @@ import argparse
 import hashlib
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--loader", action="store_true")
     ap.add_argument("--metrics-group", action="store_true")
     ap.add_argument("--flip", default="")
+    ap.add_argument("--gate", default="")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -103,10 +106,15 @@ def main() -> None:
         sampler = DistributedSampler(TensorDataset(xs), num_replicas=parts, rank=part, seed=3)
         data = rt.epochs(StatefulDataLoader(TensorDataset(xs), sampler=sampler, batch_size=8), sampler=sampler)
     flip_rank, flip_step = (int(v) for v in args.flip.split(":")) if args.flip else (-2, -2)
+    gate, gate_step = (Path(args.gate.rsplit(":", 1)[0]), int(args.gate.rsplit(":", 1)[1])) if args.gate else (None, -1)
 
     for step in rt.steps(args.steps):
         coord = mesh.get_coordinate()
         assert coord is not None
+        if gate is not None and step == gate_step and not rt.standby:
+            deadline = time.monotonic() + 600
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         if (rt.rank, step) == (flip_rank, flip_step) and os.environ.get("RLAUNCH_ROLE") == "active":
             with torch.no_grad():  # one bit of this rank's first weight shard
                 first = next(p for p in model.parameters() if p.to_local().numel())
