@@ -11,7 +11,7 @@ listener goes on: the move stalls and the controller takes the restart path, but
 receives every later plan. Phase 2 comes at the boundary after the step whose vote found every
 rank ready for the same generation (:meth:`Migration.switch`): the leaver sends its state to the
 joiner and exits 0, the others swap their affected groups in place. A standby joins through the
-same plans (``Runtime._join`` uses :meth:`wait_plan` and :meth:`prepare`).
+same plans (:meth:`rlaunch.runtime.joining.Joining.join` uses :meth:`wait_plan` and :meth:`prepare`).
 """
 
 from __future__ import annotations

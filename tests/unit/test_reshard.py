@@ -68,7 +68,7 @@ class Job:
             mesh._global_rank = None
 
     def join(self, mesh: RuntimeMesh, rank: int) -> None:
-        """What Runtime._join does to a standby's mesh before the state arrives (groups over sandboxes)."""
+        """What Joining.join does to a standby's mesh before the state arrives (groups over sandboxes)."""
         for _, group, _ in mesh.rebind(rank):
             register(group, None, {g: i for i, g in enumerate(group.members)})
             group.comm = SandboxComm(group.group_rank, len(group.members))
