@@ -94,3 +94,40 @@ def test_a_landing_that_failed_once_fails_every_later_read_and_vote() -> None:
         opt.state_dict()  # still partial: a checkpoint of it would be garbage
     with pytest.raises(RlaunchError, match="did not land whole"):
         rt.optimizer_step(opt)
+
+
+def test_a_read_that_interrupts_its_own_landing_fails_with_a_sentence_instead_of_waiting_forever() -> None:
+    """A signal handler that saves a checkpoint runs on the thread that is landing the state: waiting
+    for the landing there would wait for itself."""
+    import datetime
+
+    import pytest
+    from torch.distributed import HashStore
+
+    from rlaunch.errors import RlaunchError
+    from rlaunch.runtime.groups import SandboxComm
+    from rlaunch.runtime.phases import MovePhases
+    from rlaunch.runtime.runtime import Runtime
+
+    rt = Runtime(
+        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
+        standby=False, sandbox_steps=0, timeout=datetime.timedelta(seconds=10),
+    )  # fmt: skip
+    opt = _adam()
+
+    class _Interrupted:
+        """A landing during which the same thread reads the optimizer state (as a signal handler would)."""
+
+        landed_at = 0.0
+
+        def finish(self) -> None:
+            opt.state_dict()
+
+    rt._s.after_move = MovePhases(generation=2, role="joiner")
+    joining = rt._joining
+    joining._held = (_Interrupted(), SandboxComm(0, 1), pending.hold([opt], joining.land))  # type: ignore[assignment]
+    with pytest.raises(RlaunchError, match="interrupted its own landing"):
+        opt.state_dict()
+    assert not joining._lock.locked() and joining._owner is None, "the landing let go of its lock"
+    with pytest.raises(RlaunchError, match="did not land whole"):
+        opt.state_dict()  # the state never landed: every later read says so
