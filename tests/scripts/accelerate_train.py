@@ -72,7 +72,7 @@ def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def main() -> object:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loop", choices=["epochs", "steps"], default="epochs")
     ap.add_argument("--prepare", choices=["accelerate", "rlaunch"], default="rlaunch")
@@ -173,10 +173,17 @@ def main() -> None:
         flush=True,
     )
     # as Accelerate's docs end a script: the process group is released here (left to interpreter
-    # teardown, gloo may abort there after the final line is out)
+    # teardown, gloo may abort there after the final line is out). The DDP model's reducer holds the
+    # group too and frees it, holding the GIL, when main() returns; a gloo thread that still held the
+    # last barrier's work then would need the GIL to drop it, and the two would wait on each other for
+    # ever. So that work is handed to the caller, which drops it after the group is gone.
     accelerator.wait_for_everyone()
+    last = torch.distributed.barrier(async_op=True)
+    last.wait()
     accelerator.end_training()
+    return last
 
 
 if __name__ == "__main__":
-    main()
+    last_work = main()
+    del last_work

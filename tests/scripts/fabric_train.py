@@ -68,7 +68,7 @@ def hooks(args: argparse.Namespace, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def main() -> object:
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", choices=["rlaunch", "ddp"], default="rlaunch")
     ap.add_argument("--loop", choices=["epochs", "steps"], default="epochs")
@@ -168,10 +168,18 @@ def main() -> None:
         f"steps={scheduler.last_epoch}{shown}",
         flush=True,
     )
-    if args.strategy == "ddp":  # torch's group, released now: left to interpreter teardown, gloo may abort there
-        fabric.barrier()
-        torch.distributed.destroy_process_group()
+    if args.strategy != "ddp":
+        return None
+    # torch's group, released now: left to interpreter teardown, gloo may abort there. The DDP model's
+    # reducer holds the group too and frees it, holding the GIL, when main() returns; a gloo thread that
+    # still held the barrier's work then would need the GIL to drop it, and the two would wait on each
+    # other for ever. So the barrier's work is handed to the caller, which drops it after the group is gone.
+    last = torch.distributed.barrier(async_op=True)
+    last.wait()
+    torch.distributed.destroy_process_group()
+    return last
 
 
 if __name__ == "__main__":
-    main()
+    last_work = main()
+    del last_work
