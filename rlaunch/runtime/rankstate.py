@@ -71,6 +71,10 @@ class RankState:
     driven: bool = False
     #: why this rank's state must not move live, as the script said (rt.refuse_moves); "" when it may
     refused: str = ""
+    #: why the coming recovery must not let a replica stand in for a lost rank: a fault after a step's
+    #: vote handed the rest of that step collectives' own inputs (recovery.after_vote_refusal); "" when
+    #: none did. Set at that step's end, cleared by the recovery
+    after_vote: str = ""
     #: the host snapshots' interval in steps, alike on every rank (0: none; a joiner learns it with its state)
     snapshot_every: int = 0
     #: rt.steps() has ended: no more plans are taken

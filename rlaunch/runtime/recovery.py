@@ -86,6 +86,26 @@ def driven_refusal(moved: Sequence[int], agreed: int, applied: Sequence[int]) ->
     )
 
 
+def after_vote_refusal(step: int, own: int) -> str:
+    """Why no replica may stand in for a lost rank once step ``step`` of ``rt.steps()`` went past its
+    vote on ``own`` collectives that handed this rank its own inputs ("" when none did).
+
+    What a script runs after ``rt.optimizer_step`` (an evaluation, a metric reduced for a plateau
+    scheduler or an early stop) is not run again by any redone step; a fault there makes its
+    collectives give this rank its own values, which the script may have kept in what a joiner
+    receives. A rollback to a host snapshot runs that code again; without one, the job restarts.
+    """
+    if own <= 0:
+        return ""
+    what = "a collective" if own == 1 else f"{own} collectives"
+    return (
+        f"{what} issued after step {step}'s vote (after rt.optimizer_step, such as an evaluation's or a metric's "
+        "all_reduce) gave this rank its own values instead of the result across ranks, which the script may have "
+        "kept, and no redone step runs them again (issue such collectives before rt.optimizer_step, or inside "
+        "rt.alike() when their inputs are the same on every rank)"
+    )
+
+
 def newest(plans: Sequence[ReplacePlan]) -> ReplacePlan:
     """The plan to recover to: the one of the highest generation (older ones were superseded)."""
     return max(plans, key=lambda p: p.generation)
@@ -199,7 +219,7 @@ class Recovery:
             early = buckets.refusal(s.tracked, s.votes)
             if early:
                 self._give_up(plan, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}")
-            refused = self._refusal()
+            refused = s.after_vote or self._refusal()
             if refused and not self._host.enabled:
                 self._give_up(plan, self._diverges(sorted(moved), refused))
             survivors = [r for r in range(s.world_size) if r not in moved]
@@ -262,6 +282,7 @@ class Recovery:
         s.resume_at = resume
         self.rollback = back
         s.verify_due = True  # the first vote after the recovery compares the replicas
+        s.after_vote = ""  # what the fault tainted after a vote was rolled back, or the rank was not moved
         self.active = False
         s.link.call(
             "recovered", generation=gen, rank=s.rank, step=s.step, resume_at=resume,

@@ -73,7 +73,7 @@ from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.moves import Moves
 from rlaunch.runtime.phases import Phase, report
 from rlaunch.runtime.rankstate import RankState
-from rlaunch.runtime.recovery import Recovery, commit_point, mesh_sources
+from rlaunch.runtime.recovery import Recovery, after_vote_refusal, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
@@ -148,6 +148,7 @@ class Runtime:
         self._voted: str | None = None  # the optimizers of this step's optimizer_step (one per step)
         self._completed = 0  # steps completed (redone ones included): the heartbeat's progress
         self._in_step = False  # a step rt.steps() yielded is under way
+        self._own_at_vote: int | None = None  # own_results where this step's vote applied it (None: not applied)
         self._driven: DrivenSteps | None = None  # the steps a framework's loop drives (see drive)
         self._step_began = 0.0
         #: per step, from its start to this rank's last collective before the vote: its own work,
@@ -444,6 +445,7 @@ class Runtime:
                 self._in_step = True
                 yield step
                 self._in_step = False
+                self._check_after_vote(step)
                 self._joining.land()  # a joiner's first step that never voted: its state is whole before the next
                 now = time.perf_counter()
                 self._after_step(now - last)
@@ -557,8 +559,22 @@ class Runtime:
                 self._moves.report()
                 apply()
                 self._voting.after_update()
+                self._own_at_vote = self.own_results
                 return True
-        return self._recovery.recover(apply)
+        applied = self._recovery.recover(apply)
+        self._own_at_vote = self.own_results if applied else None
+        return applied
+
+    def _check_after_vote(self, step: int) -> None:
+        """At the end of a step ``rt.steps()`` yielded: if collectives issued after its vote applied it
+        handed this rank its own inputs (a fault came after the vote), the coming recovery must not let a
+        replica stand in for the lost rank (see :func:`~rlaunch.runtime.recovery.after_vote_refusal`)."""
+        at_vote, self._own_at_vote = self._own_at_vote, None
+        if at_vote is None or self._s.after_vote:
+            return
+        self._s.after_vote = after_vote_refusal(step, self.own_results - at_vote)
+        if self._s.after_vote:
+            log.warning("rank %d: a fault after step %d's vote: %s", self.rank, step, self._s.after_vote)
 
     def _finish_device_work(self) -> None:
         """With NCCL groups, wait until this step's GPU work is done, and act on what failed.

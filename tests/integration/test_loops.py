@@ -172,6 +172,23 @@ def test_a_drain_in_ddps_first_step_waits_for_its_bucket_rebuild(cluster: Cluste
     assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
 
 
+def test_a_node_lost_after_a_votes_evaluation_fed_a_scheduler_restarts_instead_of_diverging(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """b's node is lost right after its vote in step 44, where an evaluation follows the vote: a's
+    all_reduce of the metric hands a its own value, which steps a ReduceLROnPlateau, and no redone
+    step runs it again. A replica standing in for b would go on from that scheduler (the job would end
+    diverged from an uninterrupted run), so the replacement is refused with a sentence and the job
+    restarts, c in b's place, and ends as an uninterrupted run does."""
+    extra = ("--eval-every", "5", "--plateau")
+    a, _, c = start(cluster, *extra, "--die-after-vote", f"{tmp_path / 'died'}:1:44", flags=("--max-restarts", "1"))
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    said = "a live replacement of ranks [1] would diverge silently: a collective issued after step 44's vote"
+    assert said in a.output() and "event replacement_refused" in a.output(), a.output()[-3000:]
+    assert "Traceback" not in a.output() + c.output()
+    assert finals(a, c) == reference(*extra), "the restart trains from step 0, as an uninterrupted run does"
+
+
 def test_a_node_lost_in_ddps_first_step_takes_the_restart_path_with_a_sentence(cluster: Cluster) -> None:
     """b is lost while the active ranks hold at step 0, before DDP's bucket rebuild: a redone step 0
     would rebuild a's buckets (a broadcast) while c's, rebuilt in its sandbox, would not. The

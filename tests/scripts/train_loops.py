@@ -4,10 +4,12 @@ Patterns: BatchNorm buffers (``--bn``), dropout (``--dropout``), two optimizers
 (``--optimizers 2``), CPU AMP with a GradScaler whose inf-skip is exercised (``--scaler``),
 gradient accumulation under ``no_sync()`` (``--accum``), gradient clipping (``--clip``), an LR
 scheduler stepped unconditionally (``--sched``), an evaluation ``all_reduce`` every N steps
-(``--eval-every``), draws from ``random`` and NumPy, and seeds: the same on every rank
+(``--eval-every``; with ``--plateau`` its result also steps a ``ReduceLROnPlateau``, after the
+vote, as users write it), draws from ``random`` and NumPy, and seeds: the same on every rank
 (``--seed-mode same``), one per rank set once as nanoGPT does (``rank-once``), or per rank
 through the runtime (``rt``). ``--flip RANK:STEP`` and ``--flip-after-move RANK`` inject silent data
-corruption: one flipped bit in one rank's parameter. ``--collectives`` calls every collective and object
+corruption: one flipped bit in one rank's parameter. ``--die-after-vote FILE:RANK:STEP`` loses that rank's
+node right after its vote in that step (once: FILE is made first). ``--collectives`` calls every collective and object
 collective (``collective_checks.py``) before the steps, in steps 0 to 2 (a standby's sandbox steps) and at the
 end, and checks what each returned. ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
 == 0``) every 5 steps (step 0 included: a sandbox runs a few) and logs who wrote it. ``--misuse`` exercises a refusal.
@@ -85,6 +87,8 @@ def main() -> None:
     ap.add_argument("--loader", action="store_true", help="epochs of a StatefulDataLoader with 2 workers")
     ap.add_argument("--own-gen", action="store_true", help="input noise from a torch.Generator of the script's own")
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
+    ap.add_argument("--die-after-vote", default="", help="FILE:RANK:STEP: as --die, after the step's vote, once")
+    ap.add_argument("--plateau", action="store_true", help="a ReduceLROnPlateau stepped on each evaluation")
     ap.add_argument("--gate", default="", help="active ranks wait at step --gate-at until this file exists")
     ap.add_argument("--gate-at", type=int, default=20)
     ap.add_argument("--flip", default="", help="RANK:STEP: flip a bit of its first weight then")
@@ -111,6 +115,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=7, gamma=0.8) if args.sched else None
     if sched is not None and args.misuse not in ("untracked-sched", "late-untracked-sched"):
         tracked["sched"] = sched
+    plateau = None
+    if args.plateau:
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizers[-1], factor=0.5, patience=1)
+        tracked["plateau"] = plateau
     if args.misuse == "rank-state":
         tracked["counter"] = Counter(rt.rank)
     rt.track(**tracked)
@@ -131,6 +139,10 @@ def main() -> None:
             own_gen = torch.Generator().manual_seed(args.seed + 2)
             rt.track(noise=own_gen)
     die_rank, die_step = (int(v) for v in args.die.split(":")) if args.die else (-2, -2)
+    once, after_vote = "", (-2, -2)
+    if args.die_after_vote:
+        once, at_rank, at_step = args.die_after_vote.rsplit(":", 2)
+        after_vote = (int(at_rank), int(at_step))
     flip_rank, flip_step = (int(v) for v in args.flip.split(":")) if args.flip else (-2, -2)
     started_in = rt.generation
     if args.seed_mode == "rank-once":
@@ -192,6 +204,10 @@ def main() -> None:
             rt.optimizer_step(optimizers[-1])  # the scheduled optimizer is first stepped in step 1
         else:
             rt.optimizer_step(*optimizers, **({"scaler": scaler} if scaler else {}))
+        if (rt.rank, step) == after_vote and not os.path.exists(once):
+            open(once, "w").close()  # a node lost between the vote and the evaluation that follows it
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if sched is not None:
             sched.step()  # unconditionally: a redone step's scheduler state is put back
         if args.eval_every and (step + 1) % args.eval_every == 0:
@@ -200,6 +216,8 @@ def main() -> None:
                 metric = nn.functional.mse_loss(model(batch(args.seed, 10**6, rt.rank, 0)[0]), y).reshape(1)
                 model.train()
             dist.all_reduce(metric)
+            if plateau is not None:
+                plateau.step(metric.item())
         if args.ckpt and dist.get_rank() == 0 and step % 5 == 0:
             torch.save(model.state_dict(), os.path.join(args.ckpt, "latest.pt"))
             with open(os.path.join(args.ckpt, "writers.txt"), "a") as f:
@@ -212,6 +230,7 @@ def main() -> None:
         collective_checks.check(rt, sub, "end")
     others: list[object] = [t for o in optimizers for s in o.state.values() for t in s.values()]
     others += [sorted(sched.state_dict().items()) if sched else None, scaler.state_dict() if scaler else None]
+    others += [sorted(plateau.state_dict().items()) if plateau else None]
     print(
         f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.state_dict().values()))} "
         f"optim={digest(others)} versions={{}} epoch={data.epoch if data else 0}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlaunch.runtime.recovery import driven_refusal
+from rlaunch.runtime.recovery import after_vote_refusal, driven_refusal
 from rlaunch.runtime.runtime import commit_point
 
 
@@ -36,3 +36,12 @@ def test_a_loop_a_framework_drives_refuses_a_roll_forward_on_every_survivor_alik
     why = driven_refusal([3, 5], agreed=42, applied=[42, 41, 41])
     assert "ranks [3, 5]" in why and "step 42's vote" in why and "redo step 43" in why
     assert driven_refusal([3, 5], agreed=42, applied=[41, 42]) == why, "any survivor behind refuses, the same"
+
+
+def test_collectives_that_gave_own_values_after_a_vote_refuse_a_replica_and_say_how_to_avoid_it() -> None:
+    """rt.steps(): what a script runs after rt.optimizer_step is not run again by a redone step, so a
+    fault there that handed its collectives this rank's own inputs refuses the replicas' state."""
+    assert after_vote_refusal(44, 0) == "", "no collective after the vote was served with own inputs"
+    one, two = after_vote_refusal(44, 1), after_vote_refusal(44, 2)
+    assert one.startswith("a collective issued after step 44's vote") and two.startswith("2 collectives issued")
+    assert "before rt.optimizer_step" in one and "rt.alike()" in one
