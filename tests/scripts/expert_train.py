@@ -69,10 +69,10 @@ def main() -> None:
             assert p.grad is not None
             dist.all_reduce(p.grad, group=dp[expert])
             p.grad /= len(sets[expert])
-        rt.optimizer_step(opt)
-        if step % 5 == 4:
+        if step % 5 == 4:  # before the vote: a fault's step is redone
             metric = loss.detach().reshape(1)
             dist.all_reduce(metric, group=ep[max(rt.rank, 0) // EXPERTS])
+        rt.optimizer_step(opt)
         if args.step_time:
             time.sleep(args.step_time)
         if rt.rank == 0 and (step + 1) % 10 == 0 and not rt.standby:
