@@ -17,7 +17,7 @@ import typer
 from rlaunch.cli.options import CACERT, CERT, ENDPOINT, JOB_ID, KEY, USER, connection, fail
 from rlaunch.controller.planner import is_ready
 from rlaunch.controller.view import JobSnapshot, read_snapshot
-from rlaunch.errors import RlaunchError, UsageError
+from rlaunch.errors import RecordError, RlaunchError, UsageError
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import DrainedMark, DrainRequest, Event, GenerationHead, NodeState, decode, encode
@@ -75,7 +75,11 @@ async def _drain(
             keys.event(int(requested * 1e9), "cli"),
             encode(Event(time=requested, node_id="cli", kind="drain_requested", generation=0, data={"node": node_id})),
         )
-        mark = await _wait_drained(store, keys, job_id, node_id, timeout)
+        try:
+            mark = await _wait_drained(store, keys, job_id, node_id, timeout)
+        except RecordError:  # a malformed head or mark: said as it is, and the request is withdrawn
+            await store.delete(keys.drain_request(node_id))
+            raise
         if mark is None:
             await store.delete(keys.drain_request(node_id))
             raise DrainRefused(

@@ -13,10 +13,13 @@ If the communicator fails (a peer died) or the runtime abandons the group (its a
 is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
 own inputs and the group is marked ``failed``: later collectives return at once (torch's object
 collectives give the caller's own objects, as a sandbox does), so the step runs to
-``optimizer_step``, where the runtime recovers. Each group counts the collectives that handed their
-caller its own inputs (:attr:`SwitchableGroup.own_results`): a framework's work after a step's vote,
-which no redone step runs again, must not go on from such values (see ``rlaunch.lightning``); those
-issued inside :func:`alike` are left out. An NCCL collective's future completes when it is queued on
+``optimizer_step``, where the runtime recovers. From the recovery to the step's boundary a group is
+``held``: the rest of the step's collectives return at once too, since the rebuilt communicator's
+other members (a joiner waiting for its state among them) are already at that boundary. Each group
+counts the collectives that handed their caller its own inputs (:attr:`SwitchableGroup.own_results`):
+work after a step's vote, which no redone step runs again, must not go on from such values (see
+``rlaunch.lightning`` and :func:`rlaunch.runtime.recovery.after_vote_refusal`); those issued inside
+:func:`alike` are left out. An NCCL collective's future completes when it is queued on
 the GPU, so the guard sees it succeed even when it is lost later, in a communicator that is cut or
 records an error before the GPU ran it: each group also counts the collectives queued on its
 communicator's GPU since that work was last known done (:meth:`SwitchableGroup.device_done`, after the
@@ -189,6 +192,9 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         self.paused = False
         #: why this rank no longer uses the group ("" while it does): it left the job in a drain (see leave)
         self.left = ""
+        #: this rank's step was recovered: until the step's boundary its collectives return at once,
+        #: un-issued (the rebuilt communicator's other members, a joiner among them, are at the boundary)
+        self.held = False
         #: the operations in flight, by issue number
         self._pending: dict[int, _InFlight] = {}
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
@@ -330,7 +336,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         return waits
 
     def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
-        """A collective of a failed, paused or left group: it returns at once, un-issued, with the caller's
+        """A collective of a failed, paused, held or left group: it returns at once, un-issued, with the caller's
         inputs as they are (the step is rolled forward or redone; its results are not used, unless the
         caller is past the step's vote: see :attr:`own_results`, which a left group does not add to).
 
@@ -372,11 +378,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         """``dist.monitored_barrier`` on this group (torch calls it from Python; torch's C++ method
         would look for a backend this group does not hold).
 
-        It returns at once in a sandbox and once the group failed or is paused; otherwise it runs on
+        It returns at once in a sandbox and once the group failed, is paused or held; otherwise it runs on
         the communicator. Under rlaunch a failure (a peer gone, or the cut of an abandoned
         communicator) fails the group as a failed collective does, and the step is recovered.
         """
-        if self.failed or self.paused or self.left or self.sandboxed:
+        if self.failed or self.paused or self.left or self.held or self.sandboxed:
             return
         comm = self.comm
         try:
@@ -449,7 +455,7 @@ def _counted(name: str) -> bool:
 
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
-        if self.failed or self.paused or self.left:
+        if self.failed or self.paused or self.left or self.held:
             return self.unissued(name, args, kwargs)
         comm = self.comm
         try:

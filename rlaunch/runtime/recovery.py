@@ -218,10 +218,12 @@ class Recovery:
             # failed partway may disagree: its refusal alone restarts the job.
             early = buckets.refusal(s.tracked, s.votes)
             if early:
-                self._give_up(plan, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}")
+                self._give_up(
+                    plan.generation, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}"
+                )
             refused = s.after_vote or self._refusal()
             if refused and not self._host.enabled:
-                self._give_up(plan, self._diverges(sorted(moved), refused))
+                self._give_up(plan.generation, self._diverges(sorted(moved), refused))
             survivors = [r for r in range(s.world_size) if r not in moved]
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
             report = {
@@ -250,7 +252,7 @@ class Recovery:
         applied = [int(r["applied"]) for r in reports]
         agreed, rolled = commit_point(s.applied, s.step, applied)
         if s.driven:
-            self._give_up(plan, driven_refusal(sorted(moved), agreed, applied))
+            self._give_up(plan.generation, driven_refusal(sorted(moved), agreed, applied))
         # Every survivor decides from the same reports: the first refusal any of them gave stands.
         refused = next((str(r["refused"]) for r in reports if r["refused"]), "")
         sources, why = self._sources(plan, survivors) if not refused else ({}, refused)
@@ -302,10 +304,12 @@ class Recovery:
         moved = sorted(plan.moved_ranks)
         undrainable = next((str(r["undrainable"]) for r in reports if r["undrainable"]), "")
         if undrainable:
-            self._give_up(plan, f"{self._diverges(moved, why)}, and no move can place it: {undrainable}")
+            self._give_up(plan.generation, f"{self._diverges(moved, why)}, and no move can place it: {undrainable}")
         found = rollback(reports, moved, self._host.holder_of) if self._host.enabled else "no snapshots are taken"
         if isinstance(found, str):
-            self._give_up(plan, f"{self._diverges(moved, why)}, and no host snapshot can serve instead: {found}")
+            self._give_up(
+                plan.generation, f"{self._diverges(moved, why)}, and no host snapshot can serve instead: {found}"
+            )
         assert isinstance(found, Rollback)
         return found
 
@@ -337,15 +341,21 @@ class Recovery:
             seconds=time.perf_counter() - began,
         )  # fmt: skip
 
-    def _give_up(self, plan: ReplacePlan, why: str) -> None:
-        """Refuse the replacement of ``plan`` (if ``why``): tell the agent why, then stop this worker.
+    def refuse_tainted(self, why: str) -> None:
+        """(at the boundary of a step this rank rolled forward) The rest of that step went on from
+        collectives' own values (``why``), so the state the recovery is about to send would diverge:
+        the job restarts instead."""
+        self._give_up(self._s.generation, f"this rank's state would diverge: {why}")
+
+    def _give_up(self, generation: int, why: str) -> None:
+        """Refuse the replacement to ``generation`` (if ``why``): tell the agent why, then stop this worker.
 
         The node's failure carries the sentence, and the controller restarts every worker instead.
         """
         if not why:
             return
         assert self._s.link is not None
-        self._s.link.call("unrecoverable", generation=plan.generation, reason=why)
+        self._s.link.call("unrecoverable", generation=generation, reason=why)
         raise RefusedError(
             f"rank {self._s.rank}: {why.rstrip('.')}. This worker stops so that the job restarts (with --max-restarts) "
             "from your checkpoint instead."

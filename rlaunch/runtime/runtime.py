@@ -445,6 +445,8 @@ class Runtime:
                 self._in_step = True
                 yield step
                 self._in_step = False
+                for group in s.groups:
+                    group.held = False
                 self._check_after_vote(step)
                 self._joining.land()  # a joiner's first step that never voted: its state is whole before the next
                 now = time.perf_counter()
@@ -557,24 +559,37 @@ class Runtime:
             self._finish_device_work()
             if not self.step_failed and self._voting.cast():
                 self._moves.report()
+                at_vote = self.own_results  # before the step: an optimizer's own collectives (ZeRO's) count
                 apply()
                 self._voting.after_update()
-                self._own_at_vote = self.own_results
+                self._own_at_vote = at_vote
                 return True
-        applied = self._recovery.recover(apply)
-        self._own_at_vote = self.own_results if applied else None
+        at_recovery: list[int] = []
+
+        def rolled_forward() -> None:
+            at_recovery.append(self.own_results)
+            apply()
+
+        applied = self._recovery.recover(rolled_forward)
+        for group in s.groups.mine():
+            group.held = True  # until the boundary: the rebuilt groups' other members are there
+        self._own_at_vote = at_recovery[0] if applied and at_recovery else None
         return applied
 
     def _check_after_vote(self, step: int) -> None:
         """At the end of a step ``rt.steps()`` yielded: if collectives issued after its vote applied it
         handed this rank its own inputs (a fault came after the vote), the coming recovery must not let a
         replica stand in for the lost rank (see :func:`~rlaunch.runtime.recovery.after_vote_refusal`)."""
+        s = self._s
         at_vote, self._own_at_vote = self._own_at_vote, None
-        if at_vote is None or self._s.after_vote:
+        if at_vote is None or s.after_vote or s.driven:  # a framework's loop says why in its own words
             return
-        self._s.after_vote = after_vote_refusal(step, self.own_results - at_vote)
-        if self._s.after_vote:
-            log.warning("rank %d: a fault after step %d's vote: %s", self.rank, step, self._s.after_vote)
+        s.after_vote = after_vote_refusal(step, self.own_results - at_vote)
+        if not s.after_vote:
+            return
+        log.warning("rank %d: a fault after step %d's vote: %s", self.rank, step, s.after_vote)
+        if s.resume_at is not None:  # this step rolled forward in a recovery, then went on from own values
+            self._recovery.refuse_tainted(s.after_vote)
 
     def _finish_device_work(self) -> None:
         """With NCCL groups, wait until this step's GPU work is done, and act on what failed.
@@ -611,7 +626,7 @@ class Runtime:
         The step will be rolled forward or redone in ``optimizer_step``; until then, code should
         not act on collective results (``rt.steps()`` yields the step again if it is redone).
         """
-        return self._recovery.planned or any(g.failed for g in self._s.groups.mine())
+        return self._recovery.planned or any(g.failed or g.held for g in self._s.groups.mine())
 
     @property
     def own_results(self) -> int:

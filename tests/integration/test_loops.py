@@ -189,6 +189,20 @@ def test_a_node_lost_after_a_votes_evaluation_fed_a_scheduler_restarts_instead_o
     assert finals(a, c) == reference(*extra), "the restart trains from step 0, as an uninterrupted run does"
 
 
+def test_a_node_lost_before_the_vote_of_an_evaluation_step_is_replaced_live(cluster: Cluster) -> None:
+    """b's node is lost at the start of step 44, whose evaluation (an all_reduce stepping a
+    ReduceLROnPlateau) follows the vote. a's recovery rebuilds the world group with c and discards
+    the step; the evaluation after it is not issued on the rebuilt group (c waits at the step's
+    boundary for its state and would never meet it), and the redone step evaluates again: live, and
+    bit-identical to an uninterrupted run."""
+    extra = ("--eval-every", "5", "--plateau")
+    a, _, c = start(cluster, *extra, "--die", "1:44", flags=("--max-restarts", "1"))
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    assert "event joined" in c.output() and "'resume_at': 44" in a.output(), a.output()[-3000:]
+    assert "would diverge" not in a.output() and "workers_started (generation 2)" not in a.output()
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+
+
 def test_a_node_lost_in_ddps_first_step_takes_the_restart_path_with_a_sentence(cluster: Cluster) -> None:
     """b is lost while the active ranks hold at step 0, before DDP's bucket rebuild: a redone step 0
     would rebuild a's buckets (a broadcast) while c's, rebuilt in its sandbox, would not. The

@@ -13,6 +13,7 @@ from typing import TypeVar
 import pytest
 
 from rlaunch.cli.drain import CLOCK_MARGIN_S, DrainRefused, _switch_stats, _wait_drained
+from rlaunch.errors import RecordError
 from rlaunch.store.client import KV, Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import DrainedMark, Event, GenerationHead, GenerationStatus, encode
@@ -99,6 +100,15 @@ def test_a_job_that_ends_before_the_mark_is_named_and_a_timeout_gives_up(endpoin
 
     got, reads = on_a_job(endpoint, waits)
     assert got is None and len(reads) >= 4
+
+    async def malformed(store: ReadLog, keys: JobKeys) -> str:
+        await store.put(keys.drained("b"), b"{not json")
+        with pytest.raises(RecordError) as bad:
+            await _wait_drained(store, keys, "job-x", "b", 30.0)
+        return str(bad.value)
+
+    said, _ = on_a_job(endpoint, malformed)
+    assert "drained/b" in said, said
 
 
 def test_a_drain_reads_its_own_events_once_each(endpoint: str) -> None:

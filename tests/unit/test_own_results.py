@@ -73,6 +73,30 @@ def _hung(rank: int, port: int, results: Any) -> None:
     results.put((value.tolist(), group.own_results))
 
 
+def _held(rank: int, port: int, results: Any) -> None:
+    """Rank 0's step was recovered (its group held until the step's boundary): its collective returns at
+    once, un-issued, and counts; released, its next one meets rank 1's, which never issued the first."""
+    group = world_group(rank, port)
+    mine, quick, counted = [5.0, 5.0], True, 0
+    if rank == 0:
+        group.held = True
+        held = torch.full((2,), 5.0)
+        began = time.perf_counter()
+        group.allreduce([held]).wait()
+        mine, quick, counted = held.tolist(), time.perf_counter() - began < 1.0, group.own_results
+        group.held = False
+    both = torch.full((2,), float(rank + 1))
+    group.allreduce([both]).wait()
+    if rank == 0:
+        results.put((mine, quick, counted, both.tolist(), group.own_results))
+
+
+def test_a_held_group_issues_nothing_until_the_steps_boundary_and_counts_what_it_handed_back() -> None:
+    mine, quick, counted, both, after = run_pair(_held)
+    assert mine == [5.0, 5.0] and quick and counted == 1, "held: the caller's inputs, at once, counted"
+    assert both == [3.0, 3.0] and after == 1, "released: the next collective meets the peer's, counted nothing"
+
+
 def test_a_gone_peer_counts_each_result_that_was_the_callers_own_inputs() -> None:
     both, found, later, failed, counts = run_pair(_gone)
     assert both == [3.0, 3.0], "completed: every rank's sum, and nothing counted"
