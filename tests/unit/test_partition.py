@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rlaunch.runtime import partition
-from rlaunch.runtime.mesh import layout
+from rlaunch.runtime.meshlines import layout
 from rlaunch.runtime.replicas import declare
 
 MESH = layout((2, 2))  # dp x tp: ranks [[0, 1], [2, 3]]

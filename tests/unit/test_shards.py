@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlaunch.runtime import shards
-from rlaunch.runtime.mesh import RuntimeMesh, check_shape, layout, line_of
+from rlaunch.runtime.mesh import RuntimeMesh
+from rlaunch.runtime.meshlines import check_shape, layout, line_of
 from rlaunch.store.embedded import free_port
 
 
