@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed.device_mesh as torch_mesh
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import GroupName
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import heap
@@ -78,10 +79,10 @@ class RuntimeMesh:
 
         def init_process_groups(
             mesh_layout: Any, rank_map: torch.Tensor, dim_names: tuple[str, ...] | None, overrides: Any
-        ) -> list[str]:
+        ) -> list[GroupName]:
             root = self.device_mesh
             if root is None or rank_map is not root._rank_map:
-                return original(mesh_layout, rank_map, dim_names, overrides)  # type: ignore[no-any-return]
+                return original(mesh_layout, rank_map, dim_names, overrides)
             out = []
             for dim, sub in enumerate(mesh_layout):
                 name = dim_names[dim] if dim_names else f"dim_{dim}"
@@ -98,7 +99,7 @@ class RuntimeMesh:
                     index, members = find_line(lines, self.rank)
                     self.groups.append(make(group_name(name, index), members))
                     held = len(self.dims) - 1
-                out.append(str(self.groups[held].registered_name))
+                out.append(GroupName(str(self.groups[held].registered_name)))
             return out
 
         DeviceMesh._init_process_groups = staticmethod(init_process_groups)  # type: ignore[method-assign,assignment]
