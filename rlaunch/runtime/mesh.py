@@ -41,7 +41,16 @@ from torch.distributed.distributed_c10d import GroupName
 from rlaunch.errors import UsageError
 from rlaunch.runtime import heap
 from rlaunch.runtime.groups import SwitchableGroup
-from rlaunch.runtime.meshlines import check_derived, coordinate, dim_lines, find_line, group_name, layout, lines_at
+from rlaunch.runtime.meshlines import (
+    check_derived,
+    coordinate,
+    coordinates,
+    dim_lines,
+    find_line,
+    group_name,
+    layout,
+    lines_at,
+)  # fmt: skip
 
 
 class RuntimeMesh:
@@ -55,6 +64,7 @@ class RuntimeMesh:
         self.dims = [(name, dim_lines(self.ranks, dim)) for dim, name in enumerate(self.names)]
         self.groups: list[SwitchableGroup] = []  # this rank's group of each dimension, in the order of dims
         self.device_mesh: DeviceMesh | None = None
+        self._table: torch.Tensor | None = None  # coordinates(), until a dimension is added
         self._global_rank: Callable[..., int] | None = None  # torch's, while a sandbox shows ours
 
     def show_rank_to_torch(self) -> None:
@@ -96,6 +106,7 @@ class RuntimeMesh:
                 held = check_derived(name, lines, self.dims)
                 if held is None:
                     self.dims.append((name, lines))
+                    self._table = None
                     index, members = find_line(lines, self.rank)
                     self.groups.append(make(group_name(name, index), members))
                     held = len(self.dims) - 1
@@ -103,6 +114,16 @@ class RuntimeMesh:
             return out
 
         DeviceMesh._init_process_groups = staticmethod(init_process_groups)  # type: ignore[method-assign,assignment]
+
+    def dim_names(self) -> tuple[str, ...]:
+        """The name of every dimension: the mesh's own, then those flattened or unflattened from it."""
+        return tuple(name for name, _ in self.dims)
+
+    def coordinates(self) -> torch.Tensor:
+        """Every global rank's coordinate on each dimension of :meth:`dim_names` (one row per rank)."""
+        if self._table is None:
+            self._table = coordinates(self.dims, self.ranks.numel())
+        return self._table
 
     def lines(self, rank: int) -> list[tuple[str, list[int]]]:
         """For each dimension, the name and members of ``rank``'s line."""

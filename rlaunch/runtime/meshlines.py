@@ -62,6 +62,21 @@ def lines_at(offsets: Sequence[int], world: int) -> list[list[int]]:
     return lines
 
 
+def coordinates(dims: Sequence[tuple[str, Sequence[Sequence[int]]]], world: int) -> torch.Tensor:
+    """Every global rank's coordinate on each of ``dims`` (its place in its line there): one row per rank.
+
+    What the replica and sampler rules read a rank's place from (:mod:`rlaunch.runtime.shards`,
+    :mod:`rlaunch.runtime.replicas`, :mod:`rlaunch.runtime.partition`), the mesh's own dimensions
+    and those flattened or unflattened from it alike; a dimension's size is its largest coordinate
+    plus one.
+    """
+    table = torch.zeros(world, len(dims), dtype=torch.long)
+    for column, (_, lines) in enumerate(dims):
+        for line in lines:
+            table[list(line), column] = torch.arange(len(line))
+    return table
+
+
 def coordinate(mesh: torch.Tensor, rank: int) -> tuple[int, ...]:
     found = (mesh == rank).nonzero()
     if found.size(0) != 1:
