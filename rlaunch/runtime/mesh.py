@@ -93,16 +93,19 @@ class RuntimeMesh:
             root = self.device_mesh
             if root is None or rank_map is not root._rank_map:
                 return original(mesh_layout, rank_map, dim_names, overrides)
-            out = []
-            for dim, sub in enumerate(mesh_layout):
-                name = dim_names[dim] if dim_names else f"dim_{dim}"
-                if tuple(overrides[dim]) != (None, None):
+            names = [dim_names[dim] if dim_names else f"dim_{dim}" for dim in range(len(mesh_layout))]
+            for name, override in zip(names, overrides, strict=True):
+                if tuple(override) != (None, None):
                     raise UsageError(
                         f"The mesh dimension {name!r} was given a backend_override; rlaunch's mesh groups take the "
                         "backend of rt.device_mesh's device_type, so flatten or unflatten without one."
                     )
-                offsets = lines_at(sub.all_ranks_from_zero(), rank_map.numel())
-                lines = [[int(rank_map[i]) for i in line] for line in offsets]
+            every = [[[int(rank_map[i]) for i in line] for line in lines_at(sub.all_ranks_from_zero(), len(rank_map))]
+                     for sub in mesh_layout]  # fmt: skip
+            for name, lines in zip(names, every, strict=True):  # refused before any group is made
+                check_derived(name, lines, self.dims)
+            out = []
+            for name, lines in zip(names, every, strict=True):
                 held = check_derived(name, lines, self.dims)
                 if held is None:
                     self.dims.append((name, lines))
@@ -176,6 +179,3 @@ class RuntimeMesh:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return coordinate(self.ranks, rank)
-
-    def describe(self) -> dict[str, Any]:
-        return {"shape": list(self.ranks.shape), "names": list(self.names)}

@@ -101,6 +101,11 @@ def test_torch_unflattens_the_mesh_onto_runtime_groups_that_a_joiner_rebinds(
     assert again["pp"].get_group() is torch_groups[2] and len(torch_groups) == 6  # pp reused, rest new
     dp_tp = three["dp", "tp"]._flatten("dp_tp")
     assert dp_tp.get_group().label == "mesh.dp_tp.0" and dp_tp.get_group().members == [0, 1, 2, 3]
+    with pytest.raises(UsageError, match="'a' was given a backend_override; rlaunch's mesh groups take the backend"):
+        root._unflatten(0, (2, 4), ("a", "b"), backend_override={"a": "gloo"})
+    with pytest.raises(UsageError, match="'pp' made by _flatten or _unflatten has the lines"):
+        root._unflatten(0, (4, 2), ("quarter", "pp"))  # pp's lines were [0, 4]...: refused before quarter is made
+    assert len(torch_groups) == 7 and "quarter" not in mesh.dim_names()
     assert ("mesh.dp.1", [1, 3]) in mesh.every_line() and len(mesh.every_line()) == 1 + 4 + 4 + 4 + 2 + 2
 
     moved = mesh.rebind(6)  # (pp, dp, tp) = (1, 1, 0)
