@@ -9,16 +9,18 @@ FSDP2 gives each shard ``ceil(50257 / n)`` embedding rows but the last one fewer
 and 25,128), and the head's single row to shard 0 alone, so ranks hold differently shaped shards
 (the tensor-parallel layers stay even).
 
-``--replicas N``: HSDP's replicate dimension (2 by default). ``--unflatten`` (HSDP): the mesh is built
-as torchtitan builds it, a 1-D ``world`` mesh unflattened into ``(replicate, shard)``, and
+``--replicas N``: HSDP's replicate dimension (2 by default). ``--unflatten`` (HSDP): the mesh is
+built as torchtitan builds it, a 1-D ``world`` mesh unflattened into ``(replicate, shard)``, and
 ``mesh["replicate", "shard"]._flatten("dp")`` picks each rank's batch (its coordinate) and
-all-reduces the last step's loss, printed with the final digests (``reduced=``). ``--loader``: the batches come from a
-StatefulDataLoader whose ``DistributedSampler`` splits the data over the data-parallel dimension
-only (``num_replicas`` its size, ``rank`` the coordinate on it), as tensor-parallel users write it.
-``--metrics-group``: a group of every rank made after the mesh (``rt.new_group``), which averages
-the loss every 10 steps. ``--flip RANK:STEP``: that rank's first weight shard gets one flipped bit
-at the step's start (silent data corruption). ``--gate FILE:STEP``: the active ranks wait at that
-step's start until FILE exists (a test holds the job there until its standbys are warm).
+all-reduces the last step's loss, printed with the final digests (``reduced=``).
+
+``--loader``: the batches come from a StatefulDataLoader whose ``DistributedSampler`` splits the
+data over the data-parallel dimension only (``num_replicas`` its size, ``rank`` the coordinate on
+it), as tensor-parallel users write it. ``--metrics-group``: a group of every rank made after the
+mesh (``rt.new_group``), which averages the loss every 10 steps. ``--flip RANK:STEP``: that rank's
+first weight shard gets one flipped bit at the step's start (silent data corruption).
+``--gate FILE:STEP``: the active ranks wait at that step's start until FILE exists (a test holds
+the job there until its standbys are warm).
 
 Every rank prints ``rank R final: params=<digest> optim=<digest>`` of its local shards at the end.
 """
