@@ -39,18 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import GroupName
 
 from rlaunch.errors import UsageError
-from rlaunch.runtime import heap
+from rlaunch.runtime import heap, meshlines
 from rlaunch.runtime.groups import SwitchableGroup
-from rlaunch.runtime.meshlines import (
-    check_derived,
-    coordinate,
-    coordinates,
-    dim_lines,
-    find_line,
-    group_name,
-    layout,
-    lines_at,
-)  # fmt: skip
 
 
 class RuntimeMesh:
@@ -58,10 +48,10 @@ class RuntimeMesh:
 
     def __init__(self, shape: Sequence[int], names: Sequence[str], rank: int) -> None:
         self.names = tuple(names)
-        self.ranks = layout(shape)
+        self.ranks = meshlines.layout(shape)
         self.rank = rank
         #: every dimension, as (name, lines): the mesh's own, then those torch flattened or unflattened
-        self.dims = [(name, dim_lines(self.ranks, dim)) for dim, name in enumerate(self.names)]
+        self.dims = [(name, meshlines.dim_lines(self.ranks, dim)) for dim, name in enumerate(self.names)]
         self.groups: list[SwitchableGroup] = []  # this rank's group of each dimension, in the order of dims
         self.device_mesh: DeviceMesh | None = None
         self._table: torch.Tensor | None = None  # coordinates(), until a dimension is added
@@ -100,18 +90,21 @@ class RuntimeMesh:
                         f"The mesh dimension {name!r} was given a backend_override; rlaunch's mesh groups take the "
                         "backend of rt.device_mesh's device_type, so flatten or unflatten without one."
                     )
-            every = [[[int(rank_map[i]) for i in line] for line in lines_at(sub.all_ranks_from_zero(), len(rank_map))]
-                     for sub in mesh_layout]  # fmt: skip
+            world = len(rank_map)
+            every = [
+                [[int(rank_map[i]) for i in line] for line in meshlines.lines_at(sub.all_ranks_from_zero(), world)]
+                for sub in mesh_layout
+            ]
             for name, lines in zip(names, every, strict=True):  # refused before any group is made
-                check_derived(name, lines, self.dims)
+                meshlines.check_derived(name, lines, self.dims)
             out = []
             for name, lines in zip(names, every, strict=True):
-                held = check_derived(name, lines, self.dims)
+                held = meshlines.check_derived(name, lines, self.dims)
                 if held is None:
                     self.dims.append((name, lines))
                     self._table = None
-                    index, members = find_line(lines, self.rank)
-                    self.groups.append(make(group_name(name, index), members))
+                    index, members = meshlines.find_line(lines, self.rank)
+                    self.groups.append(make(meshlines.group_name(name, index), members))
                     held = len(self.dims) - 1
                 out.append(GroupName(str(self.groups[held].registered_name)))
             return out
@@ -125,20 +118,22 @@ class RuntimeMesh:
     def coordinates(self) -> torch.Tensor:
         """Every global rank's coordinate on each dimension of :meth:`dim_names` (one row per rank)."""
         if self._table is None:
-            self._table = coordinates(self.dims, self.ranks.numel())
+            self._table = meshlines.coordinates(self.dims, self.ranks.numel())
         return self._table
 
     def lines(self, rank: int) -> list[tuple[str, list[int]]]:
         """For each dimension, the name and members of ``rank``'s line."""
         out = []
         for dim_name, lines in self.dims:
-            index, members = find_line(lines, rank)
-            out.append((group_name(dim_name, index), members))
+            index, members = meshlines.find_line(lines, rank)
+            out.append((meshlines.group_name(dim_name, index), members))
         return out
 
     def every_line(self) -> list[tuple[str, list[int]]]:
         """Every line of every dimension, as (group name, members): the mesh groups of the whole job."""
-        return [(group_name(name, i), members) for name, lines in self.dims for i, members in enumerate(lines)]
+        return [
+            (meshlines.group_name(name, i), members) for name, lines in self.dims for i, members in enumerate(lines)
+        ]
 
     def build(self, device_type: str, groups: list[SwitchableGroup], registered: list[str]) -> DeviceMesh:
         """The torch mesh over ``groups`` (one per dimension, registered under ``registered``)."""
@@ -178,4 +173,4 @@ class RuntimeMesh:
         return [o for o in heap.instances(DeviceMesh) if o is root or o._root_mesh is root]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
-        return coordinate(self.ranks, rank)
+        return meshlines.coordinate(self.ranks, rank)
