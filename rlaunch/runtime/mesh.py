@@ -17,6 +17,14 @@ given rank ``r``, :meth:`RuntimeMesh.rebind` moves each of its dimension groups 
 in place, so the group objects FSDP and DTensor captured stay valid, and every mesh object sliced
 from this one (DTensors, FSDP and tensor-parallel hooks hold them) takes ``r``'s coordinate.
 
+A dimension made from the mesh later, by torch's ``mesh["replicate", "shard"]._flatten("dp")`` or
+``world._unflatten(0, (2, 2), ("replicate", "shard"))`` (torchtitan's way), is such a dimension
+too: torch asks :meth:`RuntimeMesh.serve_torch`'s hook for its groups instead of calling
+``new_group``, and gets one runtime group per rank, for its line, named ``mesh.<name>.<line>``
+(:mod:`rlaunch.runtime.meshlines` finds the lines from torch's layout). A name given again with the
+same lines gets the same group (torchtitan unflattens ``pp`` and ``tp`` in several meshes); with
+other lines it is refused.
+
 This module is pure bookkeeping over torch's objects; building communicators is the runtime's.
 """
 
@@ -28,50 +36,11 @@ from typing import Any
 import torch
 import torch.distributed.device_mesh as torch_mesh
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import GroupName
 
-from rlaunch.runtime import heap
+from rlaunch.errors import UsageError
+from rlaunch.runtime import heap, meshlines
 from rlaunch.runtime.groups import SwitchableGroup
-
-
-def layout(shape: Sequence[int]) -> torch.Tensor:
-    """Global ranks arranged in ``shape`` (row-major), as ``init_device_mesh`` arranges them."""
-    return torch.arange(_numel(shape), dtype=torch.int).reshape(tuple(shape))
-
-
-def line_of(mesh: torch.Tensor, rank: int, dim: int) -> tuple[int, list[int]]:
-    """The line of ``rank`` along ``dim``: its index among that dimension's lines, and its members."""
-    lines = mesh.transpose(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
-    for index, members in enumerate(lines):
-        if rank in members:
-            return index, [int(r) for r in members]
-    raise ValueError(f"Rank {rank} is not in the mesh of shape {tuple(mesh.shape)}.")
-
-
-def coordinate(mesh: torch.Tensor, rank: int) -> tuple[int, ...]:
-    found = (mesh == rank).nonzero()
-    if found.size(0) != 1:
-        raise ValueError(f"Rank {rank} is not in the mesh of shape {tuple(mesh.shape)}.")
-    return tuple(int(c) for c in found[0].tolist())
-
-
-def group_name(dim_name: str, line: int) -> str:
-    return f"mesh.{dim_name}.{line}"
-
-
-def check_shape(shape: Sequence[int], names: Sequence[str] | None, world_size: int) -> tuple[str, ...]:
-    """Validate a mesh request; return its dimension names (``dim0``, ``dim1``... by default)."""
-    dims = tuple(int(s) for s in shape)
-    if not dims or any(s < 1 for s in dims):
-        raise ValueError(f"The mesh shape {tuple(shape)} must be one or more positive sizes.")
-    if _numel(dims) != world_size:
-        raise ValueError(
-            f"The mesh shape {dims} holds {_numel(dims)} ranks but the job has {world_size}; "
-            "give a shape whose sizes multiply to the world size."
-        )
-    chosen = tuple(names) if names is not None else tuple(f"dim{i}" for i in range(len(dims)))
-    if len(chosen) != len(dims) or len(set(chosen)) != len(chosen):
-        raise ValueError(f"The mesh dimension names {chosen} must be {len(dims)} distinct names.")
-    return chosen
 
 
 class RuntimeMesh:
@@ -79,10 +48,13 @@ class RuntimeMesh:
 
     def __init__(self, shape: Sequence[int], names: Sequence[str], rank: int) -> None:
         self.names = tuple(names)
-        self.ranks = layout(shape)
+        self.ranks = meshlines.layout(shape)
         self.rank = rank
-        self.groups: list[SwitchableGroup] = []
+        #: every dimension, as (name, lines): the mesh's own, then those torch flattened or unflattened
+        self.dims = [(name, meshlines.dim_lines(self.ranks, dim)) for dim, name in enumerate(self.names)]
+        self.groups: list[SwitchableGroup] = []  # this rank's group of each dimension, in the order of dims
         self.device_mesh: DeviceMesh | None = None
+        self._table: torch.Tensor | None = None  # coordinates(), until a dimension is added
         self._global_rank: Callable[..., int] | None = None  # torch's, while a sandbox shows ours
 
     def show_rank_to_torch(self) -> None:
@@ -95,21 +67,73 @@ class RuntimeMesh:
         self._global_rank = original
         torch_mesh.get_rank = mesh_rank  # type: ignore[attr-defined]
 
+    def serve_torch(self, make: Callable[[str, list[int]], SwitchableGroup]) -> None:
+        """Have torch's mesh ask ``make`` (a group's name, members) for the groups of every dimension it
+        flattens or unflattens from this mesh, instead of building them with ``new_group``.
+
+        Torch builds those groups in ``DeviceMesh._init_process_groups`` (from ``_flatten`` and
+        ``_unflatten``), given the layout of the new dimensions over the root mesh's ranks; meshes
+        that are not this one's keep torch's own.
+        """
+        original = DeviceMesh._init_process_groups
+
+        def init_process_groups(
+            mesh_layout: Any, rank_map: torch.Tensor, dim_names: tuple[str, ...] | None, overrides: Any
+        ) -> list[GroupName]:
+            root = self.device_mesh
+            if root is None or rank_map is not root._rank_map:
+                return original(mesh_layout, rank_map, dim_names, overrides)
+            names = [dim_names[dim] if dim_names else f"dim_{dim}" for dim in range(len(mesh_layout))]
+            for name, override in zip(names, overrides, strict=True):
+                if tuple(override) != (None, None):
+                    raise UsageError(
+                        f"The mesh dimension {name!r} was given a backend_override; rlaunch's mesh groups take the "
+                        "backend of rt.device_mesh's device_type, so flatten or unflatten without one."
+                    )
+            world = len(rank_map)
+            every = [
+                [[int(rank_map[i]) for i in line] for line in meshlines.lines_at(sub.all_ranks_from_zero(), world)]
+                for sub in mesh_layout
+            ]
+            for name, lines in zip(names, every, strict=True):  # refused before any group is made
+                meshlines.check_derived(name, lines, self.dims)
+            out = []
+            for name, lines in zip(names, every, strict=True):
+                held = meshlines.check_derived(name, lines, self.dims)
+                if held is None:
+                    self.dims.append((name, lines))
+                    self._table = None
+                    index, members = meshlines.find_line(lines, self.rank)
+                    self.groups.append(make(meshlines.group_name(name, index), members))
+                    held = len(self.dims) - 1
+                out.append(GroupName(str(self.groups[held].registered_name)))
+            return out
+
+        DeviceMesh._init_process_groups = staticmethod(init_process_groups)  # type: ignore[method-assign,assignment]
+
+    def dim_names(self) -> tuple[str, ...]:
+        """The name of every dimension: the mesh's own, then those flattened or unflattened from it."""
+        return tuple(name for name, _ in self.dims)
+
+    def coordinates(self) -> torch.Tensor:
+        """Every global rank's coordinate on each dimension of :meth:`dim_names` (one row per rank)."""
+        if self._table is None:
+            self._table = meshlines.coordinates(self.dims, self.ranks.numel())
+        return self._table
+
     def lines(self, rank: int) -> list[tuple[str, list[int]]]:
         """For each dimension, the name and members of ``rank``'s line."""
         out = []
-        for dim, dim_name in enumerate(self.names):
-            index, members = line_of(self.ranks, rank, dim)
-            out.append((group_name(dim_name, index), members))
+        for dim_name, lines in self.dims:
+            index, members = meshlines.find_line(lines, rank)
+            out.append((meshlines.group_name(dim_name, index), members))
         return out
 
     def every_line(self) -> list[tuple[str, list[int]]]:
         """Every line of every dimension, as (group name, members): the mesh groups of the whole job."""
-        out = []
-        for dim, dim_name in enumerate(self.names):
-            lines = self.ranks.transpose(dim, -1).reshape(-1, self.ranks.shape[dim]).tolist()
-            out += [(group_name(dim_name, i), [int(r) for r in members]) for i, members in enumerate(lines)]
-        return out
+        return [
+            (meshlines.group_name(name, i), members) for name, lines in self.dims for i, members in enumerate(lines)
+        ]
 
     def build(self, device_type: str, groups: list[SwitchableGroup], registered: list[str]) -> DeviceMesh:
         """The torch mesh over ``groups`` (one per dimension, registered under ``registered``)."""
@@ -142,21 +166,11 @@ class RuntimeMesh:
         return moved
 
     def _views(self) -> list[DeviceMesh]:
-        """This mesh and every mesh sliced or flattened from it (found once, when a joiner rebinds)."""
+        """This mesh and every mesh sliced, flattened or unflattened from it (found once, when a joiner rebinds)."""
         root = self.device_mesh
         if root is None:
             return []
         return [o for o in heap.instances(DeviceMesh) if o is root or o._root_mesh is root]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
-        return coordinate(self.ranks, rank)
-
-    def describe(self) -> dict[str, Any]:
-        return {"shape": list(self.ranks.shape), "names": list(self.names)}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+        return meshlines.coordinate(self.ranks, rank)

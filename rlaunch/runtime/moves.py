@@ -81,8 +81,9 @@ class Moves:
         if s.mesh is None:
             return ""
         others = [r for r in range(s.world_size) if r != s.rank]
-        sharded = shards.sharded_dims(s.tracked, s.mesh.names)
-        return shards.replica_sources(s.mesh.ranks, s.mesh.names, sharded, [s.rank], others)[1]
+        names = s.mesh.dim_names()
+        sharded = shards.sharded_dims(s.tracked, names)
+        return shards.replica_sources(s.mesh.coordinates(), names, sharded, [s.rank], others)[1]
 
     def report(self) -> None:
         """Tell the agent whether this rank can be drained and replaced live (when that changed).

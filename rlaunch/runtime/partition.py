@@ -7,7 +7,8 @@ size), and ranks of one tensor-parallel group read the same part. A joiner must 
 of the position it takes, so the runtime must know the rule, and one rank alone cannot tell it:
 rank 0 has coordinate 0 on every dimension.
 
-So every candidate rule (:func:`candidates`: the global rank, each mesh dimension's coordinate,
+So every candidate rule (:func:`candidates`: the global rank, each mesh dimension's coordinate
+(the mesh's own and those flattened or unflattened from it: ``mesh["dp", "cp"]._flatten("dp_cp")``),
 the index in the script's declared replica set) is checked on every rank at the first vote
 after ``rt.epochs`` (each rank adds 1 for each rule its sampler follows) and the first rule all
 ranks follow is taken (:func:`choose`). A joiner learns it from its sender. With none, the
@@ -38,7 +39,8 @@ def candidates(mesh_names: Sequence[str], declared: Declared | None) -> list[str
 
 def part(rule: str, rank: int, world: int, mesh: torch.Tensor | None, names: Sequence[str],
          declared: Declared | None) -> tuple[int, int]:  # fmt: skip
-    """(number of parts, the part of ``rank``) under ``rule``."""
+    """(number of parts, the part of ``rank``) under ``rule`` (``mesh``: every rank's coordinate on each
+    dimension of ``names``, one row per rank, as :func:`rlaunch.runtime.meshlines.coordinates` gives them)."""
     if rule == GLOBAL:
         return world, rank
     if rule == DECLARED:
@@ -48,9 +50,8 @@ def part(rule: str, rank: int, world: int, mesh: torch.Tensor | None, names: Seq
         return len(mine), mine.index(rank)
     name = rule.removeprefix("mesh:")
     assert mesh is not None, rule
-    dim = list(names).index(name)
-    coord = [int(c) for c in (mesh == rank).nonzero()[0].tolist()]
-    return int(mesh.shape[dim]), coord[dim]
+    column = mesh[:, list(names).index(name)]  # every rank's coordinate on the dimension
+    return int(column.max()) + 1, int(column[rank])
 
 
 def follows(sampler: Any, rule: str, rank: int, world: int, mesh: torch.Tensor | None, names: Sequence[str],

@@ -376,5 +376,6 @@ def mesh_sources(state: RankState, plan: ReplacePlan, survivors: list[int]) -> t
         return sources, ""
     if state.mesh is None:
         return dict(plan.sources), ""
-    sharded = shards.sharded_dims(state.tracked, state.mesh.names)
-    return shards.replica_sources(state.mesh.ranks, state.mesh.names, sharded, moved, survivors)
+    names = state.mesh.dim_names()
+    sharded = shards.sharded_dims(state.tracked, names)
+    return shards.replica_sources(state.mesh.coordinates(), names, sharded, moved, survivors)

@@ -6,8 +6,9 @@ which a DTensor is ``Replicate``. Those equalities are what a live replacement r
 replica's state is sent to the replacement) and what the runtime checks while the job runs
 (:mod:`rlaunch.runtime.verify`).
 
-A tensor's *pattern* names the root mesh dimensions its local data depends on: the dimensions on
-which its DTensor placement is not ``Replicate``. Two ranks hold the same local data exactly when
+A tensor's *pattern* names the mesh dimensions its local data depends on: the dimensions on
+which its DTensor placement is not ``Replicate`` (the root mesh's, or those flattened or
+unflattened from it). Two ranks hold the same local data exactly when
 their coordinates agree on every dimension of the pattern, so the ranks fall into *slots*, one
 per coordinate on the pattern's dimensions. A plain tensor's pattern is empty (every rank holds
 it: DDP), unless the script declared which ranks hold equal copies (:class:`Declared`, for
@@ -25,7 +26,7 @@ import torch
 
 #: the pattern of plain tensors when the script declared its replica sets
 DECLARED = ("<declared>",)
-#: the pattern of a tensor whose layout cannot be read (a flattened mesh dimension): never compared
+#: the pattern of a tensor whose layout cannot be read (a mesh that is not rt.device_mesh's): never compared
 UNKNOWN = ("<unknown>",)
 
 Pattern = tuple[str, ...]
@@ -65,7 +66,8 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def pattern_of(t: torch.Tensor, root_names: Sequence[str], declared: Declared | None) -> Pattern:
-    """The root mesh dimensions ``t``'s local data depends on (see the module docstring)."""
+    """The mesh dimensions (among ``root_names``: the mesh's and those made from it) ``t``'s local data
+    depends on (see the module docstring)."""
     if not _is_dtensor(t):
         return DECLARED if declared is not None else ()
     from torch.distributed.tensor import Replicate
@@ -102,7 +104,8 @@ class Slots:
 
 def slots(pattern: Pattern, world: int, mesh: torch.Tensor | None, names: Sequence[str],
           declared: Declared | None) -> Slots:  # fmt: skip
-    """The slots of ``pattern`` (``mesh``: the global ranks laid out as the root mesh, or None)."""
+    """The slots of ``pattern`` (``mesh``: every rank's coordinate on each dimension of ``names``, one row
+    per rank, as :func:`rlaunch.runtime.meshlines.coordinates` gives them; or None)."""
     if pattern == UNKNOWN:
         return Slots(tuple(range(world)))  # each rank alone: nothing is compared
     if pattern == DECLARED:
@@ -110,11 +113,9 @@ def slots(pattern: Pattern, world: int, mesh: torch.Tensor | None, names: Sequen
         return Slots(tuple(declared.index(r) for r in range(world)))
     if not pattern or mesh is None:
         return Slots(tuple([0] * world))
-    # each rank's coordinates, from the layout (rank r sits where mesh == r)
-    coords = torch.stack(torch.unravel_index(torch.arange(world), tuple(mesh.shape)), dim=1)
-    order = mesh.reshape(-1).argsort()  # row of coords for global rank r
     key = torch.zeros(world, dtype=torch.long)
     for name in pattern:
-        dim = list(names).index(name)
-        key = key * int(mesh.shape[dim]) + coords[order, dim]
-    return Slots(tuple(int(k) for k in key.tolist()))
+        column = mesh[:, list(names).index(name)]
+        key = key * (int(column.max()) + 1) + column
+    slot = torch.unique(key, return_inverse=True)[1]  # numbered from 0 (flattened dimensions leave gaps)
+    return Slots(tuple(int(k) for k in slot.tolist()))

@@ -68,7 +68,8 @@ from rlaunch.runtime.driven import DrivenSteps
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup, alike
 from rlaunch.runtime.grouptable import WORLD, GroupTable
 from rlaunch.runtime.joining import Joining
-from rlaunch.runtime.mesh import RuntimeMesh, check_shape
+from rlaunch.runtime.mesh import RuntimeMesh
+from rlaunch.runtime.meshlines import check_shape
 from rlaunch.runtime.migration import Migration
 from rlaunch.runtime.moves import Moves
 from rlaunch.runtime.phases import Phase, report
@@ -394,7 +395,10 @@ class Runtime:
         Under rlaunch each dimension group is a runtime group (swapped in place, guarded, served
         by the sandbox on a standby, rebuilt only when a moved rank is in it): FSDP2, HSDP and
         tensor parallelism on this mesh take part in live drains and replacements. Slice it as
-        usual (``mesh["shard"]``). Every rank calls it once, with the same arguments.
+        usual (``mesh["shard"]``). Every rank calls it once, with the same arguments. Dimensions
+        torch flattens or unflattens from it (``mesh["replicate", "shard"]._flatten("dp")``,
+        ``mesh._unflatten(0, (2, 2), ("dp", "tp"))``) get runtime groups too (see
+        :mod:`rlaunch.runtime.mesh`).
         """
         s = self._s
         chosen = check_shape(shape, names, self.world_size)
@@ -408,25 +412,31 @@ class Runtime:
         rank = 0 if s.standby else self.rank
         kind = backends.choose(None, device_type, self.group.backend)
         mesh = RuntimeMesh(shape, chosen, rank)
-        groups = []
-        for name, members in mesh.lines(rank):
-            if name in s.groups:
-                raise ValueError(f"A group named {name!r} already exists; mesh groups are named mesh.<dim>.<line>.")
-            if s.standby:
-                comm: Any = SandboxComm(members.index(rank), len(members))
-            else:
-                comm = s.groups.communicator(name, members, rank, s.generation, kind)
-            group = SwitchableGroup(name, members, rank, comm, s.generation, guarded=True, backend=kind)
-            s.groups.add(group)
-            # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays the
-            # model out as holds it until the standby joins (rebind registers it anew)
-            standby = members.index(rank) if s.standby else None
-            register(group, s.store, {g: i for i, g in enumerate(members)}, standby=standby)
-            groups.append(group)
+        groups = [self._mesh_group(name, members, rank, kind) for name, members in mesh.lines(rank)]
         s.mesh = mesh
         if s.standby:
             mesh.show_rank_to_torch()
-        return mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
+        built = mesh.build(device_type, groups, [str(g.registered_name) for g in groups])
+        # the dimensions torch flattens or unflattens from it get runtime groups too
+        mesh.serve_torch(lambda name, members: self._mesh_group(name, members, mesh.rank, kind))
+        return built
+
+    def _mesh_group(self, name: str, members: list[int], rank: int, kind: backends.Backend) -> SwitchableGroup:
+        """The group of the mesh line ``name`` (``members``) of mesh rank ``rank``, built and made known to torch."""
+        s = self._s
+        if name in s.groups:
+            raise ValueError(f"A group named {name!r} already exists; mesh groups are named mesh.<dim>.<line>.")
+        if s.standby:
+            comm: Any = SandboxComm(members.index(rank), len(members))
+        else:
+            comm = s.groups.communicator(name, members, rank, s.generation, kind)
+        group = SwitchableGroup(name, members, rank, comm, s.generation, guarded=True, backend=kind)
+        s.groups.add(group)
+        # torch asks for the group rank of the global rank (-1 in a sandbox): the rank it lays the
+        # model out as holds it until the standby joins (rebind registers it anew)
+        standby = members.index(rank) if s.standby else None
+        register(group, s.store, {g: i for i, g in enumerate(members)}, standby=standby)
+        return group
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers; between them the runtime may move this rank's state."""

@@ -116,11 +116,11 @@ def move_refusal(tracked: dict[str, Any]) -> str:
 
 
 def sharded_dims(tracked: dict[str, Any], names: Sequence[str]) -> list[str]:
-    """The root mesh dimensions (by name) on which some tracked DTensor is sharded.
+    """The mesh dimensions (by name, among ``names``) on which some tracked DTensor is sharded.
 
-    A DTensor lives on the root mesh or on a slice of it; a dimension outside its slice holds
-    the same data on every coordinate (it is replicated there, by DDP or by HSDP), as is one
-    with a ``Replicate`` placement.
+    A DTensor lives on the root mesh, on a slice of it, or on a mesh flattened or unflattened from
+    it; a dimension outside its mesh holds the same data on every coordinate (it is replicated
+    there, by DDP or by HSDP), as is one with a ``Replicate`` placement.
     """
     found: set[str] = set()
     for t in tensors(tracked):
@@ -136,21 +136,23 @@ def sharded_dims(tracked: dict[str, Any], names: Sequence[str]) -> list[str]:
 
 
 def replica_sources(
-    mesh: torch.Tensor, names: Sequence[str], sharded: Sequence[str], moved: Iterable[int], survivors: Sequence[int]
+    coords: torch.Tensor, names: Sequence[str], sharded: Sequence[str], moved: Iterable[int], survivors: Sequence[int]
 ) -> tuple[dict[int, int], str]:
     """For each moved rank, a surviving rank holding the same shards; or ({}, why none does).
 
-    Replicas share every coordinate on the ``sharded`` dimensions. The moved ranks are spread
-    over their replicas so that no one rank sends them all.
+    ``coords`` holds every rank's coordinate on each dimension of ``names`` (one row per rank:
+    :func:`rlaunch.runtime.meshlines.coordinates`). Replicas share every coordinate on the
+    ``sharded`` dimensions. The moved ranks are spread over their replicas so that no one rank
+    sends them all.
     """
     keep = [names.index(n) for n in sharded]
     alive = set(survivors)
     sources: dict[int, int] = {}
     load: dict[int, int] = {}
     for rank in sorted(moved):
-        coord = _coordinate(mesh, rank)
+        coord = _coordinate(coords, rank)
         key = [coord[i] for i in keep]
-        replicas = [r for r in sorted(alive) if [_coordinate(mesh, r)[i] for i in keep] == key]
+        replicas = [r for r in sorted(alive) if [_coordinate(coords, r)[i] for i in keep] == key]
         if not replicas:
             dims = ", ".join(repr(n) for n in sharded) or "none"
             return {}, (
@@ -163,5 +165,5 @@ def replica_sources(
     return sources, ""
 
 
-def _coordinate(mesh: torch.Tensor, rank: int) -> tuple[int, ...]:
-    return tuple(int(c) for c in (mesh == rank).nonzero()[0].tolist())
+def _coordinate(coords: torch.Tensor, rank: int) -> tuple[int, ...]:
+    return tuple(int(c) for c in coords[rank].tolist())

@@ -83,7 +83,7 @@ class Voting:
 
     def _mesh(self) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         mesh = self._s.mesh
-        return (mesh.ranks, mesh.names) if mesh is not None else (None, ())
+        return (mesh.coordinates(), mesh.dim_names()) if mesh is not None else (None, ())
 
     def cast(self) -> bool:
         """The step's vote: True if every rank's vote completed and nothing forbids applying the step.

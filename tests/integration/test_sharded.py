@@ -28,14 +28,15 @@ from tests.cluster import SCRIPTS, AgentProc, Cluster, after_a_scheduled_snapsho
 from tests.integration.test_migration import drain, warm
 
 SHARDED = SCRIPTS / "sharded_train.py"
-FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+)")
+FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+)(?: reduced=(\S+))?")
 FLAGS = ("--nproc-per-node", "2")
 pytestmark = pytest.mark.timeout(600)  # each test runs a job and its 4-rank reference: minutes under load
 
 
 #: what each layout's jobs add: tensor x data parallel reads its batches through rt.epochs, with a
-#: sampler over the dp dimension, and averages its loss on a group made after the mesh
-EXTRA = {"tp_dp": ("--loader", "--metrics-group")}
+#: sampler over the dp dimension, and averages its loss on a group made after the mesh; HSDP builds
+#: its mesh as torchtitan does (a 1-D world mesh unflattened) and flattens it for its batches and loss
+EXTRA = {"tp_dp": ("--loader", "--metrics-group"), "hsdp": ("--unflatten",)}
 
 
 def _args(layout: str, step_time: str = "0.1", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -43,19 +44,19 @@ def _args(layout: str, step_time: str = "0.1", extra: tuple[str, ...] = ()) -> t
     return ("--layout", layout, "--model", "uneven", "--steps", "200", "--step-time", step_time, *more)
 
 
-def _finals(*agents: AgentProc) -> dict[int, tuple[str, str]]:
-    return {int(m.group(1)): (m.group(2), m.group(3)) for a in agents for m in FINAL.finditer(a.output())}
+def _finals(*agents: AgentProc) -> dict[int, tuple[str, ...]]:
+    return {int(m.group(1)): m.groups("")[1:] for a in agents for m in FINAL.finditer(a.output())}
 
 
 @functools.cache  # one per layout for the module: two FSDP jobs share theirs
-def _reference(layout: str, extra: tuple[str, ...] = (), nproc: int = 4) -> dict[int, tuple[str, str]]:
+def _reference(layout: str, extra: tuple[str, ...] = (), nproc: int = 4) -> dict[int, tuple[str, ...]]:
     res = subprocess.run(
         [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", str(nproc), str(SHARDED),
          *_args(layout, "0", extra)],
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in FINAL.finditer(res.stdout)}
+    got = {int(m.group(1)): m.groups("")[1:] for m in FINAL.finditer(res.stdout)}
     assert sorted(got) == list(range(nproc)), res.stdout[-2000:]
     return got
 

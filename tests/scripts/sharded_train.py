@@ -9,13 +9,18 @@ FSDP2 gives each shard ``ceil(50257 / n)`` embedding rows but the last one fewer
 and 25,128), and the head's single row to shard 0 alone, so ranks hold differently shaped shards
 (the tensor-parallel layers stay even).
 
-``--replicas N``: HSDP's replicate dimension (2 by default). ``--loader``: the batches come from a
-StatefulDataLoader whose ``DistributedSampler`` splits the data over the data-parallel dimension
-only (``num_replicas`` its size, ``rank`` the coordinate on it), as tensor-parallel users write it.
-``--metrics-group``: a group of every rank made after the mesh (``rt.new_group``), which averages
-the loss every 10 steps. ``--flip RANK:STEP``: that rank's first weight shard gets one flipped bit
-at the step's start (silent data corruption). ``--gate FILE:STEP``: the active ranks wait at that
-step's start until FILE exists (a test holds the job there until its standbys are warm).
+``--replicas N``: HSDP's replicate dimension (2 by default). ``--unflatten`` (HSDP): the mesh is
+built as torchtitan builds it, a 1-D ``world`` mesh unflattened into ``(replicate, shard)``, and
+``mesh["replicate", "shard"]._flatten("dp")`` picks each rank's batch (its coordinate) and
+all-reduces the last step's loss, printed with the final digests (``reduced=``).
+
+``--loader``: the batches come from a StatefulDataLoader whose ``DistributedSampler`` splits the
+data over the data-parallel dimension only (``num_replicas`` its size, ``rank`` the coordinate on
+it), as tensor-parallel users write it. ``--metrics-group``: a group of every rank made after the
+mesh (``rt.new_group``), which averages the loss every 10 steps. ``--flip RANK:STEP``: that rank's
+first weight shard gets one flipped bit at the step's start (silent data corruption).
+``--gate FILE:STEP``: the active ranks wait at that step's start until FILE exists (a test holds
+the job there until its standbys are warm).
 
 Every rank prints ``rank R final: params=<digest> optim=<digest>`` of its local shards at the end.
 """
@@ -58,6 +63,7 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--unflatten", action="store_true")
     ap.add_argument("--loader", action="store_true")
     ap.add_argument("--metrics-group", action="store_true")
     ap.add_argument("--flip", default="")
@@ -81,13 +87,19 @@ def main() -> None:
         mesh = rt.device_mesh((world,), ("shard",))
         data_dim = "shard"
     elif args.layout == "hsdp":
-        mesh = rt.device_mesh((args.replicas, world // args.replicas), ("replicate", "shard"))
+        shape, names = (args.replicas, world // args.replicas), ("replicate", "shard")
+        if args.unflatten:  # as torchtitan's ParallelDims: a 1-D world mesh, unflattened
+            mesh = rt.device_mesh((world,), ("world",))._unflatten(0, shape, names)
+        else:
+            mesh = rt.device_mesh(shape, names)
         data_dim = ""  # every rank gets its own batch: both dimensions are data parallel
     else:
         mesh = rt.device_mesh((world // 2, 2), ("dp", "tp"))
         parallelize_module(model, mesh["tp"], {colwise: ColwiseParallel(), rowwise: RowwiseParallel()})
         data_dim = "dp"
     fsdp_mesh = mesh["dp"] if args.layout == "tp_dp" else mesh
+    # both HSDP dimensions flattened: a rank's batch and the reduced loss
+    flat = mesh["replicate", "shard"]._flatten("dp") if args.unflatten else None
     for layer in model:
         if isinstance(layer, (nn.Linear, nn.Embedding)):
             fully_shard(layer, mesh=fsdp_mesh)
@@ -125,7 +137,12 @@ def main() -> None:
             (x,) = data.batch()
         else:
             # Ranks of one tensor-parallel group must see the same batch; data-parallel ranks differ.
-            who = coord[mesh.mesh_dim_names.index(data_dim)] if data_dim else coord[0] * mesh.shape[1] + coord[1]
+            if flat is not None:
+                who = flat.get_local_rank()
+            elif data_dim:
+                who = coord[mesh.mesh_dim_names.index(data_dim)]
+            else:
+                who = coord[0] * mesh.shape[1] + coord[1]
             g = torch.Generator().manual_seed(step * 1009 + who)
             x = torch.randint(0, VOCAB, (8, 4), generator=g) if uneven else torch.randn(8, 16, generator=g)
         loss = model(x).sin().pow(2).mean()
@@ -140,7 +157,13 @@ def main() -> None:
         if rt.rank == 0 and not rt.standby and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
     states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    print(f"rank {rt.rank} final: params={digest(list(model.parameters()))} optim={digest(states)}", flush=True)
+    reduced = ""
+    if flat is not None:
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total, group=flat.get_group())
+        reduced = f" reduced={total.item().hex()}"
+    params = digest(list(model.parameters()))
+    print(f"rank {rt.rank} final: params={params} optim={digest(states)}{reduced}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed import HashStore
+from torch.distributed.device_mesh import DeviceMesh
 
 from rlaunch.runtime import contract
 from rlaunch.runtime.contract import GroupCatalog, StepContract
@@ -72,7 +73,7 @@ class _Link:
         return {}
 
 
-def test_a_joiner_renames_its_mesh_groups_where_they_stand_in_the_build_order() -> None:
+def test_a_joiner_renames_its_mesh_groups_where_they_stand_in_the_build_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """The standby lays its mesh out as rank 0, then makes a group of its own: when it joins as
     rank 3 its mesh groups take rank 3's lines without moving behind that group (they did: a
     joiner then waited on other rendezvous than the survivors until the 300 s timeout)."""
@@ -80,6 +81,8 @@ def test_a_joiner_renames_its_mesh_groups_where_they_stand_in_the_build_order() 
         rank=-1, world_size=4, generation=0, link=_Link(), store=HashStore(), world_comm=SandboxComm(0, 4),
         standby=True, sandbox_steps=0, timeout=datetime.timedelta(seconds=5),
     )  # type: ignore[arg-type]  # fmt: skip
+    # the mesh serves the groups of the dimensions torch flattens or unflattens from it: put back after
+    monkeypatch.setattr(DeviceMesh, "_init_process_groups", DeviceMesh.__dict__["_init_process_groups"])
     try:
         rt.device_mesh((2, 2), ("dp", "tp"))
         rt.new_group("metrics", [0, 1, 2, 3])

@@ -5,11 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rlaunch.runtime import partition
-from rlaunch.runtime.mesh import layout
+from rlaunch.runtime.mesh import RuntimeMesh
 from rlaunch.runtime.replicas import declare
 
-MESH = layout((2, 2))  # dp x tp: ranks [[0, 1], [2, 3]]
 NAMES = ("dp", "tp")
+MESH = RuntimeMesh((2, 2), NAMES, 0).coordinates()  # dp x tp: ranks [[0, 1], [2, 3]]
 
 
 def _vote(samplers: list[SimpleNamespace], declared: object = None) -> str | None:
@@ -41,3 +41,17 @@ def test_a_declared_replica_set_gives_the_position_in_it() -> None:
     samplers = [SimpleNamespace(num_replicas=2, rank=[0, 0, 1, 1][r]) for r in range(4)]
     assert _vote(samplers, declared) == "mesh:dp", "the mesh rule comes first when both hold"
     assert partition.part("declared", 2, 4, None, (), declared) == (2, 1)
+
+
+def test_a_sampler_over_a_flattened_dimension_reads_its_coordinate_there() -> None:
+    """A (2, 2, 2) mesh (dp, cp, tp) with dp and cp flattened into dp_cp: ranks 0, 1 hold coordinate 0,
+    ranks 6, 7 coordinate 3; a sampler over dp_cp is found, and a joiner taking rank 6 reads part 3."""
+    mesh = RuntimeMesh((2, 2, 2), ("dp", "cp", "tp"), 0)
+    mesh.dims.append(("dp_cp", [[0, 2, 4, 6], [1, 3, 5, 7]]))
+    names, table = mesh.dim_names(), mesh.coordinates()
+    rules = partition.candidates(names, None)
+    samplers = [SimpleNamespace(num_replicas=4, rank=r // 2) for r in range(8)]
+    summed = [sum(float(partition.follows(samplers[r], rule, r, 8, table, names, None)) for r in range(8))
+              for rule in rules]  # fmt: skip
+    assert partition.choose(rules, summed, 8) == "mesh:dp_cp"
+    assert partition.part("mesh:dp_cp", 6, 8, table, names, None) == (4, 3)

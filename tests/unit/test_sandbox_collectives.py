@@ -22,6 +22,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.device_mesh as torch_mesh
 from torch.distributed import HashStore
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from rlaunch.errors import SandboxError
 from rlaunch.runtime import sandbox
@@ -55,6 +56,8 @@ class Standby:
 def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[Standby]:
     assert not dist.is_initialized(), "these tests need a process without a default group"
     monkeypatch.setattr(torch_mesh, "get_rank", torch_mesh.get_rank)  # the standby's mesh replaces it: put back
+    # and serves the groups of the dimensions torch flattens or unflattens from it: put back too
+    monkeypatch.setattr(DeviceMesh, "_init_process_groups", DeviceMesh.__dict__["_init_process_groups"])
     job = Standby()
     sockets = _sockets()
     try:

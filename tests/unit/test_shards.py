@@ -12,31 +12,36 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlaunch.runtime import shards
-from rlaunch.runtime.mesh import RuntimeMesh, check_shape, layout, line_of
+from rlaunch.runtime.mesh import RuntimeMesh
+from rlaunch.runtime.meshlines import check_shape, layout, line_of
 from rlaunch.store.embedded import free_port
 
 
+def coordinates(names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    return RuntimeMesh(shape, names, 0).coordinates()
+
+
 def test_hsdp_ranks_get_their_shards_from_the_replicate_row() -> None:
-    mesh = layout((2, 2))  # (replicate, shard): ranks 0,1 and 2,3 hold the same shards
+    mesh = coordinates(("replicate", "shard"), (2, 2))  # ranks 0,1 and 2,3 hold the same shards
     sources, why = shards.replica_sources(mesh, ("replicate", "shard"), ["shard"], {2, 3}, [0, 1])
     assert (sources, why) == ({2: 0, 3: 1}, "")
 
 
 def test_replicas_are_spread_over_the_survivors() -> None:
-    mesh = layout((4,))  # plain data parallel: everyone is a replica
+    mesh = coordinates(("dp",), (4,))  # plain data parallel: everyone is a replica
     sources, _ = shards.replica_sources(mesh, ("dp",), [], {0, 1}, [2, 3])
     assert sources == {0: 2, 1: 3}
 
 
 def test_pure_fsdp_has_no_replica_and_says_which_rank() -> None:
-    mesh = layout((4,))
+    mesh = coordinates(("shard",), (4,))
     sources, why = shards.replica_sources(mesh, ("shard",), ["shard"], {1}, [0, 2, 3])
     assert sources == {}
     assert "rank 1 (mesh coordinate (1,)) has no surviving replica" in why and "'shard'" in why
 
 
 def test_tensor_parallel_replicated_over_dp_takes_the_same_tp_coordinate() -> None:
-    mesh = layout((2, 2))  # (dp, tp)
+    mesh = coordinates(("dp", "tp"), (2, 2))
     sources, why = shards.replica_sources(mesh, ("dp", "tp"), ["tp"], {0, 1}, [2, 3])
     assert (sources, why) == ({0: 2, 1: 3}, "")
     _, why = shards.replica_sources(mesh, ("dp", "tp"), ["dp", "tp"], {0, 1}, [2, 3])
@@ -128,3 +133,16 @@ def test_finding_a_joiners_mesh_views_raises_no_deprecation_warning(tmp_path: An
             assert mesh._views() == [root]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_sharded_on_an_unflattened_dimension_takes_its_shards_from_that_dimension() -> None:
+    """torchtitan's layout: a 1-D world mesh of 8 unflattened into (replicate, shard) = (2, 4), FSDP on
+    shard. Rank 5 (shard coordinate 1) gets its shards from rank 1, not from a rank of the same world
+    coordinate; the world dimension alone (no unflatten known) would name no replica at all."""
+    mesh = RuntimeMesh((8,), ("world",), 0)
+    mesh.dims += [("replicate", [[0, 4], [1, 5], [2, 6], [3, 7]]), ("shard", [[0, 1, 2, 3], [4, 5, 6, 7]])]
+    names = mesh.dim_names()
+    sources, why = shards.replica_sources(mesh.coordinates(), names, ["shard"], {5, 6}, [0, 1, 2, 3, 4, 7])
+    assert (sources, why) == ({5: 1, 6: 2}, "")
+    _, why = shards.replica_sources(mesh.coordinates(), names, ["world"], {5}, [0, 1, 2, 3, 4, 7])
+    assert "rank 5 (mesh coordinate (5, 1, 1)) has no surviving replica" in why
