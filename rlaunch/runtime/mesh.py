@@ -84,27 +84,29 @@ class RuntimeMesh:
             if root is None or rank_map is not root._rank_map:
                 return original(mesh_layout, rank_map, dim_names, overrides)
             names = [dim_names[dim] if dim_names else f"dim_{dim}" for dim in range(len(mesh_layout))]
-            for name, override in zip(names, overrides, strict=True):
-                if tuple(override) != (None, None):
-                    raise UsageError(
-                        f"The mesh dimension {name!r} was given a backend_override; rlaunch's mesh groups take the "
-                        "backend of rt.device_mesh's device_type, so flatten or unflatten without one."
-                    )
             world = len(rank_map)
             every = [
                 [[int(rank_map[i]) for i in line] for line in meshlines.lines_at(sub.all_ranks_from_zero(), world)]
                 for sub in mesh_layout
             ]
+            for name, override, lines in zip(names, overrides, every, strict=True):
+                # a dimension of size 1 talks to no one: its backend does not matter (torchtitan's "fake")
+                if tuple(override) != (None, None) and any(len(line) > 1 for line in lines):
+                    raise UsageError(
+                        f"The mesh dimension {name!r} was given a backend_override; rlaunch's mesh groups take the "
+                        "backend of rt.device_mesh's device_type, so flatten or unflatten without one."
+                    )
             for name, lines in zip(names, every, strict=True):  # refused before any group is made
                 meshlines.check_derived(name, lines, self.dims)
             out = []
             for name, lines in zip(names, every, strict=True):
                 held = meshlines.check_derived(name, lines, self.dims)
                 if held is None:
-                    self.dims.append((name, lines))
-                    self._table = None
                     index, members = meshlines.find_line(lines, self.rank)
-                    self.groups.append(make(meshlines.group_name(name, index), members))
+                    group = make(meshlines.group_name(name, index), members)  # first: it may fail
+                    self.dims.append((name, lines))
+                    self.groups.append(group)
+                    self._table = None
                     held = len(self.dims) - 1
                 out.append(GroupName(str(self.groups[held].registered_name)))
             return out

@@ -113,7 +113,7 @@ def check_derived(name: str, lines: list[list[int]], dims: Sequence[tuple[str, l
     """
     for index, (known, held) in enumerate(dims):
         if known == name:
-            if held != lines:
+            if sorted(held) != sorted(lines):  # the same lines, perhaps listed in another order
                 raise UsageError(
                     f"The mesh dimension {name!r} made by _flatten or _unflatten has the lines {lines}, but a "
                     f"dimension of that name already has the lines {held}; give each mesh dimension its own name."

@@ -53,6 +53,8 @@ def test_lines_by_hand() -> None:
 def test_a_dimension_name_given_again_reuses_or_is_refused() -> None:
     dims = [("world", [[0, 1, 2, 3]]), ("tp", [[0, 1], [2, 3]])]
     assert check_derived("tp", [[0, 1], [2, 3]], dims) == 1  # torchtitan unflattens tp in several meshes
+    a = [[0, 4], [2, 6], [1, 5], [3, 7]]  # dimension 0 of a (2, 2, 2) mesh, in the mesh's own order
+    assert check_derived("a", [[0, 4], [1, 5], [2, 6], [3, 7]], [("a", a)]) == 0, "the same lines, sorted"
     assert check_derived("dp", [[0, 2], [1, 3]], dims) is None
     with pytest.raises(UsageError, match=r"'tp' made by _flatten or _unflatten has the lines \[\[0, 2\], \[1, 3\]\]"):
         check_derived("tp", [[0, 2], [1, 3]], dims)
