@@ -1,8 +1,9 @@
 """Two real gloo processes for the unit tests of a runtime group (``SwitchableGroup``).
 
 :func:`run_pair` spawns ``target(rank, port, results, *args)`` for ranks 0 and 1 and gives back the
-first tuple either rank put on ``results``; :func:`world_group` builds, inside such a process, the
-group named ``world`` over both ranks the way the runtime builds it (a TCPStore at ``port``).
+first tuple either rank put on ``results``, once both exited cleanly; :func:`world_group` builds,
+inside such a process, the group named ``world`` over both ranks the way the runtime builds it (a
+TCPStore at ``port``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ def run_pair(target: Callable[..., None], *args: Any) -> tuple[Any, ...]:
     for p in procs:
         p.start()
     try:
-        return tuple(results.get(timeout=60))
+        got = tuple(results.get(timeout=60))
     finally:
         for p in procs:
             p.join(20)
             if p.is_alive():
                 p.kill()
+    # a rank that died as it let go of its group (torch ending on std::terminate: exit code -6) is a
+    # runtime bug, not a test's noise
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], f"the two ranks exited with codes {codes}"
+    return got

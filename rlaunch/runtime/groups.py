@@ -48,6 +48,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -297,6 +298,11 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             overtaken = self.paused and not abandoned
         if abandoned and outer is not None:
             outer.set_result(tensors)
+        # The callback below may run on the communicator's own thread, and what it holds is let go of
+        # there, after it woke the caller. Were it to hold the group, a caller that then let go of it
+        # (a script ending right after its last collective) would leave the last reference on that
+        # thread, and the communicator, freed there, would join its own thread: std::terminate.
+        group = weakref.ref(self)
 
         def finished(outcome: Callable[[], Any]) -> None:
             try:
@@ -308,22 +314,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
                 # its other operations must fail too, not complete later (no-op once swapped out); not
                 # waited for: this may be the communicator's own thread, which an NCCL abort joins
                 backends.cut(comm_id, wait=0)
-            with self._lock:
-                if self._pending.pop(key, None) is None:
-                    return  # abandoned: the caller gets its inputs back
-                current = comm_id == id(self.comm)
-                if error:
-                    # the operations queued on the cut communicator's GPU are lost with it
-                    self.own_results += counted + (self._take_unsettled() if current else 0)
-                elif counted and queued and current:
-                    self._device_queued += 1  # queued, not done: lost if the communicator is cut first
-                if error and not self.failed:
-                    self.failed = error
-                    log.warning(
-                        "group %s (rank %d of it): a collective failed (%s); this step will be recovered",
-                        self.label, self.group_rank, error,
-                    )  # fmt: skip
-            if outer is not None:
+            me = group()
+            settled = me is None or me._settle(key, comm_id, counted, queued, error)
+            del me  # before the caller is woken (see above)
+            if settled and outer is not None:  # (abandoned: the caller gets its inputs back)
                 outer.set_result(value)
 
         if inner is None or outer is None:
@@ -334,6 +328,25 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         if overtaken:
             self.abandon("a replacement was planned while its collective was in flight")
         return waits
+
+    def _settle(self, key: int, comm_id: int, counted: bool, queued: bool, error: str) -> bool:
+        """Book an operation that ended (``error``: how it failed, or ""); False if it was abandoned."""
+        with self._lock:
+            if self._pending.pop(key, None) is None:
+                return False
+            current = comm_id == id(self.comm)
+            if error:
+                # the operations queued on the cut communicator's GPU are lost with it
+                self.own_results += counted + (self._take_unsettled() if current else 0)
+            elif counted and queued and current:
+                self._device_queued += 1  # queued, not done: lost if the communicator is cut first
+            if error and not self.failed:
+                self.failed = error
+                log.warning(
+                    "group %s (rank %d of it): a collective failed (%s); this step will be recovered",
+                    self.label, self.group_rank, error,
+                )  # fmt: skip
+        return True
 
     def unissued(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
         """A collective of a failed, paused, held or left group: it returns at once, un-issued, with the caller's
