@@ -1,7 +1,7 @@
 """Two real gloo processes for the unit tests of a runtime group (``SwitchableGroup``).
 
 :func:`run_pair` spawns ``target(rank, port, results, *args)`` for ranks 0 and 1 and gives back the
-first tuple either rank put on ``results``, once neither was ended by a signal; :func:`world_group` builds,
+first tuple either rank put on ``results``, once both ended without a signal; :func:`world_group` builds,
 inside such a process, the group named ``world`` over both ranks the way the runtime builds it (a
 TCPStore at ``port``).
 """
@@ -34,17 +34,20 @@ def run_pair(target: Callable[..., None], *args: Any) -> tuple[Any, ...]:
     procs = [ctx.Process(target=target, args=(r, port, results, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
+    hung = []
     try:
         got = tuple(results.get(timeout=60))
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
             p.join(20)
             if p.is_alive():
+                hung.append(rank)
                 p.kill()
                 p.join()
-    # A rank ended by a signal it did not get from here died in torch's C++ (a communicator freed on its
-    # own thread ends in std::terminate, SIGABRT): a runtime bug, not a test's noise. (A rank that
-    # raised, as the peer of one that cut the group while it was still being built may, exits 1.)
-    aborted = [p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -9]
+    # A rank that does not end, or is ended by a signal, hung or died in torch's C++ (a communicator
+    # freed on its own thread ends in std::terminate, SIGABRT): a runtime bug, not a test's noise. (A
+    # rank that raised, as the peer of one that cut the group while it was still being built may, exits 1.)
+    assert not hung, f"rank {hung[0]} was still running 20 s after the result"
+    aborted = [p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0]
     assert not aborted, f"a rank was ended by signal {-aborted[0]}"
     return got

@@ -317,7 +317,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             me = group()
             settled = me is None or me._settle(key, comm_id, counted, queued, error)
             del me  # before the caller is woken (see above)
-            if settled and outer is not None:  # (abandoned: the caller gets its inputs back)
+            if settled and outer is not None and not outer.done():  # (abandoned: the caller has its inputs)
                 outer.set_result(value)
 
         if inner is None or outer is None:
