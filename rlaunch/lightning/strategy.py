@@ -56,7 +56,7 @@ from rlaunch.lightning.aftervote import Reading, Stretch, refusal
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.lightning.position import LoopPosition, Monitored
-from rlaunch.runtime import rng
+from rlaunch.runtime import rng, workerstreams
 from rlaunch.runtime.driven import DrivenSteps
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
 from rlaunch.runtime.vote import RefusedError
@@ -328,8 +328,10 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         self._read_at = trainer.fit_loop.epoch_loop.batch_progress.total.ready  # this read, as the loop now counts
         self.set_world_ranks()
         rank = self._runtime().rank
-        if self._data is not None and isinstance(getattr(self._data.loader, "worker_init_fn", None), WorkerSeeds):
-            self._data.loader.worker_init_fn.rank = rank  # its workers start after this, at the next read
+        train = self._data.loader if self._data is not None else None
+        seeds = workerstreams.script_init(getattr(train, "worker_init_fn", None))
+        if isinstance(seeds, WorkerSeeds):
+            seeds.rank = rank  # its workers start after this, at the next read
         val = trainer.fit_loop.epoch_loop.val_loop._combined_loader
         for loader in val.flattened if val is not None else []:
             for sampler in (getattr(loader, "sampler", None), getattr(loader.batch_sampler, "sampler", None)):

@@ -19,9 +19,10 @@ each step's start like any tracked object:
 A read may draw from the global generators: an iterator created at an epoch's start draws its
 workers' base seed, a sampler without a generator of its own (torch's or torchdata's
 ``RandomSampler``, and Lightning's ``DistributedSamplerWrapper`` over one) draws its order, and a
-dataset read in this process may draw for its random transforms. So each read remembers the
-generators' states before and after it: a redone step that gets the batch again takes the same
-draw. A sampler that draws its order from a generator at each epoch's start (``order_rng``: the
+dataset read in this process may draw for its random transforms (one read in worker processes draws
+from theirs, which the loader's position carries: :mod:`rlaunch.runtime.workerstreams`). So each
+read remembers the generators' states before and after it: a redone step that gets the batch again
+takes the same draw. A sampler that draws its order from a generator at each epoch's start (``order_rng``: the
 global torch generator, for a ``RandomSampler`` without one of its own, or the generator that
 Accelerate shares between ranks) needs one thing more: the position then holds that generator's
 state at the epoch's start, and a joiner's resumed iterator is created from it, so the joiner reads
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rlaunch.runtime import rng
+from rlaunch.runtime import rng, workerstreams
 from rlaunch.runtime.stepstate import fingerprint_value
 
 #: Batches remembered for a redone step (a step reads at most this many: accumulation included).
@@ -68,6 +69,7 @@ class EpochLoader:
                 f"rt.epochs() needs a loader that saves its position (torchdata's StatefulDataLoader); got "
                 f"{type(loader).__name__}, which a joiner could not resume at the same sample."
             )
+        workerstreams.carry(loader)  # what its workers draw moves with its position
         self._loader, self._sampler, self._rank = loader, sampler, rank
         self._order_rng = order_rng
         self.epoch = 0

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rlaunch.errors import RlaunchError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify
+from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify, workerstreams
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
@@ -314,9 +314,12 @@ class Runtime:
         rank=...)``: the runtime finds which at the first vote; see :mod:`rlaunch.runtime.partition`).
 
         The loader's state holds the base seed of its worker processes, drawn from the global
-        torch generator at each epoch's start: with a seed per rank (``rt.seed(per_rank=True)``
-        included) it differs by rank and the vote refuses it, so pass ``per_rank=True``: it is
-        then tracked with :meth:`track_per_rank` (a drain moves it, a live replacement is refused).
+        torch generator at each epoch's start, and their random streams once its dataset drew from
+        them (:mod:`rlaunch.runtime.workerstreams`). With a seed per rank (``rt.seed(per_rank=True)``
+        included) it differs by rank: pass ``per_rank=True``, and it is tracked with
+        :meth:`track_per_rank` (a drain moves it, a live replacement is refused). A loader with
+        workers whose position comes to differ by rank all the same is treated so from then on
+        (:meth:`track_if_same`); one without workers is refused by the vote.
 
         ``order_rng`` is for a sampler that draws its order from a generator at each epoch's start
         (``torch.default_generator`` for a ``RandomSampler`` without one of its own, as Lightning's
@@ -328,6 +331,9 @@ class Runtime:
         stand-in from the start that makes the loader at its first read (see :mod:`rlaunch.userloop`).
         """
         data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng)
+        if workerstreams.carried(loader):
+            # its workers' streams may differ by rank (see rlaunch.runtime.workerstreams), however tracked
+            self._s.vote.lenient.add(name)
         if partition.has_partition(sampler):
             self._voting.samplers[name] = sampler
         if not track:
