@@ -128,8 +128,15 @@ class AgentProc:
             return []
 
     def kill_with_workers(self) -> None:
-        """SIGKILL the agent and its workers at once, as a machine loss would."""
-        victims = [psutil.Process(self.pid), *self.workers()]
+        """SIGKILL the agent, its workers and their own children (data loader workers) at once, as a
+        machine loss would."""
+        workers = self.workers()
+        victims = [psutil.Process(self.pid), *workers]
+        for worker in workers:
+            try:
+                victims += worker.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for p in victims:
             try:
                 p.kill()

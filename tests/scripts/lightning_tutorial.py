@@ -5,7 +5,9 @@ A ``LightningModule`` (a small MLP), ``self.log`` with ``prog_bar=True``, a vali
 scheduler, a shuffled ``DataLoader``, ``seed_everything``, and the ``Trainer``'s default callbacks
 (checkpointing, progress bar, model summary) and logger left on. The one line rlaunch asks for is the
 strategy; ``--strategy ddp`` gives Lightning's own for the baseline. The scheduler's length is
-``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``.
+``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``. ``--workers N``
+reads the train set in N loader worker processes, and ``--augment`` adds a random jitter to each sample
+as a dataset's transform does (drawn in the workers, or in the main process without them).
 
 Test hooks (only with ``--step-time``): each training batch sleeps that long and prints
 ``epoch E batch B`` so a test can choose where to inject a fault, and ``--hold FILE`` keeps the active
@@ -24,7 +26,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import rlaunch.lightning
 
@@ -75,6 +77,20 @@ class Pace(pl.Callback):
         time.sleep(self.step_time)
 
 
+class Jittered(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataset whose samples get a random transform when read (torch's RNG in the reading process)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[i]
+        return x + 0.05 * torch.randn_like(x), y
+
+
 def make_data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g)
@@ -109,10 +125,15 @@ def main() -> None:
     ap.add_argument("--root", default="lightning_runs")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--hold", default="")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--augment", action="store_true")
     args = ap.parse_args()
 
     pl.seed_everything(42)
-    train_loader = DataLoader(make_data(384, 0), batch_size=16, shuffle=True)
+    train_set = make_data(384, 0)
+    train_loader = DataLoader(
+        Jittered(train_set) if args.augment else train_set, batch_size=16, shuffle=True, num_workers=args.workers
+    )
     val_loader = DataLoader(make_data(128, 1), batch_size=32)
     model = LitRegressor()
     trainer = pl.Trainer(
