@@ -22,11 +22,11 @@ workers' base seed, a sampler without a generator of its own (torch's or torchda
 dataset read in this process may draw for its random transforms (one read in worker processes draws
 from theirs, which the loader's position carries: :mod:`rlaunch.runtime.workerstreams`). So each
 read remembers the generators' states before and after it: a redone step that gets the batch again
-takes the same draw. A sampler that draws its order from a generator at each epoch's start (``order_rng``: the
-global torch generator, for a ``RandomSampler`` without one of its own, or the generator that
-Accelerate shares between ranks) needs one thing more: the position then holds that generator's
-state at the epoch's start, and a joiner's resumed iterator is created from it, so the joiner reads
-the same order as the rank it replaces.
+takes the same draw. A sampler that draws its order from a generator at each epoch's start
+(``order_rng``: the global torch generator, for a ``RandomSampler`` without one of its own, or the
+generator that Accelerate shares between ranks) needs one thing more: the position then holds that
+generator's state at the epoch's start, and a joiner's resumed iterator is created from it, so the
+joiner reads the same order as the rank it replaces.
 """
 
 from __future__ import annotations

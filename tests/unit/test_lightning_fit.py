@@ -4,31 +4,22 @@ the runtime and the carried state from the tracked objects)."""
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed import HashStore
 from torch.utils.data import DataLoader, TensorDataset
 
-from rlaunch.runtime.groups import SandboxComm
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.runtime import Runtime
 from rlaunch.runtime.vote import RefusedError
+from tests.one_rank import plain_runtime
 
 pl = pytest.importorskip("pytorch_lightning")
 torchmetrics = pytest.importorskip("torchmetrics")
 
 import rlaunch.lightning  # noqa: E402 - after the skip: it imports Lightning
-
-
-def _runtime() -> Runtime:
-    return Runtime(
-        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
-        standby=False, sandbox_steps=0, timeout=datetime.timedelta(seconds=10),
-    )  # fmt: skip
 
 
 class Tiny(pl.LightningModule):
@@ -88,20 +79,20 @@ def _sentence(refused: str) -> str:
 
 
 def test_a_monitor_on_an_epoch_level_value_logged_in_training_refuses_moves(tmp_path: Path) -> None:
-    rt = _runtime()
+    rt = plain_runtime()
     checkpoint = pl.callbacks.ModelCheckpoint(monitor="train_loss_epoch", dirpath=tmp_path)
     _fit(rt, Tiny(), tmp_path, callbacks=[checkpoint])
     assert _sentence(rt._s.refused).startswith(
         "ModelCheckpoint(monitor='train_loss_epoch') reads 'train_loss_epoch', an epoch-level value logged in training"
     )
     # the plain name reads the epoch value too at an epoch's end; a plateau scheduler is named as well
-    rt = _runtime()
+    rt = plain_runtime()
     _fit(rt, Tiny(), tmp_path, callbacks=[pl.callbacks.EarlyStopping(monitor="train_loss", patience=5)])
     assert "EarlyStopping(monitor='train_loss') reads 'train_loss'" in rt._s.refused
 
 
 def test_a_monitor_on_a_validation_value_moves_and_its_value_is_carried(tmp_path: Path) -> None:
-    rt = _runtime()
+    rt = plain_runtime()
     trainer = _fit(rt, Tiny(), tmp_path, callbacks=[pl.callbacks.EarlyStopping(monitor="val_loss", patience=5)])
     assert rt._s.refused == ""
     monitored = rt._s.tracked["monitored"]
@@ -119,22 +110,22 @@ def test_a_torchmetrics_metric_logged_in_training_refuses_moves_only_when_someth
     """Its running state is not carried (a redone step counts twice, a joiner has its sandbox's): for the
     logger alone that changes no training; a monitor on it would decide otherwise, and a Metric updated
     and never logged has readers the runtime cannot see."""
-    rt = _runtime()
+    rt = plain_runtime()
     trainer = _fit(rt, Tiny(log_on_epoch=False, metric=True), tmp_path)
     assert rt._s.refused == "" and "mean_loss" in trainer.callback_metrics
-    rt = _runtime()
+    rt = plain_runtime()
     checkpoint = pl.callbacks.ModelCheckpoint(monitor="mean_loss", dirpath=tmp_path)
     _fit(rt, Tiny(log_on_epoch=False, metric=True), tmp_path, callbacks=[checkpoint])
     assert _sentence(rt._s.refused).startswith(
         "ModelCheckpoint(monitor='mean_loss') reads 'mean_loss', a torchmetrics MeanMetric logged from the training"
     )
-    rt = _runtime()
+    rt = plain_runtime()
     _fit(rt, Tiny(log_on_epoch=False, metric=True, log_metric=False), tmp_path)
     assert _sentence(rt._s.refused).startswith("A torchmetrics MeanMetric of the model is updated in training_step and")
 
 
 def test_an_overridden_optimizer_step_refuses_moves_at_start(tmp_path: Path) -> None:
-    rt = _runtime()
+    rt = plain_runtime()
     _fit(rt, WarmUp(log_on_epoch=False), tmp_path, epochs=1)
     assert _sentence(rt._s.refused).startswith("WarmUp.optimizer_step is overridden")
 
@@ -153,7 +144,7 @@ class Position(pl.Callback):
 def test_the_loop_position_carries_a_scheduled_accumulation(tmp_path: Path) -> None:
     """A GradientAccumulationScheduler sets accumulate_grad_batches at each epoch's start; a joiner's is
     its sandbox epoch's, so the position carries the sender's."""
-    rt = _runtime()
+    rt = plain_runtime()
     seen = Position(rt)
     scheduler = pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})
     trainer = _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[scheduler, seen])
@@ -178,7 +169,7 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             failed[0] = False  # the step's vote would go to recovery: here it is applied as usual
 
-    rt = _runtime()
+    rt = plain_runtime()
     _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInValidation()])
     assert _sentence(rt._s.refused).startswith("A fault was seen after an epoch's end ran past step 3's vote")
 
@@ -190,7 +181,7 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             failed[0] = False
 
-    rt = _runtime()
+    rt = plain_runtime()
     _fit(rt, Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInMidEpochValidation()], val_check_interval=2)
     assert _sentence(rt._s.refused).startswith("A fault was seen after validation ran past step 1's vote")
 
@@ -200,11 +191,11 @@ def test_a_fault_seen_after_validation_refuses_the_live_move(tmp_path: Path, mon
             failed[0] = not trainer.sanity_checking and trainer.current_epoch == 1
 
     with pytest.raises(RefusedError, match=r"^rank 0: A fault was seen after an epoch's end ran past step 7's vote"):
-        _fit(_runtime(), Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInLastValidation()])
+        _fit(plain_runtime(), Tiny(log_on_epoch=False), tmp_path, callbacks=[FaultInLastValidation()])
     failed[0] = False
     # A fault inside a step (seen at its second micro-batch's read), after the validation that ended the step
     # before it, is redone with the step: no refusal.
-    rt = _runtime()
+    rt = plain_runtime()
 
     class FaultInStep(pl.Callback):
         seen_at_read = False
@@ -254,7 +245,7 @@ def test_a_fault_seen_after_a_collective_that_followed_the_vote_refuses_the_live
     """A failed group hands back each rank's own inputs: a value synced in on_train_batch_end (after the
     vote) is then this rank's own, which a callback or a step-interval plateau scheduler may take, and no
     redone step logs it again. The fault is seen at the next step's first read, and refuses the move."""
-    rt = _runtime()
+    rt = plain_runtime()
     register(rt.group, rt._s.store, {0: 0}, default=True)  # torch.distributed is up: self.log syncs through it
     try:
         trainer = _fit(rt, SyncedAfterStep(log_on_epoch=False), tmp_path, epochs=1, callbacks=[FailAfterVote(rt)])
@@ -274,7 +265,7 @@ def test_a_fault_seen_after_a_collective_that_followed_the_vote_refuses_the_live
         unregister(rt.group)
     # The same fault with nothing synced after the vote (the values synced in training_step were, before it):
     # no collective went on from this rank's own values, and the move goes on live.
-    rt = _runtime()
+    rt = plain_runtime()
     register(rt.group, rt._s.store, {0: 0}, default=True)
     try:
         _fit(rt, Tiny(log_on_epoch=False), tmp_path, epochs=1, callbacks=[FailAfterVote(rt)])
@@ -295,7 +286,7 @@ class Estimated(Tiny):
 
 
 def test_a_train_loader_set_up_by_the_estimate_in_configure_optimizers_begins_every_step(tmp_path: Path) -> None:
-    rt = _runtime()
+    rt = plain_runtime()
     trainer = _fit(rt, Estimated(log_on_epoch=False), tmp_path)
     assert rt._s.refused == ""
     assert trainer.global_step == 8 and rt._s.step == 7, "each of the 8 steps (from 0) began before its batch was read"
@@ -315,7 +306,7 @@ def test_an_optimizer_step_with_no_step_begun_says_what_lightning_did(tmp_path: 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     fit = pl.Trainer(
-        max_epochs=1, accelerator="cpu", devices=1, strategy=Unhanded(rt=_runtime()), logger=False,
+        max_epochs=1, accelerator="cpu", devices=1, strategy=Unhanded(rt=plain_runtime()), logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
     )  # fmt: skip
     with pytest.raises(rlaunch.errors.RlaunchError) as raised:

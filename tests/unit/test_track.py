@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-from torch.distributed import HashStore
 
 from rlaunch.runtime import rng
-from rlaunch.runtime.groups import SandboxComm
-from rlaunch.runtime.runtime import Runtime
-
-
-def _runtime() -> Runtime:
-    """A one-rank runtime with no agent link (as under plain torchrun)."""
-    return Runtime(
-        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
-        standby=False, sandbox_steps=0, timeout=datetime.timedelta(seconds=10),
-    )  # fmt: skip
+from tests.one_rank import plain_runtime
 
 
 def test_a_generator_is_tracked_by_its_state_once_under_its_name() -> None:
-    rt, g = _runtime(), torch.Generator().manual_seed(3)
+    rt, g = plain_runtime(), torch.Generator().manual_seed(3)
     rt.track(noise=g)
     held = rt._s.tracked["noise"]
     assert isinstance(held, rng.ScriptGenerator) and held.generator is g
@@ -40,4 +28,4 @@ def test_a_generator_is_tracked_by_its_state_once_under_its_name() -> None:
 
 def test_an_object_without_state_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"rt.track\(step=...\) needs .* \(or a torch.Generator\); got int"):
-        _runtime().track(step=3)
+        plain_runtime().track(step=3)

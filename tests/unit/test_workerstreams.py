@@ -7,28 +7,24 @@ drawn in its workers included, as the loader it replaces goes on to read.
 
 from __future__ import annotations
 
-import datetime
 import io
 import random
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import HashStore
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from rlaunch.runtime import workerstreams
 from rlaunch.runtime.data import EpochLoader
-from rlaunch.runtime.groups import SandboxComm
-from rlaunch.runtime.runtime import Runtime
 from rlaunch.runtime.stepstate import StepSnapshots, fingerprint_value
 from rlaunch.runtime.vote import StepVote
+from tests.one_rank import plain_runtime
 
 
-class Jittered(Dataset[torch.Tensor]):
-    """Each sample drawn with a random transform in whichever process reads it (torch's and Python's
-    streams); ``state_dict`` counts the samples read (a dataset with a state of its own)."""
+class Counting(Dataset[torch.Tensor]):
+    """A dataset with a state of its own (the samples it read) and no randomness."""
 
     def __init__(self) -> None:
         self.read = 0
@@ -38,13 +34,22 @@ class Jittered(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         self.read += 1
-        return torch.tensor([float(i)]) + torch.rand(1) + random.random()
+        return torch.tensor([float(self.read)])
 
     def state_dict(self) -> dict[str, Any]:
         return {"read": self.read}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.read = state["read"]
+
+
+class Jittered(Counting):
+    """Each sample drawn with a random transform in whichever process reads it (torch's and Python's
+    streams), beside the count of samples read."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        super().__getitem__(i)
+        return torch.tensor([float(i)]) + torch.rand(1) + random.random()
 
 
 class Plain(Dataset[torch.Tensor]):
@@ -144,16 +149,8 @@ class Cropped(Dataset[torch.Tensor]):
         return (torch.rand(1 + i % 3).sum() + i).reshape(1)
 
 
-def _runtime() -> Runtime:
-    """A one-rank runtime with no agent link (as under plain torchrun)."""
-    return Runtime(
-        rank=0, world_size=1, generation=1, link=None, store=HashStore(), world_comm=SandboxComm(0, 1),
-        standby=False, sandbox_steps=0, timeout=datetime.timedelta(seconds=10),
-    )  # fmt: skip
-
-
 def test_rt_epochs_holds_a_loader_with_workers_to_the_same_state_only_while_it_is() -> None:
-    rt = _runtime()
+    rt = plain_runtime()
     rt.epochs(StatefulDataLoader(Plain(), batch_size=4, num_workers=2))
     assert rt._s.vote.lenient == {"data"}, "its workers' streams may come to differ by rank"
     rt.epochs(StatefulDataLoader(Plain(), batch_size=4), name="plain")
@@ -191,26 +188,6 @@ def test_streams_that_differ_by_rank_refuse_a_live_replacement_and_the_job_goes_
     votes[0].accept(sum(tensors), layout, 5, ranks[0], 0)
     assert votes[0].differs == {"data": 5}
     assert "data since step 5" in votes[0].refusal(set(), seeded=False)
-
-
-class Counting(Dataset[torch.Tensor]):
-    """A dataset with a state of its own and no randomness."""
-
-    def __init__(self) -> None:
-        self.read = 0
-
-    def __len__(self) -> int:
-        return 48
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        self.read += 1
-        return torch.tensor([float(self.read)])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"read": self.read}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.read = state["read"]
 
 
 def test_a_position_saved_before_the_streams_were_carried_keeps_the_datasets_own_state() -> None:
