@@ -113,7 +113,9 @@ def _load(obj: Any, state: Any) -> None:
 
 
 def fingerprint_value(value: Any) -> int:
-    """A small integer of a state_dict() (tensors by their bytes, the rest by repr)."""
+    """A small integer of a state_dict() (tensors by their bytes, the rest by repr; a dict's keys in
+    sorted order, as the same state may be merged in another order on another rank: torchdata's
+    loader workers add new keys of a dataset's state in a set's order)."""
     h = hashlib.blake2b(digest_size=8)
 
     def walk(v: Any) -> None:
@@ -122,7 +124,7 @@ def fingerprint_value(value: Any) -> int:
             h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(v, dict):
             h.update(b"{")
-            for k in v:
+            for k in sorted(v, key=repr):
                 h.update(repr(k).encode())
                 walk(v[k])
             h.update(b"}")
