@@ -62,15 +62,18 @@ class EpochLoader:
     """The batches of the current step from a ``StatefulDataLoader``, across epochs (see the module doc)."""
 
     def __init__(
-        self, loader: Any, sampler: Any, rank: Callable[[], int], order_rng: torch.Generator | None = None
-    ) -> None:
+        self, loader: Any, sampler: Any, rank: Callable[[], int], order_rng: torch.Generator | None = None,
+        refuse: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
             raise TypeError(
                 f"rt.epochs() needs a loader that saves its position (torchdata's StatefulDataLoader); got "
                 f"{type(loader).__name__}, which a joiner could not resume at the same sample."
             )
-        workerstreams.carry(loader)  # what its workers draw moves with its position
+        workerstreams.carry(loader)  # what its dataset draws moves with its position
         self._loader, self._sampler, self._rank = loader, sampler, rank
+        # told once, when the position says its workers drew streams it cannot carry (an IterableDataset's)
+        self._refuse = refuse if workerstreams.watched(loader) else None
         self._order_rng = order_rng
         self.epoch = 0
         self._it: Any = None
@@ -113,11 +116,24 @@ class EpochLoader:
         after = rng.capture()
         draw = (drawn_from, after) if rng.fingerprint(after) != drawn_from else None
         self._position = {"epoch": self.epoch, "loader": self._loader.state_dict()}
+        if self._refuse is not None:
+            self._refuse_uncarried()
         if self._epoch_rng is not None:
             self._position["rng"] = self._epoch_rng
         self._reader = self._rank()
         self._history.append(_Read(self._reader, before, fingerprint_value(before), item, self._position, draw))
         return item
+
+    def _refuse_uncarried(self) -> None:
+        drew = workerstreams.not_carried(self._position["loader"])
+        if drew and self._refuse is not None:
+            self._refuse(
+                f"the IterableDataset {type(self._loader.dataset).__name__} resumes from its own state_dict, and its "
+                f"loader's worker processes drew from the global {drew} random stream(s), which that state does not "
+                "hold, so a joiner's workers could not continue them; draw from a generator the dataset keeps and "
+                "saves in its state_dict (or make the dataset map-style) to move such a rank live"
+            )
+            self._refuse = None
 
     def _start_iterator(self) -> None:
         if self._sampler is not None:

@@ -162,11 +162,13 @@ def fingerprint(state: RngState) -> int:
     return hash(tuple(sorted(fingerprints(state).items()))) % FINGERPRINT_MOD
 
 
-def _b64(t: torch.Tensor) -> str:
+def b64(t: torch.Tensor) -> str:
+    """A generator's state tensor (bytes) as base64 text, for JSON."""
     return base64.b64encode(t.numpy().tobytes()).decode()
 
 
-def _unb64(s: str) -> torch.Tensor:
+def unb64(s: str) -> torch.Tensor:
+    """The inverse of :func:`b64`."""
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
@@ -174,7 +176,7 @@ def to_json(state: RngState) -> dict[str, Any]:
     """``state`` as plain JSON values."""
     version, internal, gauss = state.python
     out: dict[str, Any] = {
-        "torch_cpu": _b64(state.torch_cpu),
+        "torch_cpu": b64(state.torch_cpu),
         "python": [version, list(internal), gauss],
         "numpy": None,
         "cuda": None,
@@ -184,7 +186,7 @@ def to_json(state: RngState) -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = state.numpy
         out["numpy"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     if state.cuda is not None:
-        out["cuda"] = [_b64(t) for t in state.cuda]
+        out["cuda"] = [b64(t) for t in state.cuda]
     return out
 
 
@@ -196,9 +198,9 @@ def from_json(value: dict[str, Any]) -> RngState:
     if value.get("numpy") is not None and np is not None:
         kind, keys, pos, has_gauss, cached = value["numpy"]
         numpy_state = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
-    cuda = tuple(_unb64(s) for s in value["cuda"]) if value.get("cuda") is not None else None
+    cuda = tuple(unb64(s) for s in value["cuda"]) if value.get("cuda") is not None else None
     return RngState(
-        torch_cpu=_unb64(value["torch_cpu"]),
+        torch_cpu=unb64(value["torch_cpu"]),
         python=(int(version), tuple(int(x) for x in internal), gauss),
         numpy=numpy_state,
         cuda=cuda,

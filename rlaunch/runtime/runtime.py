@@ -314,12 +314,14 @@ class Runtime:
         rank=...)``: the runtime finds which at the first vote; see :mod:`rlaunch.runtime.partition`).
 
         The loader's state holds the base seed of its worker processes, drawn from the global
-        torch generator at each epoch's start, and their random streams once its dataset drew from
-        them (:mod:`rlaunch.runtime.workerstreams`). With a seed per rank (``rt.seed(per_rank=True)``
-        included) it differs by rank: pass ``per_rank=True``, and it is tracked with
-        :meth:`track_per_rank` (a drain moves it, a live replacement is refused). A loader with
-        workers whose position comes to differ by rank all the same is treated so from then on
-        (:meth:`track_if_same`); one without workers is refused by the vote.
+        torch generator at each epoch's start, their random streams once its dataset drew from
+        them, and the generators its dataset holds (:mod:`rlaunch.runtime.workerstreams`). With a
+        seed per rank (``rt.seed(per_rank=True)`` included) it differs by rank: pass
+        ``per_rank=True``, and it is tracked with :meth:`track_per_rank` (a drain moves it, a live
+        replacement is refused). A loader with workers, or over a dataset holding generators, whose
+        position comes to differ by rank all the same is treated so from then on
+        (:meth:`track_if_same`); another is refused by the vote. An ``IterableDataset`` with a state
+        of its own whose workers draw from the global streams refuses live moves with a sentence.
 
         ``order_rng`` is for a sampler that draws its order from a generator at each epoch's start
         (``torch.default_generator`` for a ``RandomSampler`` without one of its own, as Lightning's
@@ -330,7 +332,7 @@ class Runtime:
         ``track=False`` leaves the tracking to the caller, under ``name``: an integration tracks a
         stand-in from the start that makes the loader at its first read (see :mod:`rlaunch.userloop`).
         """
-        data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng)
+        data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng, refuse=self.refuse_moves)
         if workerstreams.carried(loader):
             # its workers' streams may differ by rank (see rlaunch.runtime.workerstreams), however tracked
             self._s.vote.lenient.add(name)

@@ -1,4 +1,4 @@
-"""The random streams of a loader's worker processes, carried in the loader's position.
+"""The random streams a loader's dataset draws from, carried in the loader's position.
 
 A map-style dataset read in worker processes (``num_workers > 0``) that draws random numbers (a
 random transform) draws them from the worker's own streams: torch's, Python's and NumPy's, seeded
@@ -7,14 +7,18 @@ when the worker starts (from the loader's base seed and the worker's id, or by t
 saves each worker's position with its dataset's state (a dataset with ``state_dict``), taken in
 the worker after the batches that position counts; it does not save the streams. A joiner's resumed
 workers started theirs from the seeds again, so its batches' transforms differed from an
-uninterrupted run's for the rest of the epoch, silently.
+uninterrupted run's for the rest of the epoch, silently. The same holds for a generator the dataset
+keeps in an attribute of its own (``self.rng = np.random.default_rng(seed)``), in worker processes
+and in the loader's own process alike (:mod:`rlaunch.runtime.heldgenerators`).
 
 :class:`CarryStreams`, put after the loader's own ``worker_init_fn``, gives each worker's copy of
-the dataset that state: the worker's streams (as a JSON string: it travels in the transfer's
-``weights_only`` blob), beside the dataset's own state when it has one. A worker resumed from a
-position takes them back before it reads. Streams that nothing drew from since the worker seeded
-them are not put in the state, so a loader whose workers draw nothing keeps the same position on
-every rank even when its workers are seeded per rank (``seed_everything(workers=True)``).
+the dataset that state: the worker's streams and the generators the dataset holds (as one JSON
+string: it travels in the transfer's ``weights_only`` blob), beside the dataset's own state when it
+has one. A worker resumed from a position takes them back before it reads. Streams that nothing
+drew from since the worker seeded them are not put in the state, so a loader whose workers draw
+nothing keeps the same position on every rank even when its workers are seeded per rank
+(``seed_everything(workers=True)``). A loader without workers gets the same for the generators its
+dataset holds (:func:`carry`; the global streams of that process are the runtime's own to carry).
 
 Streams that are drawn from may differ by rank: workers seeded per rank, or a transform that draws
 as many numbers as its sample asks for (a crop retried until it fits). A replica's position then
@@ -22,23 +26,34 @@ would not give a lost rank its own streams, so ``rt.epochs`` tracks such a loade
 state the same on every rank only while the script keeps it so (``rt.track_if_same``): once the vote
 finds it differs, a drain still moves it and a live replacement is refused with a sentence.
 
-Generators a dataset holds itself (a ``torch.Generator``, NumPy's ``default_rng``) are its own
-state: a dataset carries them through its own ``state_dict``, which this keeps beside the streams.
+An ``IterableDataset`` is resumed by torchdata in one of two ways. Without a state of its own, a
+resumed worker reads again every sample since the epoch's start, from the same seeds, so its streams
+come back by themselves. With one (the dataset's or its iterator's ``state_dict``), the dataset
+resumes itself, and where its iteration draws is its own: the streams cannot be put back at the
+right moment from outside (a shard order drawn when the iteration starts would be drawn again from
+them). Such a dataset whose workers draw from the global streams is not moved live: its position
+says so (:data:`NOT_CARRIED`) and ``rt.epochs`` refuses live moves with a sentence (:func:`not_carried`).
+Only the dataset's own ``state_dict`` is watched: one on its iterator alone is not seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from rlaunch.runtime import rng
+from rlaunch.runtime import heldgenerators, rng
 
 #: the keys of the state a worker's dataset reports
 STREAMS, DATASET = "rlaunch_worker_streams", "dataset"
+#: the key of a watched ``IterableDataset``'s state naming the global streams its worker drew from
+NOT_CARRIED = "rlaunch_streams_not_carried"
+#: in the streams' JSON: the generators the dataset holds, by attribute name
+HELD = "held"
 
 
 class CarryStreams:
@@ -52,34 +67,62 @@ class CarryStreams:
         if self.then is not None:
             self.then(worker_id)
         info = get_worker_info()
-        if info is not None:
-            _Streams(info.dataset).attach()
+        if info is None:
+            return
+        if isinstance(info.dataset, IterableDataset):
+            _Watch(info.dataset).attach()
+        else:
+            _Streams(info.dataset, in_worker=True).attach()
+
+
+def _own_state(dataset: Any) -> tuple[Any, Any]:
+    """The dataset's own ``state_dict`` and ``load_state_dict`` (Nones unless it has both, as torchdata asks)."""
+    own_state, own_load = getattr(dataset, "state_dict", None), getattr(dataset, "load_state_dict", None)
+    return (own_state, own_load) if callable(own_state) and callable(own_load) else (None, None)
+
+
+def _attach(dataset: Any, state_dict: Any, load_state_dict: Any) -> bool:
+    try:
+        dataset.state_dict = state_dict
+        dataset.load_state_dict = load_state_dict
+        return True
+    except AttributeError:  # a dataset with __slots__ takes no attributes: its streams are not carried
+        return False
 
 
 class _Streams:
-    """The ``state_dict`` and ``load_state_dict`` one worker's dataset is given (its own, if it has
-    them, are called inside)."""
+    """The ``state_dict`` and ``load_state_dict`` a map-style dataset is given (its own, if it has
+    them, are called inside): in a worker, the worker's streams and the generators the dataset holds,
+    once drawn from; in the loader's own process, the generators it holds, always (the dataset object
+    there is the one a standby's sandbox read from too)."""
 
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-        own_state, own_load = getattr(dataset, "state_dict", None), getattr(dataset, "load_state_dict", None)
-        stateful = callable(own_state) and callable(own_load)  # what torchdata asks of a dataset's own state
-        self.own_state, self.own_load = (own_state, own_load) if stateful else (None, None)
-        self.seeded = rng.fingerprints(_streams())
+    def __init__(self, dataset: Any, *, in_worker: bool) -> None:
+        self.dataset, self.in_worker = dataset, in_worker
+        self.own_state, self.own_load = _own_state(dataset)
+        self.seeded = self._prints(self._held())
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
 
-    def attach(self) -> None:
-        try:
-            self.dataset.state_dict = self.state_dict
-            self.dataset.load_state_dict = self.load_state_dict
-        except AttributeError:  # a dataset with __slots__ takes no attributes: its streams are not carried
-            pass
+    def attach(self) -> bool:
+        return _attach(self.dataset, self.state_dict, self.load_state_dict)
+
+    def _held(self) -> dict[str, Any]:
+        return {name: heldgenerators.encode(g) for name, g in heldgenerators.held(self.dataset).items()}
+
+    def _prints(self, held: dict[str, Any]) -> dict[str, int]:
+        prints = {name: _digest(value) for name, value in held.items()}
+        if self.in_worker:
+            prints.update({f"global.{name}": value for name, value in rng.fingerprints(_streams()).items()})
+        return prints
 
     def state_dict(self) -> dict[str, Any]:
-        now = _streams()
-        self.drawn.update(name for name, print_ in rng.fingerprints(now).items() if print_ != self.seeded.get(name))
+        held = self._held()
+        if self.in_worker:
+            now = self._prints(held)
+            self.drawn.update(name for name, print_ in now.items() if print_ != self.seeded.get(name))
+        else:
+            self.drawn.update(held)
         own = self.own_state() if self.own_state is not None else None
-        return {STREAMS: _encode(now, self.drawn), DATASET: own}
+        return {STREAMS: _encode(_streams() if self.in_worker else None, held, self.drawn), DATASET: own}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if STREAMS not in state:  # a position saved without the streams (a checkpoint from before them)
@@ -88,10 +131,39 @@ class _Streams:
             return
         if self.own_load is not None and state.get(DATASET) is not None:
             self.own_load(state[DATASET])
-        if state.get(STREAMS) is not None:
-            carried = json.loads(state[STREAMS])
+        if state.get(STREAMS) is None:
+            return
+        carried = json.loads(state[STREAMS])
+        held = carried.pop(HELD, {})
+        for name, value in held.items():
+            heldgenerators.restore(self.dataset, name, value)
+        self.drawn.update(held)
+        if carried and self.in_worker:
             rng.restore(rng.from_json({**rng.to_json(_streams()), **carried}))
-            self.drawn.update(name for name, key in _KEYS.items() if key in carried)
+            self.drawn.update(f"global.{name}" for name, key in _KEYS.items() if key in carried)
+
+
+class _Watch:
+    """The ``state_dict`` an ``IterableDataset`` with a state of its own is given in a worker: its own,
+    with the global streams the worker drew from (:data:`NOT_CARRIED`; see the module docstring). A
+    dataset without one keeps none, so torchdata still resumes it by reading again."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.own_state, self.own_load = _own_state(dataset)
+        self.seeded = rng.fingerprints(_streams())
+
+    def attach(self) -> None:
+        if self.own_state is not None:
+            _attach(self.dataset, self.state_dict, self.load_state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        now = rng.fingerprints(_streams())
+        drawn = sorted(name for name, print_ in now.items() if print_ != self.seeded.get(name))
+        return {NOT_CARRIED: ", ".join(drawn) or None, DATASET: self.own_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.own_load(state[DATASET] if NOT_CARRIED in state else state)
 
 
 #: each stream's name in rng.fingerprints, and its key in rng.to_json
@@ -99,33 +171,76 @@ _KEYS = {"torch": "torch_cpu", "python": "python", "numpy": "numpy"}
 
 
 def _streams() -> rng.RngState:
-    """This worker's streams (a loader's worker never uses the GPU's)."""
+    """This process's global streams (a loader's worker never uses the GPU's)."""
     return dataclasses.replace(rng.capture(), cuda=None, cuda_device=None)
 
 
-def _encode(streams: rng.RngState, drawn: set[str]) -> str | None:
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(json.dumps(value).encode(), digest_size=8).digest(), "little")
+
+
+def _encode(streams: rng.RngState | None, held: dict[str, Any], drawn: set[str]) -> str | None:
     """The streams drawn from, as one string (None when none was). One string: torchdata merges a
     worker's successive states key by key, and keys it adds come out in an order of its own in each
     process (a set's), which would make the same position fingerprint differently on two ranks."""
-    if not drawn:
-        return None
-    values = rng.to_json(streams)
-    return json.dumps({_KEYS[name]: values[_KEYS[name]] for name in sorted(drawn)}, sort_keys=True)
+    out: dict[str, Any] = {}
+    if streams is not None and any(name.startswith("global.") for name in drawn):
+        values = rng.to_json(streams)
+        out = {key: values[key] for name, key in _KEYS.items() if f"global.{name}" in drawn}
+    kept = {name: value for name, value in held.items() if name in drawn}
+    if kept:
+        out[HELD] = kept
+    return json.dumps(out, sort_keys=True) if out else None
 
 
 def carry(loader: Any) -> None:
-    """Make ``loader``'s worker processes report their streams (see the module docstring): a loader
-    with workers over a map-style dataset, before it starts them. Nothing changes for the batches."""
-    if not getattr(loader, "num_workers", 0) or isinstance(getattr(loader, "dataset", None), IterableDataset):
+    """Make ``loader``'s dataset report the streams it draws from (see the module docstring), before
+    the loader reads: its workers' streams, and the generators the dataset holds; an
+    ``IterableDataset``'s workers are watched instead. Nothing changes for the batches."""
+    if getattr(loader, "num_workers", 0):
+        if not isinstance(loader.worker_init_fn, CarryStreams):
+            loader.worker_init_fn = CarryStreams(loader.worker_init_fn)
         return
-    if isinstance(loader.worker_init_fn, CarryStreams):
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDataset) or not heldgenerators.held(dataset) or carried(loader):
         return
-    loader.worker_init_fn = CarryStreams(loader.worker_init_fn)
+    _Streams(dataset, in_worker=False).attach()
 
 
 def carried(loader: Any) -> bool:
-    """Whether ``loader``'s workers put their streams in its position (see :func:`carry`)."""
-    return isinstance(getattr(loader, "worker_init_fn", None), CarryStreams)
+    """Whether ``loader``'s position holds streams that may differ by rank (see :func:`carry`): its
+    workers' over a map-style dataset, or the generators its dataset holds."""
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return False
+    if isinstance(getattr(loader, "worker_init_fn", None), CarryStreams):
+        return True
+    state_dict = getattr(getattr(loader, "dataset", None), "state_dict", None)
+    return isinstance(getattr(state_dict, "__self__", None), _Streams)
+
+
+def watched(loader: Any) -> bool:
+    """Whether ``loader``'s positions may say that its workers' streams are not carried (:func:`not_carried`)."""
+    return isinstance(getattr(loader, "worker_init_fn", None), CarryStreams) and isinstance(
+        getattr(loader, "dataset", None), IterableDataset
+    )
+
+
+def not_carried(position: Any) -> str:
+    """The global streams a watched ``IterableDataset``'s workers drew from, as the loader's
+    ``position`` names them ("" when none did)."""
+    names = sorted({name for found in _found(position) for name in found.split(", ")})
+    return ", ".join(names)
+
+
+def _found(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        if value.get(NOT_CARRIED):
+            yield value[NOT_CARRIED]
+        for v in value.values():
+            yield from _found(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _found(v)
 
 
 def script_init(fn: Any) -> Any:

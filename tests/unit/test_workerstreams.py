@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import io
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from rlaunch.runtime import workerstreams
@@ -203,3 +204,67 @@ def test_a_position_saved_before_the_streams_were_carried_keeps_the_datasets_own
     resumed.load_state_dict(position)
     again = iter(resumed)
     assert [next(again).flatten().tolist() for _ in range(2)] == expected == [[3.0, 4.0], [5.0, 6.0]]
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """An iterable dataset split between the workers, each sample drawn with a random jitter (``jitter``)."""
+
+    def __init__(self, jitter: bool = True) -> None:
+        self.jitter = jitter
+
+    def _mine(self) -> list[int]:
+        info = get_worker_info()
+        return list(range(info.id, 48, info.num_workers)) if info is not None else list(range(48))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in self._mine():
+            yield torch.tensor([float(i)]) + (torch.rand(1) if self.jitter else 0.0)
+
+
+class ResumingStream(Stream):
+    """The same, resuming from a position of its own (so torchdata does not read it again to resume)."""
+
+    def __init__(self, jitter: bool = True) -> None:
+        super().__init__(jitter)
+        self.done = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        mine = self._mine()
+        while self.done < len(mine):
+            self.done += 1
+            yield torch.tensor([float(mine[self.done - 1])]) + (torch.rand(1) if self.jitter else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done = state["done"]
+
+
+def test_an_iterable_dataset_that_resumes_itself_and_draws_in_its_workers_refuses_live_moves() -> None:
+    rt = plain_runtime()
+    data = rt.epochs(StatefulDataLoader(ResumingStream(), batch_size=4, num_workers=2))
+    quiet = rt.epochs(StatefulDataLoader(ResumingStream(jitter=False), batch_size=4, num_workers=2), name="quiet")
+    for _ in range(3):
+        quiet.batch()
+    assert not rt._s.refused, "workers that draw nothing are moved live"
+    data.batch()
+    assert "IterableDataset ResumingStream" in rt._s.refused and "global torch random stream" in rt._s.refused
+    assert "data" not in rt._s.vote.lenient, "its streams are refused, not carried"
+
+
+def test_an_iterable_dataset_torchdata_reads_again_to_resume_keeps_its_streams_and_moves_live() -> None:
+    """Without a state of its own, a resumed worker reads every sample again from the same seed: the
+    watch must leave it so (a state of any kind would stop torchdata from reading again)."""
+    rt = plain_runtime()
+    torch.manual_seed(0)
+    sender = rt.epochs(StatefulDataLoader(Stream(), batch_size=4, num_workers=2))
+    for _ in range(3):
+        sender.batch()
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(5)]
+    torch.manual_seed(1)
+    joiner = rt.epochs(StatefulDataLoader(Stream(), batch_size=4, num_workers=2), name="joiner")
+    joiner.load_state_dict(position)
+    assert all(torch.equal(a, b) for a, b in zip(expected, [joiner.batch() for _ in range(5)], strict=True))
+    assert not rt._s.refused

@@ -1,0 +1,120 @@
+"""Random generators a dataset holds in its own attributes, as JSON values.
+
+A dataset that draws its transforms from a generator of its own (``self.rng =
+np.random.default_rng(seed)``, a ``torch.Generator``, a ``random.Random``) keeps that stream
+outside the global ones the runtime carries, and outside the loader's position unless its own
+``state_dict`` holds it. :func:`held` finds such generators among an object's attributes (not
+inside other objects), :func:`encode` gives their states as plain JSON values (they travel as a
+string in the transfer's ``weights_only`` blob, so no pickle on network bytes), and :func:`restore`
+puts states back, making the generator when the attribute is still empty (a dataset that creates
+its generator at its first read, in each worker).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+
+from rlaunch.runtime import rng
+
+
+def _numpy() -> Any:
+    return sys.modules.get("numpy")  # NumPy's generators exist only where the script imported it
+
+
+def _kind(value: Any) -> str | None:
+    """The kind of generator ``value`` is, as :func:`encode` names it (None: not a generator)."""
+    if isinstance(value, torch.Generator):
+        return "torch" if value.device.type == "cpu" else None
+    if isinstance(value, random.Random):
+        return None if isinstance(value, random.SystemRandom) else "python"  # SystemRandom has no state
+    np = _numpy()
+    if np is not None:
+        if isinstance(value, np.random.Generator):
+            return "numpy"
+        if isinstance(value, np.random.RandomState):
+            return "numpy_legacy"
+    return None
+
+
+def held(obj: Any) -> dict[str, Any]:
+    """The generators among ``obj``'s own attributes, by attribute name."""
+    attributes = getattr(obj, "__dict__", None) or {}
+    return {name: value for name, value in attributes.items() if _kind(value) is not None}
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy bit generator's state as JSON values (its arrays as dtype and list)."""
+    np = _numpy()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if np is not None and isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    return value
+
+
+def _unplain(value: Any) -> Any:
+    np = _numpy()
+    if isinstance(value, dict):
+        if set(value) == {"ndarray", "dtype"}:
+            return np.array(value["ndarray"], dtype=value["dtype"])
+        return {k: _unplain(v) for k, v in value.items()}
+    return value
+
+
+def encode(generator: Any) -> dict[str, Any]:
+    """``generator``'s state as JSON values, with its kind."""
+    kind = _kind(generator)
+    if kind == "torch":
+        return {"kind": kind, "state": rng.b64(generator.get_state())}
+    if kind == "python":
+        version, internal, gauss = generator.getstate()
+        return {"kind": kind, "state": [version, list(internal), gauss]}
+    if kind == "numpy":
+        return {"kind": kind, "state": _plain(generator.bit_generator.state)}
+    if kind == "numpy_legacy":
+        name, keys, pos, has_gauss, cached = generator.get_state()
+        return {"kind": kind, "state": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+    raise TypeError(f"{type(generator).__name__} is not a random generator whose state can be carried.")
+
+
+def restore(obj: Any, name: str, value: dict[str, Any]) -> None:
+    """Put state ``value`` (from :func:`encode`) into ``obj``'s generator ``name``, made when missing."""
+    generator: Any = getattr(obj, name, None)
+    kind = value["kind"]
+    if _kind(generator) != kind:
+        generator = _make(kind, value["state"])
+        setattr(obj, name, generator)
+    if kind == "torch":
+        generator.set_state(rng.unb64(value["state"]))
+    elif kind == "python":
+        version, internal, gauss = value["state"]
+        generator.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    elif kind == "numpy":
+        generator.bit_generator.state = _unplain(value["state"])
+    else:
+        name_, keys, pos, has_gauss, cached = value["state"]
+        generator.set_state((name_, _numpy().array(keys, dtype="uint32"), pos, has_gauss, cached))
+
+
+def _make(kind: str, state: Any) -> Any:
+    """A fresh generator of ``kind`` (its state is set by the caller)."""
+    if kind == "torch":
+        return torch.Generator()
+    if kind == "python":
+        return random.Random()
+    np = _numpy()
+    if np is None:
+        raise RuntimeError(f"A carried NumPy generator ({kind}) cannot be restored where NumPy was never imported.")
+    if kind == "numpy":
+        if state.get("bit_generator") not in _BIT_GENERATORS:
+            raise ValueError(f"A carried NumPy state names an unknown bit generator {state.get('bit_generator')!r}.")
+        return np.random.Generator(getattr(np.random, state["bit_generator"])())
+    return np.random.RandomState()
+
+
+#: the bit generators NumPy ships, which a carried state may name
+_BIT_GENERATORS = frozenset({"PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"})

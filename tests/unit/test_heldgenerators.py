@@ -1,0 +1,157 @@
+"""Generators a dataset holds in its own attributes move with the loader's position.
+
+Real torchdata ``StatefulDataLoader``s, read in two worker processes or in the loader's own
+process. A joiner's loader, resumed from a position taken partway through an epoch (sent through
+a ``weights_only`` blob), must read the batches the sender goes on to read, random transforms drawn
+from the dataset's own generator included.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from rlaunch.runtime import heldgenerators
+from rlaunch.runtime.data import EpochLoader
+from tests.one_rank import plain_runtime
+
+
+class OwnNumpy(Dataset[torch.Tensor]):
+    """A transform drawn from a NumPy generator each worker makes at its first read (the usual way to
+    give each worker a stream of its own), seeded from the worker's torch seed."""
+
+    def __init__(self) -> None:
+        self.rng: np.random.Generator | None = None
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.rng is None:
+            self.rng = np.random.default_rng(torch.initial_seed() % 2**32)
+        return torch.tensor([float(i) + self.rng.random()])
+
+
+class OwnTorch(Dataset[torch.Tensor]):
+    """A transform drawn from a torch generator made with the dataset (read in the loader's process)."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self.noise = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1, generator=self.noise)
+
+
+def _through_the_wire(state: dict[str, Any]) -> dict[str, Any]:
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=True)  # type: ignore[no-any-return]
+
+
+def _resumed(make: Any, workers: int, carried: bool = True, sandbox_reads: int = 0) -> tuple[list[Any], list[Any]]:
+    """Five batches read on after a position taken at batch 3, by the loader itself and by a joiner's
+    (whose sandbox first read ``sandbox_reads`` batches of its own from the same dataset object)."""
+    torch.manual_seed(0)
+    sender = EpochLoader(StatefulDataLoader(make(), batch_size=4, num_workers=workers), None, lambda: 0)
+    for _ in range(3):
+        sender.batch()
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(5)]
+    torch.manual_seed(1)
+    dataset = make()
+    joiner = EpochLoader(StatefulDataLoader(dataset, batch_size=4, num_workers=workers), None, lambda: 0)
+    if not carried:  # as rt.epochs was before held generators were carried
+        del dataset.state_dict, dataset.load_state_dict
+    for _ in range(sandbox_reads):
+        joiner.batch()
+    joiner.load_state_dict(position)
+    return expected, [joiner.batch() for _ in range(5)]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_generator_each_worker_makes_at_its_first_read_is_carried_to_a_joiners_workers() -> None:
+    expected, got = _resumed(OwnNumpy, workers=2)
+    assert _same(expected, got)
+
+
+def test_a_generator_the_dataset_holds_is_carried_in_the_loaders_own_process() -> None:
+    expected, got = _resumed(OwnTorch, workers=0, sandbox_reads=2)
+    assert _same(expected, got), "the joiner's sandbox drew from the same dataset object first"
+
+
+def test_without_carrying_a_joiner_would_draw_other_transforms() -> None:
+    expected, got = _resumed(OwnTorch, workers=0, carried=False)
+    assert not _same(expected, got), "the test could not fail"
+
+
+def test_rt_epochs_holds_a_loader_whose_dataset_holds_generators_to_the_same_state_only_while_it_is() -> None:
+    rt = plain_runtime()
+    rt.epochs(StatefulDataLoader(OwnTorch(), batch_size=4), name="own")
+    rt.epochs(StatefulDataLoader(OwnNumpy(), batch_size=4), name="lazy")
+    assert rt._s.vote.lenient == {"own"}, "a generator seeded per rank would make the position differ by rank"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.Generator().manual_seed(3),
+        lambda: random.Random(3),
+        lambda: np.random.default_rng(3),
+        lambda: np.random.Generator(np.random.MT19937(3)),
+        lambda: np.random.Generator(np.random.Philox(3)),
+        lambda: np.random.RandomState(3),
+    ],
+    ids=["torch", "python", "numpy", "numpy-mt19937", "numpy-philox", "numpy-legacy"],
+)
+def test_every_kind_of_generator_goes_through_json_and_continues_its_stream(make: Any) -> None:
+    class Holder:
+        pass
+
+    sender, joiner = Holder(), Holder()
+    sender.g = make()  # type: ignore[attr-defined]
+    _draw(sender.g)  # type: ignore[attr-defined]
+    assert list(heldgenerators.held(sender)) == ["g"]
+    state = json.loads(json.dumps(heldgenerators.encode(sender.g)))  # type: ignore[attr-defined]
+    heldgenerators.restore(joiner, "g", state)  # made where the attribute is missing
+    assert _draw(joiner.g) == _draw(sender.g)  # type: ignore[attr-defined]
+
+
+def _draw(g: Any) -> float:
+    if isinstance(g, torch.Generator):
+        return float(torch.rand(1, generator=g))
+    return float(g.random() if not isinstance(g, np.random.RandomState) else g.random_sample())
+
+
+def test_a_carried_state_naming_an_unknown_bit_generator_is_refused() -> None:
+    state = heldgenerators.encode(np.random.default_rng(0))
+    state["state"]["bit_generator"] = "seed"  # np.random.seed would reseed the global stream
+
+    class Holder:
+        pass
+
+    with pytest.raises(ValueError, match="unknown bit generator 'seed'"):
+        heldgenerators.restore(Holder(), "g", state)
+
+
+def test_generators_nobody_can_carry_are_not_held() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.system = random.SystemRandom()  # no state
+            self.count = 3
+
+    assert heldgenerators.held(Holder()) == {}
