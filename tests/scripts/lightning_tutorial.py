@@ -22,6 +22,7 @@ import hashlib
 import os
 import time
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -78,17 +79,22 @@ class Pace(pl.Callback):
 
 
 class Jittered(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A dataset whose samples get a random transform when read (torch's RNG in the reading process)."""
+    """A dataset whose samples get a random transform when read: a jitter from torch's RNG in the reading
+    process, and a scale from a NumPy generator the reading process makes at its first read (the way
+    tutorials give each loader worker a stream of its own)."""
 
     def __init__(self, data: TensorDataset) -> None:
         self.data = data
+        self.rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rng is None:
+            self.rng = np.random.default_rng(torch.initial_seed() % 2**32)
         x, y = self.data[i]
-        return x + 0.05 * torch.randn_like(x), y
+        return (x + 0.05 * torch.randn_like(x)) * float(self.rng.uniform(0.9, 1.1)), y
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
