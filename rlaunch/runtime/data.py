@@ -63,7 +63,7 @@ class EpochLoader:
 
     def __init__(
         self, loader: Any, sampler: Any, rank: Callable[[], int], order_rng: torch.Generator | None = None,
-        refuse: Callable[[str], None] | None = None,
+        refuse: Callable[[str], None] | None = None, varies: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
             raise TypeError(
@@ -74,6 +74,9 @@ class EpochLoader:
         self._loader, self._sampler, self._rank = loader, sampler, rank
         # told once, when the position says its workers drew streams it cannot carry (an IterableDataset's)
         self._refuse = refuse if workerstreams.watched(loader) else None
+        # told once, when its position comes to hold streams that may differ by rank (workerstreams.carried)
+        self._varies = varies
+        self._carries()
         self._order_rng = order_rng
         self.epoch = 0
         self._it: Any = None
@@ -118,11 +121,18 @@ class EpochLoader:
         self._position = {"epoch": self.epoch, "loader": self._loader.state_dict()}
         if self._refuse is not None:
             self._refuse_uncarried()
+        if self._varies is not None:
+            self._carries()
         if self._epoch_rng is not None:
             self._position["rng"] = self._epoch_rng
         self._reader = self._rank()
         self._history.append(_Read(self._reader, before, fingerprint_value(before), item, self._position, draw))
         return item
+
+    def _carries(self) -> None:
+        if self._varies is not None and workerstreams.carried(self._loader):
+            self._varies()
+            self._varies = None
 
     def _refuse_uncarried(self) -> None:
         drew = workerstreams.not_carried(self._position["loader"])
@@ -181,6 +191,11 @@ class EpochLoader:
         self._it, self._again = None, deque()
         self._history.clear()
         self._loader.load_state_dict(state["loader"])
+        if not state["loader"]:  # a position from before the first read
+            workerstreams.rewind(self._loader)
+        if self._varies is not None and workerstreams.carries(state):
+            self._varies()  # as the ranks that sent it are, before this rank reads
+            self._varies = None
         self._epoch_rng = state.get("rng")
         self._resumed = True
         self._position, self._reader = state, self._rank()

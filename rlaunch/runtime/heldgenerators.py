@@ -60,9 +60,15 @@ def _unplain(value: Any) -> Any:
     np = _numpy()
     if isinstance(value, dict):
         if set(value) == {"ndarray", "dtype"}:
+            if value["dtype"] not in ("uint32", "uint64") or len(value["ndarray"]) > _MAX_WORDS:
+                raise ValueError(f"A carried NumPy state holds an array no NumPy generator has ({value['dtype']}).")
             return np.array(value["ndarray"], dtype=value["dtype"])
         return {k: _unplain(v) for k, v in value.items()}
     return value
+
+
+#: the most words a NumPy bit generator's state array holds (MT19937's key: 624)
+_MAX_WORDS = 1024
 
 
 def encode(generator: Any) -> dict[str, Any]:
@@ -82,10 +88,20 @@ def encode(generator: Any) -> dict[str, Any]:
 
 
 def restore(obj: Any, name: str, value: dict[str, Any]) -> None:
-    """Put state ``value`` (from :func:`encode`) into ``obj``'s generator ``name``, made when missing."""
+    """Put state ``value`` (from :func:`encode`) into ``obj``'s generator ``name``, made when the
+    attribute is missing or None. The value came over the network: anything else is refused."""
+    kind = value.get("kind")
+    if kind not in _KINDS:
+        raise ValueError(f"A carried generator state names an unknown kind {kind!r}.")
+    if not name.isidentifier() or name.startswith("__"):
+        raise ValueError(f"A carried generator state names the attribute {name!r}, which no dataset's generator has.")
     generator: Any = getattr(obj, name, None)
-    kind = value["kind"]
-    if _kind(generator) != kind:
+    if generator is not None and _kind(generator) != kind:
+        raise ValueError(
+            f"A carried {kind} generator state is for {type(obj).__name__}.{name}, which here holds a "
+            f"{type(generator).__name__}: the joiner's dataset is not built as the sender's."
+        )
+    if generator is None:
         generator = _make(kind, value["state"])
         setattr(obj, name, generator)
     if kind == "torch":
@@ -116,5 +132,7 @@ def _make(kind: str, state: Any) -> Any:
     return np.random.RandomState()
 
 
+#: the kinds :func:`encode` gives
+_KINDS = frozenset({"torch", "python", "numpy", "numpy_legacy"})
 #: the bit generators NumPy ships, which a carried state may name
 _BIT_GENERATORS = frozenset({"PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"})

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rlaunch.errors import RlaunchError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify, workerstreams
+from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
@@ -332,10 +332,11 @@ class Runtime:
         ``track=False`` leaves the tracking to the caller, under ``name``: an integration tracks a
         stand-in from the start that makes the loader at its first read (see :mod:`rlaunch.userloop`).
         """
-        data = EpochLoader(loader, sampler, lambda: self._voting.part(name), order_rng, refuse=self.refuse_moves)
-        if workerstreams.carried(loader):
-            # its workers' streams may differ by rank (see rlaunch.runtime.workerstreams), however tracked
-            self._s.vote.lenient.add(name)
+        data = EpochLoader(
+            loader, sampler, lambda: self._voting.part(name), order_rng, refuse=self.refuse_moves,
+            # the streams its position carries may differ by rank (rlaunch.runtime.workerstreams), however tracked
+            varies=lambda: self._s.vote.lenient.add(name),
+        )  # fmt: skip
         if partition.has_partition(sampler):
             self._voting.samplers[name] = sampler
         if not track:

@@ -99,7 +99,9 @@ class _Streams:
     def __init__(self, dataset: Any, *, in_worker: bool) -> None:
         self.dataset, self.in_worker = dataset, in_worker
         self.own_state, self.own_load = _own_state(dataset)
-        self.seeded = self._prints(self._held())
+        self.built = self._held()  # the generators as the dataset was built (what a position from its start holds)
+        self.attributes = set(getattr(dataset, "__dict__", ()))  # its attributes then (one made since was None)
+        self.seeded = self._prints(self.built)
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
 
     def attach(self) -> bool:
@@ -131,16 +133,27 @@ class _Streams:
             return
         if self.own_load is not None and state.get(DATASET) is not None:
             self.own_load(state[DATASET])
-        if state.get(STREAMS) is None:
-            return
-        carried = json.loads(state[STREAMS])
+        carried = json.loads(state[STREAMS]) if state.get(STREAMS) is not None else {}
         held = carried.pop(HELD, {})
         for name, value in held.items():
             heldgenerators.restore(self.dataset, name, value)
         self.drawn.update(held)
+        if not self.in_worker:  # the position holds every generator the dataset held: others are as built
+            self.rewind(keep=set(held))
         if carried and self.in_worker:
             rng.restore(rng.from_json({**rng.to_json(_streams()), **carried}))
             self.drawn.update(f"global.{name}" for name, key in _KEYS.items() if key in carried)
+
+    def rewind(self, keep: set[str]) -> None:
+        """Put the generators the dataset holds, but those in ``keep``, back as it was built (one made
+        since then is unmade): in this process, a standby's sandbox read from the same dataset object."""
+        for name in set(heldgenerators.held(self.dataset)) - keep:
+            if name in self.built:
+                heldgenerators.restore(self.dataset, name, self.built[name])
+            elif name in self.attributes:
+                setattr(self.dataset, name, None)
+            else:
+                delattr(self.dataset, name)
 
 
 class _Watch:
@@ -195,27 +208,46 @@ def _encode(streams: rng.RngState | None, held: dict[str, Any], drawn: set[str])
 
 def carry(loader: Any) -> None:
     """Make ``loader``'s dataset report the streams it draws from (see the module docstring), before
-    the loader reads: its workers' streams, and the generators the dataset holds; an
-    ``IterableDataset``'s workers are watched instead. Nothing changes for the batches."""
+    the loader reads: its workers' streams and the generators the dataset holds, or, without
+    workers, the generators the dataset holds (now or once it made them); an ``IterableDataset``'s
+    workers are watched instead. Nothing changes for the batches."""
     if getattr(loader, "num_workers", 0):
         if not isinstance(loader.worker_init_fn, CarryStreams):
             loader.worker_init_fn = CarryStreams(loader.worker_init_fn)
         return
     dataset = getattr(loader, "dataset", None)
-    if isinstance(dataset, IterableDataset) or not heldgenerators.held(dataset) or carried(loader):
+    if dataset is None or isinstance(dataset, IterableDataset) or _attached(loader) is not None:
         return
     _Streams(dataset, in_worker=False).attach()
 
 
+def _attached(loader: Any) -> _Streams | None:
+    """The state :func:`carry` gave ``loader``'s dataset in this process (None: none)."""
+    owner = getattr(getattr(getattr(loader, "dataset", None), "state_dict", None), "__self__", None)
+    return owner if isinstance(owner, _Streams) else None
+
+
 def carried(loader: Any) -> bool:
     """Whether ``loader``'s position holds streams that may differ by rank (see :func:`carry`): its
-    workers' over a map-style dataset, or the generators its dataset holds."""
-    if isinstance(getattr(loader, "dataset", None), IterableDataset):
-        return False
+    workers' (or, over an ``IterableDataset`` with a state of its own, which of them its workers drew
+    from), from the start; or generators its dataset holds in this process, once it reported one."""
     if isinstance(getattr(loader, "worker_init_fn", None), CarryStreams):
-        return True
-    state_dict = getattr(getattr(loader, "dataset", None), "state_dict", None)
-    return isinstance(getattr(state_dict, "__self__", None), _Streams)
+        return not isinstance(loader.dataset, IterableDataset) or _own_state(loader.dataset)[0] is not None
+    streams = _attached(loader)
+    return streams is not None and bool(streams.drawn)
+
+
+def carries(position: Any) -> bool:
+    """Whether a loader's ``position`` holds any streams (:func:`carried` for a position received)."""
+    return any(True for _ in _found(position, STREAMS))
+
+
+def rewind(loader: Any) -> None:
+    """Put the generators ``loader``'s dataset holds in this process back as it was built (a joiner
+    given a position from before the loader's first read: nothing in it says where they stand)."""
+    streams = _attached(loader)
+    if streams is not None:
+        streams.rewind(keep=set())
 
 
 def watched(loader: Any) -> bool:
@@ -228,19 +260,20 @@ def watched(loader: Any) -> bool:
 def not_carried(position: Any) -> str:
     """The global streams a watched ``IterableDataset``'s workers drew from, as the loader's
     ``position`` names them ("" when none did)."""
-    names = sorted({name for found in _found(position) for name in found.split(", ")})
+    names = sorted({name for found in _found(position, NOT_CARRIED) for name in found.split(", ")})
     return ", ".join(names)
 
 
-def _found(value: Any) -> Iterator[str]:
+def _found(value: Any, key: str) -> Iterator[Any]:
+    """The values under ``key`` that are not None, anywhere in ``value``."""
     if isinstance(value, dict):
-        if value.get(NOT_CARRIED):
-            yield value[NOT_CARRIED]
+        if value.get(key) is not None:
+            yield value[key]
         for v in value.values():
-            yield from _found(v)
+            yield from _found(v, key)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _found(v)
+            yield from _found(v, key)
 
 
 def script_init(fn: Any) -> Any:

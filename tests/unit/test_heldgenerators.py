@@ -94,16 +94,82 @@ def test_a_generator_the_dataset_holds_is_carried_in_the_loaders_own_process() -
     assert _same(expected, got), "the joiner's sandbox drew from the same dataset object first"
 
 
+def test_a_generator_the_dataset_makes_at_its_first_read_is_carried_in_the_loaders_own_process() -> None:
+    expected, got = _resumed(OwnNumpy, workers=0, sandbox_reads=2)
+    assert _same(expected, got)
+
+
+@pytest.mark.parametrize("make", [OwnTorch, OwnNumpy], ids=["built", "made-at-first-read"])
+def test_a_joiner_given_the_position_from_before_the_first_read_reads_what_the_sender_read(make: Any) -> None:
+    """Nothing in that position says where the generators stand: they are put back as the dataset was
+    built, whatever the joiner's sandbox drew from the same dataset object."""
+    torch.manual_seed(0)
+    sender = EpochLoader(StatefulDataLoader(make(), batch_size=4), None, lambda: 0)
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(3)]
+    joiner = EpochLoader(StatefulDataLoader(make(), batch_size=4), None, lambda: -1)  # a sandbox reads for -1
+    joiner.batch()
+    joiner.batch()
+    joiner._rank = lambda: 0  # the rank it joins as
+    joiner.load_state_dict(position)
+    assert _same(expected, [joiner.batch() for _ in range(3)])
+
+
+class LateNumpy(OwnNumpy):
+    """Makes its generator, with a seed of its own, at the first sample that needs one (from sample 8 on)."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i < 8:
+            return torch.tensor([float(i)])
+        if self.rng is None:
+            self.rng = np.random.default_rng(1234)
+        return torch.tensor([float(i) + self.rng.random()])
+
+
+def test_a_generator_the_sender_had_not_made_yet_is_unmade_in_the_joiner() -> None:
+    torch.manual_seed(0)
+    sender = EpochLoader(StatefulDataLoader(LateNumpy(), batch_size=4), None, lambda: 0)
+    sender.batch()
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(3)]
+    torch.manual_seed(1)
+    joiner = EpochLoader(StatefulDataLoader(LateNumpy(), batch_size=4), None, lambda: -1)
+    for _ in range(3):  # its sandbox made the generator from its own seed
+        joiner.batch()
+    joiner._rank = lambda: 0
+    joiner.load_state_dict(position)
+    assert _same(expected, [joiner.batch() for _ in range(3)])
+
+
+def test_a_joiner_holds_a_received_position_with_generators_to_the_same_state_only_while_it_is() -> None:
+    """Before its first read, as the ranks that sent the position do."""
+    rt = plain_runtime()
+    sender = EpochLoader(StatefulDataLoader(OwnTorch(), batch_size=4), None, lambda: 0)
+    sender.batch()
+    joiner = rt.epochs(StatefulDataLoader(OwnTorch(), batch_size=4))
+    assert not rt._s.vote.lenient
+    joiner.load_state_dict(_through_the_wire(sender.state_dict()))
+    assert rt._s.vote.lenient == {"data"}
+
+
 def test_without_carrying_a_joiner_would_draw_other_transforms() -> None:
     expected, got = _resumed(OwnTorch, workers=0, carried=False)
     assert not _same(expected, got), "the test could not fail"
 
 
 def test_rt_epochs_holds_a_loader_whose_dataset_holds_generators_to_the_same_state_only_while_it_is() -> None:
+    """A generator seeded per rank makes the position differ by rank: a loader whose position carries
+    one is remembered by the vote when it differs, not refused (a drain still moves it)."""
     rt = plain_runtime()
-    rt.epochs(StatefulDataLoader(OwnTorch(), batch_size=4), name="own")
-    rt.epochs(StatefulDataLoader(OwnNumpy(), batch_size=4), name="lazy")
-    assert rt._s.vote.lenient == {"own"}, "a generator seeded per rank would make the position differ by rank"
+    loaders = {
+        "own": rt.epochs(StatefulDataLoader(OwnTorch(), batch_size=4), name="own"),
+        "lazy": rt.epochs(StatefulDataLoader(OwnNumpy(), batch_size=4), name="lazy"),
+        "plain": rt.epochs(StatefulDataLoader(range(48), batch_size=4), name="plain"),  # type: ignore[arg-type]
+    }
+    assert not rt._s.vote.lenient, "nothing carried before the first read"
+    for data in loaders.values():
+        data.batch()
+    assert rt._s.vote.lenient == {"own", "lazy"}, "the lazy one made its generator at its first read"
 
 
 @pytest.mark.parametrize(
@@ -155,3 +221,31 @@ def test_generators_nobody_can_carry_are_not_held() -> None:
             self.count = 3
 
     assert heldgenerators.held(Holder()) == {}
+
+
+class Built:
+    def __init__(self) -> None:
+        self.data = [1, 2, 3]
+        self.rng = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("__class__", {"kind": "torch", "state": ""}, "names the attribute '__class__'"),
+        ("data", {"kind": "torch", "state": ""}, "Built.data, which here holds a list"),
+        ("rng", {"kind": "pickle", "state": ""}, "unknown kind 'pickle'"),
+        (
+            "rng",
+            {"kind": "numpy", "state": {"bit_generator": "PCG64", "state": {"ndarray": [0], "dtype": "U200000000"}}},
+            "an array no NumPy generator has (U200000000)",
+        ),
+    ],
+    ids=["dunder", "not-a-generator", "kind", "dtype"],
+)
+def test_a_received_generator_state_no_dataset_could_have_sent_is_refused(name: str, value: Any, said: str) -> None:
+    """The state arrives over the network: it may set only a generator, of the kind the dataset holds."""
+    built = Built()
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        heldgenerators.restore(built, name, value)
+    assert built.data == [1, 2, 3]

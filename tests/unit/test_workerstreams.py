@@ -250,7 +250,7 @@ def test_an_iterable_dataset_that_resumes_itself_and_draws_in_its_workers_refuse
     assert not rt._s.refused, "workers that draw nothing are moved live"
     data.batch()
     assert "IterableDataset ResumingStream" in rt._s.refused and "global torch random stream" in rt._s.refused
-    assert "data" not in rt._s.vote.lenient, "its streams are refused, not carried"
+    assert "data" in rt._s.vote.lenient, "which streams its workers drew from may differ by rank: not a reason to stop"
 
 
 def test_an_iterable_dataset_torchdata_reads_again_to_resume_keeps_its_streams_and_moves_live() -> None:
