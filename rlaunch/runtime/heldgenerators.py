@@ -4,10 +4,10 @@ A dataset that draws its transforms from a generator of its own (``self.rng =
 np.random.default_rng(seed)``, a ``torch.Generator``, a ``random.Random``) keeps that stream
 outside the global ones the runtime carries, and outside the loader's position unless its own
 ``state_dict`` holds it. :func:`held` finds such generators among an object's attributes (not
-inside other objects), :func:`encode` gives their states as plain JSON values (they travel as a
-string in the transfer's ``weights_only`` blob, so no pickle on network bytes), and :func:`restore`
-puts states back, making the generator when the attribute is still empty (a dataset that creates
-its generator at its first read, in each worker).
+inside other objects, but through torch's ``Subset``), :func:`encode` gives their states as plain
+JSON values (they travel as a string in the transfer's ``weights_only`` blob, so no pickle on
+network bytes), and :func:`restore` puts states back, making the generator when the attribute is
+still empty (a dataset that creates its generator at its first read, in each worker).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.data import Subset
 
 from rlaunch.runtime import rng
 
@@ -40,10 +41,33 @@ def _kind(value: Any) -> str | None:
     return None
 
 
+def attributes(obj: Any) -> dict[str, Any]:
+    """``obj``'s own attributes by name, and, under torch's ``Subset`` (``random_split``'s parts), the
+    dataset's below it as ``dataset.<name>``."""
+    out = dict(getattr(obj, "__dict__", None) or {})
+    if isinstance(obj, Subset):
+        out.update({f"dataset.{name}": value for name, value in attributes(obj.dataset).items()})
+    return out
+
+
 def held(obj: Any) -> dict[str, Any]:
-    """The generators among ``obj``'s own attributes, by attribute name."""
-    attributes = getattr(obj, "__dict__", None) or {}
-    return {name: value for name, value in attributes.items() if _kind(value) is not None}
+    """The generators among ``obj``'s :func:`attributes`, by name."""
+    return {name: value for name, value in attributes(obj).items() if _kind(value) is not None}
+
+
+def owner(obj: Any, name: str) -> tuple[Any, str]:
+    """The object that holds attribute ``name`` (as :func:`attributes` names it) and its own name there.
+    ``name`` may have come over the network: anything :func:`attributes` could not have named is refused."""
+    *path, last = name.split(".")
+    unknown = not last.isidentifier() or last.startswith("__")
+    for part in path:
+        unknown = unknown or part != "dataset" or not isinstance(obj, Subset)
+        if unknown:
+            break
+        obj = obj.dataset
+    if unknown:
+        raise ValueError(f"A carried generator state names the attribute {name!r}, which no dataset's generator has.")
+    return obj, last
 
 
 def _plain(value: Any) -> Any:
@@ -93,8 +117,7 @@ def restore(obj: Any, name: str, value: dict[str, Any]) -> None:
     kind = value.get("kind")
     if kind not in _KINDS:
         raise ValueError(f"A carried generator state names an unknown kind {kind!r}.")
-    if not name.isidentifier() or name.startswith("__"):
-        raise ValueError(f"A carried generator state names the attribute {name!r}, which no dataset's generator has.")
+    obj, name = owner(obj, name)
     generator: Any = getattr(obj, name, None)
     if generator is not None and _kind(generator) != kind:
         raise ValueError(

@@ -100,7 +100,7 @@ class _Streams:
         self.dataset, self.in_worker = dataset, in_worker
         self.own_state, self.own_load = _own_state(dataset)
         self.built = self._held()  # the generators as the dataset was built (what a position from its start holds)
-        self.attributes = set(getattr(dataset, "__dict__", ()))  # its attributes then (one made since was None)
+        self.attributes = set(heldgenerators.attributes(dataset))  # its attributes then (one made since was None)
         self.seeded = self._prints(self.built)
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
 
@@ -150,10 +150,12 @@ class _Streams:
         for name in set(heldgenerators.held(self.dataset)) - keep:
             if name in self.built:
                 heldgenerators.restore(self.dataset, name, self.built[name])
-            elif name in self.attributes:
-                setattr(self.dataset, name, None)
+                continue
+            obj, attribute = heldgenerators.owner(self.dataset, name)
+            if name in self.attributes:
+                setattr(obj, attribute, None)
             else:
-                delattr(self.dataset, name)
+                delattr(obj, attribute)
 
 
 class _Watch:

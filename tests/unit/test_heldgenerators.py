@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, random_split
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from rlaunch.runtime import heldgenerators
@@ -152,6 +152,15 @@ def test_a_joiner_holds_a_received_position_with_generators_to_the_same_state_on
     assert rt._s.vote.lenient == {"data"}
 
 
+@pytest.mark.parametrize(("make", "workers"), [(OwnNumpy, 2), (OwnTorch, 0)], ids=["workers", "no-workers"])
+def test_a_generator_under_random_splits_parts_is_carried(make: Any, workers: int) -> None:
+    def part() -> Dataset[torch.Tensor]:
+        return random_split(make(), [40, 8], generator=torch.Generator().manual_seed(0))[0]
+
+    expected, got = _resumed(part, workers=workers, sandbox_reads=2)
+    assert _same(expected, got)
+
+
 def test_without_carrying_a_joiner_would_draw_other_transforms() -> None:
     expected, got = _resumed(OwnTorch, workers=0, carried=False)
     assert not _same(expected, got), "the test could not fail"
@@ -233,6 +242,7 @@ class Built:
     ("name", "value", "said"),
     [
         ("__class__", {"kind": "torch", "state": ""}, "names the attribute '__class__'"),
+        ("dataset.rng", {"kind": "torch", "state": ""}, "names the attribute 'dataset.rng'"),  # not a Subset
         ("data", {"kind": "torch", "state": ""}, "Built.data, which here holds a list"),
         ("rng", {"kind": "pickle", "state": ""}, "unknown kind 'pickle'"),
         (
@@ -241,7 +251,7 @@ class Built:
             "an array no NumPy generator has (U200000000)",
         ),
     ],
-    ids=["dunder", "not-a-generator", "kind", "dtype"],
+    ids=["dunder", "path", "not-a-generator", "kind", "dtype"],
 )
 def test_a_received_generator_state_no_dataset_could_have_sent_is_refused(name: str, value: Any, said: str) -> None:
     """The state arrives over the network: it may set only a generator, of the kind the dataset holds."""
