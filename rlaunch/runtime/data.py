@@ -40,6 +40,7 @@ import torch
 
 from rlaunch.runtime import rng, workerstreams
 from rlaunch.runtime.stepstate import fingerprint_value
+from rlaunch.runtime.streamchecks import StreamChecks
 
 #: Batches remembered for a redone step (a step reads at most this many: accumulation included).
 HISTORY = 256
@@ -72,11 +73,7 @@ class EpochLoader:
             )
         workerstreams.carry(loader)  # what its dataset draws moves with its position
         self._loader, self._sampler, self._rank = loader, sampler, rank
-        # told once, when the position says its workers drew streams it cannot carry (an IterableDataset's)
-        self._refuse = refuse if workerstreams.watched(loader) else None
-        # told once, when its position comes to hold streams that may differ by rank (workerstreams.carried)
-        self._varies = varies
-        self._carries()
+        self._checks = StreamChecks(loader, refuse, varies)
         self._order_rng = order_rng
         self.epoch = 0
         self._it: Any = None
@@ -106,6 +103,7 @@ class EpochLoader:
             self._history.append(read)
             return read.batch
         before = self._position
+        self._checks.before_read()
         drawn_from = rng.fingerprint(rng.capture())
         while True:
             if self._it is None:
@@ -119,31 +117,12 @@ class EpochLoader:
         after = rng.capture()
         draw = (drawn_from, after) if rng.fingerprint(after) != drawn_from else None
         self._position = {"epoch": self.epoch, "loader": self._loader.state_dict()}
-        if self._refuse is not None:
-            self._refuse_uncarried()
-        if self._varies is not None:
-            self._carries()
+        self._checks.read(self._position["loader"])
         if self._epoch_rng is not None:
             self._position["rng"] = self._epoch_rng
         self._reader = self._rank()
         self._history.append(_Read(self._reader, before, fingerprint_value(before), item, self._position, draw))
         return item
-
-    def _carries(self) -> None:
-        if self._varies is not None and workerstreams.carried(self._loader):
-            self._varies()
-            self._varies = None
-
-    def _refuse_uncarried(self) -> None:
-        drew = workerstreams.not_carried(self._position["loader"])
-        if drew and self._refuse is not None:
-            self._refuse(
-                f"the IterableDataset {type(self._loader.dataset).__name__} resumes from its own state_dict, and its "
-                f"loader's worker processes drew from the global {drew} random stream(s), which that state does not "
-                "hold, so a joiner's workers could not continue them; draw from a generator the dataset keeps and "
-                "saves in its state_dict (or make the dataset map-style) to move such a rank live"
-            )
-            self._refuse = None
 
     def _start_iterator(self) -> None:
         if self._sampler is not None:
@@ -169,6 +148,7 @@ class EpochLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position (the runtime takes it at each step's start: older batches are let go)."""
+        self._checks.before_read()
         self._history.clear()
         return self._position
 
@@ -193,9 +173,7 @@ class EpochLoader:
         self._loader.load_state_dict(state["loader"])
         if not state["loader"]:  # a position from before the first read
             workerstreams.rewind(self._loader)
-        if self._varies is not None and workerstreams.carries(state):
-            self._varies()  # as the ranks that sent it are, before this rank reads
-            self._varies = None
+        self._checks.loaded(state)
         self._epoch_rng = state.get("rng")
         self._resumed = True
         self._position, self._reader = state, self._rank()

@@ -244,6 +244,14 @@ def carries(position: Any) -> bool:
     return any(True for _ in _found(position, STREAMS))
 
 
+def held_print(loader: Any) -> int | None:
+    """A print of the generators ``loader``'s dataset holds in this process (None: it holds none, or
+    its loader has workers)."""
+    streams = _attached(loader)
+    held = streams._held() if streams is not None else {}
+    return _digest(held) if held else None
+
+
 def rewind(loader: Any) -> None:
     """Put the generators ``loader``'s dataset holds in this process back as it was built (a joiner
     given a position from before the loader's first read: nothing in it says where they stand)."""

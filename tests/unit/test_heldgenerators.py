@@ -161,6 +161,21 @@ def test_a_generator_under_random_splits_parts_is_carried(make: Any, workers: in
     assert _same(expected, got)
 
 
+def test_a_generator_another_loader_draws_from_between_reads_refuses_live_moves() -> None:
+    """random_split's train and validation parts share the dataset and its generator: the train loader's
+    position, taken at its own reads, cannot say where the generator stands after the validation's."""
+    rt = plain_runtime()
+    train_part, val_part = random_split(OwnTorch(), [40, 8], generator=torch.Generator().manual_seed(0))
+    train = rt.epochs(StatefulDataLoader(train_part, batch_size=4))
+    for _ in range(3):
+        train.batch()
+        train.state_dict()  # a step's start
+    assert not rt._s.refused, "nothing else drew from it yet"
+    next(iter(StatefulDataLoader(val_part, batch_size=4)))
+    train.state_dict()
+    assert "holds a random generator that something besides its loader drew from" in rt._s.refused
+
+
 def test_without_carrying_a_joiner_would_draw_other_transforms() -> None:
     expected, got = _resumed(OwnTorch, workers=0, carried=False)
     assert not _same(expected, got), "the test could not fail"
