@@ -139,6 +139,7 @@ class EpochLoader:
             return
         if self._order_rng is not None:
             self._epoch_rng = self._order_rng.get_state()
+        workerstreams.first_read(self._loader)
         self._it = iter(self._loader)
 
     @property
@@ -171,8 +172,7 @@ class EpochLoader:
         self._it, self._again = None, deque()
         self._history.clear()
         self._loader.load_state_dict(state["loader"])
-        if not state["loader"]:  # a position from before the first read
-            workerstreams.rewind(self._loader)
+        workerstreams.settle(self._loader, state)
         self._checks.loaded(state)
         self._epoch_rng = state.get("rng")
         self._resumed = True

@@ -124,19 +124,28 @@ def restore(obj: Any, name: str, value: dict[str, Any]) -> None:
             f"A carried {kind} generator state is for {type(obj).__name__}.{name}, which here holds a "
             f"{type(generator).__name__}: the joiner's dataset is not built as the sender's."
         )
-    if generator is None:
-        generator = _make(kind, value["state"])
-        setattr(obj, name, generator)
+    try:
+        fresh = _make(kind, value["state"]) if generator is None else None
+        _set(fresh if fresh is not None else generator, kind, value["state"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise ValueError(f"A carried {kind} generator state for {name!r} is malformed: {e}") from None
+    if fresh is not None:
+        setattr(obj, name, fresh)
+
+
+def _set(generator: Any, kind: str, state: Any) -> None:
     if kind == "torch":
-        generator.set_state(rng.unb64(value["state"]))
+        generator.set_state(rng.unb64(state))
     elif kind == "python":
-        version, internal, gauss = value["state"]
+        version, internal, gauss = state
         generator.setstate((int(version), tuple(int(x) for x in internal), gauss))
     elif kind == "numpy":
-        generator.bit_generator.state = _unplain(value["state"])
+        generator.bit_generator.state = _unplain(state)
     else:
-        name_, keys, pos, has_gauss, cached = value["state"]
-        generator.set_state((name_, _numpy().array(keys, dtype="uint32"), pos, has_gauss, cached))
+        name, keys, pos, has_gauss, cached = state
+        if len(keys) != 624:  # MT19937's key, the legacy generator's only kind
+            raise ValueError(f"a legacy NumPy state holds {len(keys)} key words, not 624")
+        generator.set_state((name, _numpy().array(keys, dtype="uint32"), pos, has_gauss, cached))
 
 
 def _make(kind: str, state: Any) -> Any:

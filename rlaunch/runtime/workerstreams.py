@@ -48,8 +48,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from rlaunch.runtime import heldgenerators, rng
 
-#: the keys of the state a worker's dataset reports
-STREAMS, DATASET = "rlaunch_worker_streams", "dataset"
+#: the key of the streams in the state a dataset reports, and of its own state when that is not a dict
+STREAMS, DATASET = "rlaunch_worker_streams", "rlaunch_dataset_state"
 #: the key of a watched ``IterableDataset``'s state naming the global streams its worker drew from
 NOT_CARRIED = "rlaunch_streams_not_carried"
 #: in the streams' JSON: the generators the dataset holds, by attribute name
@@ -94,15 +94,18 @@ class _Streams:
     """The ``state_dict`` and ``load_state_dict`` a map-style dataset is given (its own, if it has
     them, are called inside): in a worker, the worker's streams and the generators the dataset holds,
     once drawn from; in the loader's own process, the generators it holds, always (the dataset object
-    there is the one a standby's sandbox read from too)."""
+    there is the one a standby's sandbox read from too). With nothing to carry, the state is the
+    dataset's own, as without rlaunch; with something, its own with one key more (:func:`_merged`)."""
 
     def __init__(self, dataset: Any, *, in_worker: bool) -> None:
         self.dataset, self.in_worker = dataset, in_worker
         self.own_state, self.own_load = _own_state(dataset)
-        self.built = self._held()  # the generators as the dataset was built (what a position from its start holds)
-        self.attributes = set(heldgenerators.attributes(dataset))  # its attributes then (one made since was None)
-        self.seeded = self._prints(self.built)
+        self.seeded = self._prints(self._held())
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
+        # in the loader's process, the generators and the attributes as the loader's first read found
+        # them: what a position from before that read stands for (see rewind)
+        self.built: dict[str, Any] | None = None
+        self.attributes: dict[str, Any] = {}
 
     def attach(self) -> bool:
         return _attach(self.dataset, self.state_dict, self.load_state_dict)
@@ -116,7 +119,13 @@ class _Streams:
             prints.update({f"global.{name}": value for name, value in rng.fingerprints(_streams()).items()})
         return prints
 
-    def state_dict(self) -> dict[str, Any]:
+    def first_read(self) -> None:
+        """The loader's first iterator (not a resumed one) is about to read: remember where things stand."""
+        if self.built is None:
+            self.built = self._held()
+            self.attributes = heldgenerators.attributes(self.dataset)
+
+    def state_dict(self) -> Any:
         held = self._held()
         if self.in_worker:
             now = self._prints(held)
@@ -124,38 +133,59 @@ class _Streams:
         else:
             self.drawn.update(held)
         own = self.own_state() if self.own_state is not None else None
-        return {STREAMS: _encode(_streams() if self.in_worker else None, held, self.drawn), DATASET: own}
+        return _merged(own, STREAMS, _encode(_streams() if self.in_worker else None, held, self.drawn))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if STREAMS not in state:  # a position saved without the streams (a checkpoint from before them)
-            if self.own_load is not None:
-                self.own_load(state)
-            return
-        if self.own_load is not None and state.get(DATASET) is not None:
-            self.own_load(state[DATASET])
-        carried = json.loads(state[STREAMS]) if state.get(STREAMS) is not None else {}
+    def load_state_dict(self, state: Any) -> None:
+        value, own = _split(state, STREAMS)
+        if self.own_load is not None and own is not None:
+            self.own_load(own)
+        carried = json.loads(value) if value is not None else {}
         held = carried.pop(HELD, {})
-        for name, value in held.items():
-            heldgenerators.restore(self.dataset, name, value)
+        for name, generator in held.items():
+            heldgenerators.restore(self.dataset, name, generator)
         self.drawn.update(held)
-        if not self.in_worker:  # the position holds every generator the dataset held: others are as built
-            self.rewind(keep=set(held))
         if carried and self.in_worker:
             rng.restore(rng.from_json({**rng.to_json(_streams()), **carried}))
             self.drawn.update(f"global.{name}" for name, key in _KEYS.items() if key in carried)
 
     def rewind(self, keep: set[str]) -> None:
-        """Put the generators the dataset holds, but those in ``keep``, back as it was built (one made
-        since then is unmade): in this process, a standby's sandbox read from the same dataset object."""
+        """Put the generators the dataset holds, but those in ``keep``, back as the loader's first read
+        found them (one made since then is unmade): in this process, a standby's sandbox read from the
+        same dataset object."""
+        if self.built is None:
+            return  # nothing read here yet: they are as they were
         for name in set(heldgenerators.held(self.dataset)) - keep:
             if name in self.built:
                 heldgenerators.restore(self.dataset, name, self.built[name])
                 continue
             obj, attribute = heldgenerators.owner(self.dataset, name)
             if name in self.attributes:
-                setattr(obj, attribute, None)
+                setattr(obj, attribute, self.attributes[name])  # what it held then (a seed, None)
             else:
                 delattr(obj, attribute)
+
+
+def _merged(own: Any, key: str, value: Any) -> Any:
+    """The dataset's own state with ``key``: ``value`` added (its own as it is when ``value`` is None), so
+    that a position saved under rlaunch still loads into the dataset without it."""
+    if value is None:
+        return own
+    if own is None:
+        return {key: value}
+    if isinstance(own, dict) and key not in own:
+        return {**own, key: value}
+    return {key: value, DATASET: own}
+
+
+def _split(state: Any, key: str) -> tuple[Any, Any]:
+    """``key``'s value and the dataset's own state, from a state :func:`_merged` made (or one saved
+    without rlaunch, or before it carried anything: all the dataset's own)."""
+    if not isinstance(state, dict) or key not in state:
+        return None, state
+    rest = {k: v for k, v in state.items() if k != key}
+    if set(rest) == {DATASET}:
+        return state[key], rest[DATASET]
+    return state[key], rest or None
 
 
 class _Watch:
@@ -172,13 +202,13 @@ class _Watch:
         if self.own_state is not None:
             _attach(self.dataset, self.state_dict, self.load_state_dict)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> Any:
         now = rng.fingerprints(_streams())
         drawn = sorted(name for name, print_ in now.items() if print_ != self.seeded.get(name))
-        return {NOT_CARRIED: ", ".join(drawn) or None, DATASET: self.own_state()}
+        return _merged(self.own_state(), NOT_CARRIED, ", ".join(drawn) or None)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.own_load(state[DATASET] if NOT_CARRIED in state else state)
+    def load_state_dict(self, state: Any) -> None:
+        self.own_load(_split(state, NOT_CARRIED)[1])
 
 
 #: each stream's name in rng.fingerprints, and its key in rng.to_json
@@ -252,12 +282,25 @@ def held_print(loader: Any) -> int | None:
     return _digest(held) if held else None
 
 
-def rewind(loader: Any) -> None:
-    """Put the generators ``loader``'s dataset holds in this process back as it was built (a joiner
-    given a position from before the loader's first read: nothing in it says where they stand)."""
+def first_read(loader: Any) -> None:
+    """``loader``'s first iterator (not a resumed one) is about to read (see :func:`settle`)."""
     streams = _attached(loader)
     if streams is not None:
-        streams.rewind(keep=set())
+        streams.first_read()
+
+
+def settle(loader: Any, position: Any) -> None:
+    """``loader`` was given ``position`` (in this process, its dataset's held generators are set from
+    it when its next iterator starts): the generators the dataset holds that the position does not
+    are put back as the loader's first read found them (a standby's sandbox drew from them, or made
+    them). A position from before the first read holds none."""
+    streams = _attached(loader)
+    if streams is None:
+        return
+    keep: set[str] = set()
+    for value in _found(position, STREAMS):
+        keep.update(json.loads(value).get(HELD, {}))
+    streams.rewind(keep)
 
 
 def watched(loader: Any) -> bool:

@@ -115,6 +115,42 @@ def test_a_joiner_given_the_position_from_before_the_first_read_reads_what_the_s
     assert _same(expected, [joiner.batch() for _ in range(3)])
 
 
+class SeedThenNumpy(OwnNumpy):
+    """Keeps its seed in the attribute its generator takes at the first read."""
+
+    def __init__(self) -> None:
+        self.rng: Any = 1234
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if isinstance(self.rng, int):
+            self.rng = np.random.default_rng(self.rng)
+        return torch.tensor([float(i) + self.rng.random()])
+
+
+@pytest.mark.parametrize(
+    ("make", "peek"), [(SeedThenNumpy, False), (OwnTorch, True)], ids=["seed-in-the-attribute", "drawn-before-reading"]
+)
+def test_a_position_from_before_the_first_read_stands_for_the_generators_as_that_read_found_them(
+    make: Any, peek: bool
+) -> None:
+    """``peek``: the script looks at a sample (drawing from the generator) after rt.epochs, before its
+    loader reads, on every rank alike."""
+    torch.manual_seed(0)
+    sender = EpochLoader(StatefulDataLoader(make(), batch_size=4), None, lambda: 0)
+    if peek:
+        sender._loader.dataset[0]
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(3)]
+    joiner = EpochLoader(StatefulDataLoader(make(), batch_size=4), None, lambda: -1)
+    if peek:
+        joiner._loader.dataset[0]
+    joiner.batch()
+    joiner.batch()
+    joiner._rank = lambda: 0
+    joiner.load_state_dict(position)
+    assert _same(expected, [joiner.batch() for _ in range(3)])
+
+
 class LateNumpy(OwnNumpy):
     """Makes its generator, with a seed of its own, at the first sample that needs one (from sample 8 on)."""
 
@@ -265,8 +301,10 @@ class Built:
             {"kind": "numpy", "state": {"bit_generator": "PCG64", "state": {"ndarray": [0], "dtype": "U200000000"}}},
             "an array no NumPy generator has (U200000000)",
         ),
+        ("other", {"kind": "numpy_legacy", "state": ["MT19937", [1, 2], 0, 0, 0.0]}, "holds 2 key words, not 624"),
+        ("other", {"kind": "python"}, "state for 'other' is malformed"),
     ],
-    ids=["dunder", "path", "not-a-generator", "kind", "dtype"],
+    ids=["dunder", "path", "not-a-generator", "kind", "dtype", "legacy-keys", "no-state"],
 )
 def test_a_received_generator_state_no_dataset_could_have_sent_is_refused(name: str, value: Any, said: str) -> None:
     """The state arrives over the network: it may set only a generator, of the kind the dataset holds."""

@@ -111,8 +111,8 @@ def test_the_datasets_own_state_is_kept_beside_the_streams() -> None:
         data.batch()
     workers = data.state_dict()["loader"]["_snapshot"]["_worker_snapshots"]
     states = [w["dataset_state"] for w in workers.values()]
-    assert sorted(s[workerstreams.DATASET]["read"] for s in states) == [4, 8], "worker 0 read 2 batches, worker 1 one"
-    assert all(isinstance(s[workerstreams.STREAMS], str) for s in states)
+    assert sorted(s["read"] for s in states) == [4, 8], "worker 0 read 2 batches, worker 1 one"
+    assert all(isinstance(s[workerstreams.STREAMS], str) for s in states), "one key more, beside its own"
 
 
 class SeedByRank:
@@ -135,7 +135,7 @@ def test_workers_that_draw_nothing_keep_the_position_alike_whatever_their_seeds(
         data.batch()
         data.batch()
         workers = data.state_dict()["loader"]["_snapshot"]["_worker_snapshots"]
-        assert all(w["dataset_state"][workerstreams.STREAMS] is None for w in workers.values())
+        assert all(w["dataset_state"] is None for w in workers.values()), "nothing carried, no state added"
         positions.append(workers)
     assert fingerprint_value(positions[0]) == fingerprint_value(positions[1])
 
@@ -189,6 +189,20 @@ def test_streams_that_differ_by_rank_refuse_a_live_replacement_and_the_job_goes_
     votes[0].accept(sum(tensors), layout, 5, ranks[0], 0)
     assert votes[0].differs == {"data": 5}
     assert "data since step 5" in votes[0].refusal(set(), seeded=False)
+
+
+def test_a_position_saved_under_rlaunch_loads_into_a_loader_without_it() -> None:
+    """Back to plain torchrun with a checkpoint of the loader: the dataset's own load_state_dict gets
+    its own keys (and one more it does not read)."""
+    torch.manual_seed(0)
+    data = _data(Jittered())
+    for _ in range(3):
+        data.batch()
+    plain = StatefulDataLoader(Counting(), batch_size=4, num_workers=2)
+    plain.load_state_dict(_through_the_wire(data.state_dict())["loader"])
+    reads = iter(plain)
+    assert next(reads).flatten().tolist() == [5.0, 6.0, 7.0, 8.0], "worker 1 read one batch before: it counts on from 4"
+    del reads
 
 
 def test_a_position_saved_before_the_streams_were_carried_keeps_the_datasets_own_state() -> None:
