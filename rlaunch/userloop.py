@@ -271,6 +271,7 @@ class LoopData:
     def load_position(self, state: dict[str, Any]) -> None:
         if not state:
             if self._epochs is not None:  # back before the first batch(): every rank makes it again there
+                self._epochs.forget()
                 self._epochs = None
                 if self._order_rng is not None and self._rng_at_first is not None:
                     self._order_rng.set_state(self._rng_at_first)

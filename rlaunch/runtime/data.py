@@ -142,6 +142,11 @@ class EpochLoader:
         workerstreams.first_read(self._loader)
         self._it = iter(self._loader)
 
+    def forget(self) -> None:
+        """This reader is dropped to be made again from its start (a snapshot from before its first
+        read): the generators its dataset holds go back as that read found them."""
+        workerstreams.settle(self._loader, {})
+
     @property
     def position(self) -> dict[str, Any]:
         """Where the loader stands (what :meth:`state_dict` gives, without letting older batches go)."""

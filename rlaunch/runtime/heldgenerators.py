@@ -27,7 +27,10 @@ def _numpy() -> Any:
 
 
 def _kind(value: Any) -> str | None:
-    """The kind of generator ``value`` is, as :func:`encode` names it (None: not a generator)."""
+    """The kind of generator ``value`` is, as :func:`encode` names it (None: not a generator of the
+    dataset's own: a global one the runtime carries, held by reference, is not)."""
+    if _is_global(value):
+        return None
     if isinstance(value, torch.Generator):
         return "torch" if value.device.type == "cpu" else None
     if isinstance(value, random.Random):
@@ -48,6 +51,20 @@ def attributes(obj: Any) -> dict[str, Any]:
     if isinstance(obj, Subset):
         out.update({f"dataset.{name}": value for name, value in attributes(obj.dataset).items()})
     return out
+
+
+def _is_global(value: Any) -> bool:
+    """Whether ``value`` is one of the global generators (``torch.default_generator``, ``random``'s and
+    NumPy's module-level ones), which :mod:`rlaunch.runtime.rng` carries."""
+    np = _numpy()
+    numpy_global = getattr(getattr(getattr(np, "random", None), "mtrand", None), "_rand", None)
+    return value is torch.default_generator or value is random._inst or (np is not None and value is numpy_global)  # type: ignore[attr-defined]
+
+
+def _seed(value: Any) -> bool:
+    """Whether ``value`` is a seed, which a dataset may keep where its generator goes at its first read."""
+    np = _numpy()
+    return isinstance(value, int) or (np is not None and isinstance(value, np.integer))
 
 
 def held(obj: Any) -> dict[str, Any]:
@@ -119,6 +136,8 @@ def restore(obj: Any, name: str, value: dict[str, Any]) -> None:
         raise ValueError(f"A carried generator state names an unknown kind {kind!r}.")
     obj, name = owner(obj, name)
     generator: Any = getattr(obj, name, None)
+    if _seed(generator):  # not made yet (its seed is there): made here, as the dataset would at its first read
+        generator = None
     if generator is not None and _kind(generator) != kind:
         raise ValueError(
             f"A carried {kind} generator state is for {type(obj).__name__}.{name}, which here holds a "

@@ -103,9 +103,10 @@ class _Streams:
         self.seeded = self._prints(self._held())
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
         # in the loader's process, the generators and the attributes as the loader's first read found
-        # them: what a position from before that read stands for (see rewind)
-        self.built: dict[str, Any] | None = None
-        self.attributes: dict[str, Any] = {}
+        # them (as they were when it was attached, until then): what a position from before that read
+        # stands for (see rewind)
+        self.built, self.attributes = self._held(), heldgenerators.attributes(dataset)
+        self.settled = False  # the first read found them, or a position was loaded before any read
 
     def attach(self) -> bool:
         return _attach(self.dataset, self.state_dict, self.load_state_dict)
@@ -121,9 +122,9 @@ class _Streams:
 
     def first_read(self) -> None:
         """The loader's first iterator (not a resumed one) is about to read: remember where things stand."""
-        if self.built is None:
-            self.built = self._held()
-            self.attributes = heldgenerators.attributes(self.dataset)
+        if not self.settled:
+            self.built, self.attributes = self._held(), heldgenerators.attributes(self.dataset)
+            self.settled = True
 
     def state_dict(self) -> Any:
         held = self._held()
@@ -152,8 +153,7 @@ class _Streams:
         """Put the generators the dataset holds, but those in ``keep``, back as the loader's first read
         found them (one made since then is unmade): in this process, a standby's sandbox read from the
         same dataset object."""
-        if self.built is None:
-            return  # nothing read here yet: they are as they were
+        self.settled = True
         for name in set(heldgenerators.held(self.dataset)) - keep:
             if name in self.built:
                 heldgenerators.restore(self.dataset, name, self.built[name])
@@ -275,10 +275,12 @@ def carries(position: Any) -> bool:
 
 
 def held_print(loader: Any) -> int | None:
-    """A print of the generators ``loader``'s dataset holds in this process (None: it holds none, or
-    its loader has workers)."""
-    streams = _attached(loader)
-    held = streams._held() if streams is not None else {}
+    """A print of the generators ``loader``'s map-style dataset holds in this process (None: none).
+    With workers, each epoch's workers start from this process's copy."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    held = {name: heldgenerators.encode(g) for name, g in heldgenerators.held(dataset).items()}
     return _digest(held) if held else None
 
 

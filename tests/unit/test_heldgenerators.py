@@ -40,6 +40,18 @@ class OwnNumpy(Dataset[torch.Tensor]):
         return torch.tensor([float(i) + self.rng.random()])
 
 
+class SeedThenNumpy(OwnNumpy):
+    """Keeps its seed in the attribute its generator takes at the first read."""
+
+    def __init__(self) -> None:
+        self.rng: Any = 1234
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if isinstance(self.rng, int):
+            self.rng = np.random.default_rng(self.rng)
+        return torch.tensor([float(i) + self.rng.random()])
+
+
 class OwnTorch(Dataset[torch.Tensor]):
     """A transform drawn from a torch generator made with the dataset (read in the loader's process)."""
 
@@ -84,8 +96,14 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_a_generator_each_worker_makes_at_its_first_read_is_carried_to_a_joiners_workers() -> None:
-    expected, got = _resumed(OwnNumpy, workers=2)
+@pytest.mark.parametrize("make", [OwnNumpy, SeedThenNumpy], ids=["none-until-made", "seed-until-made"])
+def test_a_generator_each_worker_makes_at_its_first_read_is_carried_to_a_joiners_workers(make: Any) -> None:
+    expected, got = _resumed(make, workers=2)
+    assert _same(expected, got)
+
+
+def test_a_cold_joiner_makes_the_generator_whose_seed_its_dataset_still_holds() -> None:
+    expected, got = _resumed(SeedThenNumpy, workers=0)
     assert _same(expected, got)
 
 
@@ -113,18 +131,6 @@ def test_a_joiner_given_the_position_from_before_the_first_read_reads_what_the_s
     joiner._rank = lambda: 0  # the rank it joins as
     joiner.load_state_dict(position)
     assert _same(expected, [joiner.batch() for _ in range(3)])
-
-
-class SeedThenNumpy(OwnNumpy):
-    """Keeps its seed in the attribute its generator takes at the first read."""
-
-    def __init__(self) -> None:
-        self.rng: Any = 1234
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if isinstance(self.rng, int):
-            self.rng = np.random.default_rng(self.rng)
-        return torch.tensor([float(i) + self.rng.random()])
 
 
 @pytest.mark.parametrize(
@@ -210,6 +216,33 @@ def test_a_generator_another_loader_draws_from_between_reads_refuses_live_moves(
     next(iter(StatefulDataLoader(val_part, batch_size=4)))
     train.state_dict()
     assert "holds a random generator that something besides its loader drew from" in rt._s.refused
+
+
+def test_a_generator_a_loader_without_workers_draws_from_under_one_with_workers_refuses_live_moves() -> None:
+    """The train part read in workers, the validation part in this process: each train epoch's workers
+    start from this process's copy of the generator, which the validation moved."""
+    rt = plain_runtime()
+    train_part, val_part = random_split(OwnTorch(), [40, 8], generator=torch.Generator().manual_seed(0))
+    train = rt.epochs(StatefulDataLoader(train_part, batch_size=4, num_workers=2))
+    train.batch()
+    train.state_dict()
+    assert not rt._s.refused
+    next(iter(StatefulDataLoader(val_part, batch_size=4)))
+    train.state_dict()
+    assert "read it in loader worker processes too" in rt._s.refused
+
+
+def test_the_global_generators_a_dataset_refers_to_are_not_its_own() -> None:
+    """The runtime carries those with the step: a dataset holding one (``generator or
+    torch.default_generator``) would otherwise see every draw of the training step as another reader's."""
+
+    class Defaults:
+        def __init__(self) -> None:
+            self.gen = torch.default_generator
+            self.py = random._inst  # type: ignore[attr-defined]
+            self.np = np.random.mtrand._rand
+
+    assert heldgenerators.held(Defaults()) == {}
 
 
 def test_without_carrying_a_joiner_would_draw_other_transforms() -> None:

@@ -6,7 +6,7 @@ import datetime
 
 import torch
 from torch.distributed import HashStore
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from rlaunch.runtime.data import EpochLoader
@@ -217,3 +217,29 @@ def test_a_loader_first_read_late_is_known_from_the_start_and_made_where_a_read_
     rt._s.tracked["data1"].load_state_dict(before)  # back to a snapshot before its first read
     assert torch.equal(order.get_state(), order_before), "its order's generator as it was before the first read"
     assert later.batch()[0].tolist() == read[0] and made == ["data", "data1", "data1"], "made again, read again"
+
+
+def test_back_before_a_loaders_first_batch_its_datasets_generator_is_as_that_batch_found_it() -> None:
+    """A snapshot from before the first batch() makes the loader again from its start, and the generator
+    its dataset holds goes back with it, so the redone first batch gets the same transforms."""
+    rt = _runtime()
+    loop = UserLoop(rt, "rlaunch.test")
+    loader = StatefulDataLoader(Noisy(), batch_size=4)
+    data = loop.data(lambda name, together: rt.epochs(loader, name=name, track=False), loader, lambda b: b, 12, "")
+    before = rt._s.tracked["data"].state_dict()
+    first = data.batch()
+    rt._s.tracked["data"].load_state_dict(before)
+    assert torch.equal(data.batch(), first)
+
+
+class Noisy(Dataset[torch.Tensor]):
+    """Samples with a transform drawn from a generator the dataset holds."""
+
+    def __init__(self) -> None:
+        self.noise = torch.Generator().manual_seed(7)
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1, generator=self.noise)
