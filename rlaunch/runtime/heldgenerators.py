@@ -64,7 +64,9 @@ def _is_global(value: Any) -> bool:
 def _seed(value: Any) -> bool:
     """Whether ``value`` is a seed, which a dataset may keep where its generator goes at its first read."""
     np = _numpy()
-    return isinstance(value, int) or (np is not None and isinstance(value, np.integer))
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        np is not None and isinstance(value, np.integer)
+    )
 
 
 def held(obj: Any) -> dict[str, Any]:

@@ -153,7 +153,9 @@ class _Streams:
         """Put the generators the dataset holds, but those in ``keep``, back as the loader's first read
         found them (one made since then is unmade): in this process, a standby's sandbox read from the
         same dataset object."""
-        self.settled = True
+        if not self.settled:  # as this process's first read would find them: draws every rank made alike stand
+            self.built, self.attributes = self._held(), heldgenerators.attributes(self.dataset)
+            self.settled = True
         for name in set(heldgenerators.held(self.dataset)) - keep:
             if name in self.built:
                 heldgenerators.restore(self.dataset, name, self.built[name])
@@ -275,13 +277,29 @@ def carries(position: Any) -> bool:
 
 
 def held_print(loader: Any) -> int | None:
-    """A print of the generators ``loader``'s map-style dataset holds in this process (None: none).
-    With workers, each epoch's workers start from this process's copy."""
+    """A print of the generators ``loader``'s dataset holds, read in this process (None: none, or its
+    loader has workers)."""
+    streams = _attached(loader)
+    held = streams._held() if streams is not None else {}
+    return _digest(held) if held else None
+
+
+def forked(loader: Any) -> str | None:
+    """The generators ``loader``'s map-style dataset holds in this process, which each epoch's workers
+    start from, as one string (None: no workers, or none held). Something besides the loader may draw
+    from them (a loader without workers over the same dataset object): they are carried as they stand
+    at each step's start, beside the loader's position (:func:`fork_from`)."""
     dataset = getattr(loader, "dataset", None)
-    if dataset is None or isinstance(dataset, IterableDataset):
+    if not getattr(loader, "num_workers", 0) or dataset is None or isinstance(dataset, IterableDataset):
         return None
     held = {name: heldgenerators.encode(g) for name, g in heldgenerators.held(dataset).items()}
-    return _digest(held) if held else None
+    return json.dumps(held, sort_keys=True) if held else None
+
+
+def fork_from(loader: Any, value: str) -> None:
+    """Put back the generators :func:`forked` gave, in this process's copy of ``loader``'s dataset."""
+    for name, generator in json.loads(value).items():
+        heldgenerators.restore(loader.dataset, name, generator)
 
 
 def first_read(loader: Any) -> None:

@@ -218,18 +218,50 @@ def test_a_generator_another_loader_draws_from_between_reads_refuses_live_moves(
     assert "holds a random generator that something besides its loader drew from" in rt._s.refused
 
 
-def test_a_generator_a_loader_without_workers_draws_from_under_one_with_workers_refuses_live_moves() -> None:
-    """The train part read in workers, the validation part in this process: each train epoch's workers
-    start from this process's copy of the generator, which the validation moved."""
+def _split_steps(data: EpochLoader, val: StatefulDataLoader, steps: int) -> list[torch.Tensor]:
+    """``steps`` steps that each read a train batch, then a validation batch in this process."""
+    out = []
+    for _ in range(steps):
+        out.append(data.batch())
+        next(iter(val))
+    return out
+
+
+def test_with_workers_the_generators_their_next_epoch_forks_are_carried_as_they_stand() -> None:
+    """The train part read in workers, the validation part in this process, drawing from the generator
+    the train part's next epoch's workers start from: a joiner given a position at a step's start reads
+    what the sender reads, into the next epoch, and nothing is refused."""
+
+    def loaders() -> tuple[StatefulDataLoader, StatefulDataLoader]:
+        train, val = random_split(OwnTorch(), [40, 8], generator=torch.Generator().manual_seed(0))
+        return StatefulDataLoader(train, batch_size=4, num_workers=2), StatefulDataLoader(val, batch_size=4)
+
     rt = plain_runtime()
-    train_part, val_part = random_split(OwnTorch(), [40, 8], generator=torch.Generator().manual_seed(0))
-    train = rt.epochs(StatefulDataLoader(train_part, batch_size=4, num_workers=2))
-    train.batch()
-    train.state_dict()
+    torch.manual_seed(0)
+    train, val = loaders()
+    sender = rt.epochs(train)
+    _split_steps(sender, val, 3)
+    position = _through_the_wire(sender.state_dict())
+    expected = _split_steps(sender, val, 10)  # 10 batches an epoch: into the next one
+    train, val = loaders()
+    joiner = rt.epochs(train, name="joiner")
+    joiner.load_state_dict(position)
+    assert _same(expected, _split_steps(joiner, val, 10))
     assert not rt._s.refused
-    next(iter(StatefulDataLoader(val_part, batch_size=4)))
-    train.state_dict()
-    assert "read it in loader worker processes too" in rt._s.refused
+
+
+def test_a_position_from_before_the_first_read_leaves_what_every_rank_drew_alike_to_a_cold_joiner() -> None:
+    """A script that looks at a sample after rt.epochs, before reading; a standby whose sandbox never read."""
+    torch.manual_seed(0)
+    sender = EpochLoader(StatefulDataLoader(OwnTorch(), batch_size=4), None, lambda: 0)
+    sender._loader.dataset[0]
+    position = _through_the_wire(sender.state_dict())
+    expected = [sender.batch() for _ in range(3)]
+    joiner = EpochLoader(StatefulDataLoader(OwnTorch(), batch_size=4), None, lambda: -1)
+    joiner._loader.dataset[0]
+    joiner._rank = lambda: 0
+    joiner.load_state_dict(position)
+    assert _same(expected, [joiner.batch() for _ in range(3)])
 
 
 def test_the_global_generators_a_dataset_refers_to_are_not_its_own() -> None:
@@ -319,6 +351,7 @@ def test_generators_nobody_can_carry_are_not_held() -> None:
 class Built:
     def __init__(self) -> None:
         self.data = [1, 2, 3]
+        self.flag = True
         self.rng = np.random.default_rng(0)
 
 
@@ -336,8 +369,9 @@ class Built:
         ),
         ("other", {"kind": "numpy_legacy", "state": ["MT19937", [1, 2], 0, 0, 0.0]}, "holds 2 key words, not 624"),
         ("other", {"kind": "python"}, "state for 'other' is malformed"),
+        ("flag", {"kind": "torch", "state": ""}, "Built.flag, which here holds a bool"),  # a bool is no seed
     ],
-    ids=["dunder", "path", "not-a-generator", "kind", "dtype", "legacy-keys", "no-state"],
+    ids=["dunder", "path", "not-a-generator", "kind", "dtype", "legacy-keys", "no-state", "bool"],
 )
 def test_a_received_generator_state_no_dataset_could_have_sent_is_refused(name: str, value: Any, said: str) -> None:
     """The state arrives over the network: it may set only a generator, of the kind the dataset holds."""
