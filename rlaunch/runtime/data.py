@@ -44,8 +44,6 @@ from rlaunch.runtime.streamchecks import StreamChecks
 
 #: Batches remembered for a redone step (a step reads at most this many: accumulation included).
 HISTORY = 256
-#: the key of a position that holds the generators a loader's workers start from (see EpochLoader.position)
-FORKED = "forked"
 
 
 @dataclass(frozen=True)
@@ -151,25 +149,16 @@ class EpochLoader:
 
     @property
     def position(self) -> dict[str, Any]:
-        """Where the loader stands (what :meth:`state_dict` gives, without letting older batches go):
-        with workers, and generators its dataset holds here, those as they stand now beside it
-        (``forked``: the next epoch's workers start from them; see workerstreams.forked)."""
-        forked = workerstreams.forked(self._loader)
-        return self._position if forked is None else {**self._position, FORKED: forked}
+        """Where the loader stands (what :meth:`state_dict` gives, without letting older batches go)."""
+        return self._position
 
     def state_dict(self) -> dict[str, Any]:
         """The position (the runtime takes it at each step's start: older batches are let go)."""
         self._checks.before_read()
         self._history.clear()
-        return self.position
+        return self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        forked = state.get(FORKED)
-        self._load({k: v for k, v in state.items() if k != FORKED} if forked is not None else state)
-        if forked is not None:
-            workerstreams.fork_from(self._loader, forked)
-
-    def _load(self, state: dict[str, Any]) -> None:
         wanted = fingerprint_value(state)
         reads = list(self._history)
         for i, read in enumerate(reads):

@@ -8,12 +8,12 @@ runtime each once, as an :class:`~rlaunch.runtime.data.EpochLoader` reads:
   difference instead of stopping the job, and a live replacement is refused);
 - an ``IterableDataset`` that resumes itself had its workers draw from streams nothing carries
   (``refuse``: live moves are refused with a sentence);
-- without workers, a generator the dataset holds was drawn from by something other than this
-  loader between two of its reads (another loader over the same dataset object, as
-  ``random_split``'s train and validation parts share it): the position, taken at this loader's
-  last read, does not say where that generator stands, and a redone step would draw from it again
-  (``refuse``). With workers, the generators in this process are carried as they stand at each
-  step's start instead (``EpochLoader.position``).
+- a generator the dataset holds in this process was drawn from by something other than this
+  loader between two of its reads (another loader over the same dataset object, read without
+  workers, as ``random_split``'s train and validation parts share it): the position, taken at this
+  loader's last read, does not say where that generator stands (without workers), nor where the
+  next epoch's workers start from (with them), and a redone step would draw from it again
+  (``refuse``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class StreamChecks:
                 f"the dataset {dataset} holds a random generator that something besides its loader drew from "
                 "between two of the loader's reads (another loader over the same dataset object, as random_split's "
                 "train and validation parts share it), so the loader's position does not say where that generator "
-                "stands; give the other reader a generator of its own, or read in loader worker processes, to move "
-                "such a rank live"
+                "stands; give the other reader a generator of its own, or read it in loader worker processes too, "
+                "to move such a rank live"
             )
 
     def read(self, position: dict[str, Any]) -> None:

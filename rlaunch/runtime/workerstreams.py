@@ -277,29 +277,13 @@ def carries(position: Any) -> bool:
 
 
 def held_print(loader: Any) -> int | None:
-    """A print of the generators ``loader``'s dataset holds, read in this process (None: none, or its
-    loader has workers)."""
-    streams = _attached(loader)
-    held = streams._held() if streams is not None else {}
-    return _digest(held) if held else None
-
-
-def forked(loader: Any) -> str | None:
-    """The generators ``loader``'s map-style dataset holds in this process, which each epoch's workers
-    start from, as one string (None: no workers, or none held). Something besides the loader may draw
-    from them (a loader without workers over the same dataset object): they are carried as they stand
-    at each step's start, beside the loader's position (:func:`fork_from`)."""
+    """A print of the generators ``loader``'s map-style dataset holds in this process (None: none).
+    With workers, each epoch's workers start from this process's copy."""
     dataset = getattr(loader, "dataset", None)
-    if not getattr(loader, "num_workers", 0) or dataset is None or isinstance(dataset, IterableDataset):
+    if dataset is None or isinstance(dataset, IterableDataset):
         return None
     held = {name: heldgenerators.encode(g) for name, g in heldgenerators.held(dataset).items()}
-    return json.dumps(held, sort_keys=True) if held else None
-
-
-def fork_from(loader: Any, value: str) -> None:
-    """Put back the generators :func:`forked` gave, in this process's copy of ``loader``'s dataset."""
-    for name, generator in json.loads(value).items():
-        heldgenerators.restore(loader.dataset, name, generator)
+    return _digest(held) if held else None
 
 
 def first_read(loader: Any) -> None:
