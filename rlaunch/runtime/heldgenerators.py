@@ -13,17 +13,12 @@ still empty (a dataset that creates its generator at its first read, in each wor
 from __future__ import annotations
 
 import random
-import sys
 from typing import Any
 
 import torch
 from torch.utils.data import Subset
 
 from rlaunch.runtime import rng
-
-
-def _numpy() -> Any:
-    return sys.modules.get("numpy")  # NumPy's generators exist only where the script imported it
 
 
 def _kind(value: Any) -> str | None:
@@ -35,7 +30,7 @@ def _kind(value: Any) -> str | None:
         return "torch" if value.device.type == "cpu" else None
     if isinstance(value, random.Random):
         return None if isinstance(value, random.SystemRandom) else "python"  # SystemRandom has no state
-    np = _numpy()
+    np = rng.numpy_module()
     if np is not None:
         if isinstance(value, np.random.Generator):
             return "numpy"
@@ -56,14 +51,14 @@ def attributes(obj: Any) -> dict[str, Any]:
 def _is_global(value: Any) -> bool:
     """Whether ``value`` is one of the global generators (``torch.default_generator``, ``random``'s and
     NumPy's module-level ones), which :mod:`rlaunch.runtime.rng` carries."""
-    np = _numpy()
+    np = rng.numpy_module()
     numpy_global = getattr(getattr(getattr(np, "random", None), "mtrand", None), "_rand", None)
     return value is torch.default_generator or value is random._inst or (np is not None and value is numpy_global)  # type: ignore[attr-defined]
 
 
 def _seed(value: Any) -> bool:
     """Whether ``value`` is a seed, which a dataset may keep where its generator goes at its first read."""
-    np = _numpy()
+    np = rng.numpy_module()
     return (isinstance(value, int) and not isinstance(value, bool)) or (
         np is not None and isinstance(value, np.integer)
     )
@@ -91,7 +86,7 @@ def owner(obj: Any, name: str) -> tuple[Any, str]:
 
 def _plain(value: Any) -> Any:
     """A NumPy bit generator's state as JSON values (its arrays as dtype and list)."""
-    np = _numpy()
+    np = rng.numpy_module()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if np is not None and isinstance(value, np.ndarray):
@@ -100,7 +95,7 @@ def _plain(value: Any) -> Any:
 
 
 def _unplain(value: Any) -> Any:
-    np = _numpy()
+    np = rng.numpy_module()
     if isinstance(value, dict):
         if set(value) == {"ndarray", "dtype"}:
             if value["dtype"] not in ("uint32", "uint64") or len(value["ndarray"]) > _MAX_WORDS:
@@ -120,13 +115,11 @@ def encode(generator: Any) -> dict[str, Any]:
     if kind == "torch":
         return {"kind": kind, "state": rng.b64(generator.get_state())}
     if kind == "python":
-        version, internal, gauss = generator.getstate()
-        return {"kind": kind, "state": [version, list(internal), gauss]}
+        return {"kind": kind, "state": rng.python_to_json(generator.getstate())}
     if kind == "numpy":
         return {"kind": kind, "state": _plain(generator.bit_generator.state)}
     if kind == "numpy_legacy":
-        name, keys, pos, has_gauss, cached = generator.get_state()
-        return {"kind": kind, "state": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+        return {"kind": kind, "state": rng.numpy_to_json(generator.get_state())}
     raise TypeError(f"{type(generator).__name__} is not a random generator whose state can be carried.")
 
 
@@ -158,15 +151,13 @@ def _set(generator: Any, kind: str, state: Any) -> None:
     if kind == "torch":
         generator.set_state(rng.unb64(state))
     elif kind == "python":
-        version, internal, gauss = state
-        generator.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        generator.setstate(rng.python_from_json(state))
     elif kind == "numpy":
         generator.bit_generator.state = _unplain(state)
     else:
-        name, keys, pos, has_gauss, cached = state
-        if len(keys) != 624:  # MT19937's key, the legacy generator's only kind
-            raise ValueError(f"a legacy NumPy state holds {len(keys)} key words, not 624")
-        generator.set_state((name, _numpy().array(keys, dtype="uint32"), pos, has_gauss, cached))
+        if len(state[1]) != 624:  # MT19937's key, the legacy generator's only kind
+            raise ValueError(f"a legacy NumPy state holds {len(state[1])} key words, not 624")
+        generator.set_state(rng.numpy_from_json(state))
 
 
 def _make(kind: str, state: Any) -> Any:
@@ -175,7 +166,7 @@ def _make(kind: str, state: Any) -> Any:
         return torch.Generator()
     if kind == "python":
         return random.Random()
-    np = _numpy()
+    np = rng.numpy_module()
     if np is None:
         raise RuntimeError(f"A carried NumPy generator ({kind}) cannot be restored where NumPy was never imported.")
     if kind == "numpy":

@@ -48,13 +48,14 @@ class RngError(RuntimeError):
     """RNG states that cannot be restored in this process."""
 
 
-def _numpy() -> Any:
+def numpy_module() -> Any:
+    """NumPy, where the script imported it (the runtime never imports it itself), else None."""
     return sys.modules.get("numpy")
 
 
 def capture() -> RngState:
     """The current states of every generator in use."""
-    np = _numpy()
+    np = numpy_module()
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return RngState(
         torch_cpu=torch.get_rng_state(),
@@ -106,7 +107,7 @@ def restore(state: RngState) -> None:
     """Put every generator back to ``state``."""
     torch.set_rng_state(state.torch_cpu)
     random.setstate(state.python)
-    np = _numpy()
+    np = numpy_module()
     if state.numpy is not None and np is not None:
         np.random.set_state(state.numpy)
     if state.cuda is not None:
@@ -120,7 +121,7 @@ def seed_all(seed: int) -> None:
     """Seed every generator in use from one integer (torch, CUDA, ``random``, NumPy)."""
     torch.manual_seed(seed)  # CUDA too, when present
     random.seed(seed)
-    np = _numpy()
+    np = numpy_module()
     if np is not None:
         np.random.seed(seed % (1 << 32))
 
@@ -172,19 +173,39 @@ def unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def python_to_json(state: tuple[Any, ...]) -> list[Any]:
+    """A ``random.Random`` state (``getstate()``) as JSON values."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def python_from_json(value: list[Any]) -> tuple[Any, ...]:
+    """The inverse of :func:`python_to_json` (for ``setstate()``)."""
+    version, internal, gauss = value
+    return (int(version), tuple(int(x) for x in internal), gauss)
+
+
+def numpy_to_json(state: tuple[Any, ...]) -> list[Any]:
+    """A NumPy ``RandomState`` state (``get_state()``) as JSON values."""
+    kind, keys, pos, has_gauss, cached = state
+    return [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+
+
+def numpy_from_json(value: list[Any]) -> tuple[Any, ...]:
+    """The inverse of :func:`numpy_to_json` (for ``set_state()``; NumPy must be imported)."""
+    kind, keys, pos, has_gauss, cached = value
+    return (kind, numpy_module().array(keys, dtype=numpy_module().uint32), pos, has_gauss, cached)
+
+
 def to_json(state: RngState) -> dict[str, Any]:
     """``state`` as plain JSON values."""
-    version, internal, gauss = state.python
     out: dict[str, Any] = {
         "torch_cpu": b64(state.torch_cpu),
-        "python": [version, list(internal), gauss],
-        "numpy": None,
+        "python": python_to_json(state.python),
+        "numpy": numpy_to_json(state.numpy) if state.numpy is not None else None,
         "cuda": None,
         "cuda_device": state.cuda_device,
     }
-    if state.numpy is not None:
-        kind, keys, pos, has_gauss, cached = state.numpy
-        out["numpy"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     if state.cuda is not None:
         out["cuda"] = [b64(t) for t in state.cuda]
     return out
@@ -192,16 +213,13 @@ def to_json(state: RngState) -> dict[str, Any]:
 
 def from_json(value: dict[str, Any]) -> RngState:
     """The inverse of :func:`to_json` (NumPy's state is dropped where NumPy is not imported)."""
-    version, internal, gauss = value["python"]
     numpy_state = None
-    np = _numpy()
-    if value.get("numpy") is not None and np is not None:
-        kind, keys, pos, has_gauss, cached = value["numpy"]
-        numpy_state = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    if value.get("numpy") is not None and numpy_module() is not None:
+        numpy_state = numpy_from_json(value["numpy"])
     cuda = tuple(unb64(s) for s in value["cuda"]) if value.get("cuda") is not None else None
     return RngState(
         torch_cpu=unb64(value["torch_cpu"]),
-        python=(int(version), tuple(int(x) for x in internal), gauss),
+        python=python_from_json(value["python"]),
         numpy=numpy_state,
         cuda=cuda,
         cuda_device=int(value["cuda_device"]) if value.get("cuda_device") is not None else None,
