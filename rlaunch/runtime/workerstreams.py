@@ -103,10 +103,10 @@ class _Streams:
         self.seeded = self._prints(self._held())
         self.drawn: set[str] = set()  # the streams drawn from since they were seeded: always reported
         # in the loader's process, the generators and the attributes as the loader's first read found
-        # them (as they were when it was attached, until then): what a position from before that read
-        # stands for (see rewind)
-        self.built, self.attributes = self._held(), heldgenerators.attributes(dataset)
-        self.settled = False  # the first read found them, or a position was loaded before any read
+        # them: what a position from before that read stands for (see rewind; set by first_read)
+        self.built: dict[str, Any] = {}
+        self.attributes: dict[str, Any] = {}
+        self.settled = False
 
     def attach(self) -> bool:
         return _attach(self.dataset, self.state_dict, self.load_state_dict)
@@ -121,7 +121,9 @@ class _Streams:
         return prints
 
     def first_read(self) -> None:
-        """The loader's first iterator (not a resumed one) is about to read: remember where things stand."""
+        """The loader's first iterator (not a resumed one) is about to read, or a position is loaded before
+        any read here (then as this process's first read would find them: draws every rank made alike
+        stand): remember where things stand, once."""
         if not self.settled:
             self.built, self.attributes = self._held(), heldgenerators.attributes(self.dataset)
             self.settled = True
@@ -153,9 +155,7 @@ class _Streams:
         """Put the generators the dataset holds, but those in ``keep``, back as the loader's first read
         found them (one made since then is unmade): in this process, a standby's sandbox read from the
         same dataset object."""
-        if not self.settled:  # as this process's first read would find them: draws every rank made alike stand
-            self.built, self.attributes = self._held(), heldgenerators.attributes(self.dataset)
-            self.settled = True
+        self.first_read()
         for name in set(heldgenerators.held(self.dataset)) - keep:
             if name in self.built:
                 heldgenerators.restore(self.dataset, name, self.built[name])
