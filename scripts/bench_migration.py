@@ -523,6 +523,19 @@ def agent_events(work: Path, kind: str) -> list[tuple[str, int, dict[str, Any]]]
     return found
 
 
+def snapshots_held_kb(results: list[dict[str, Any]]) -> float:
+    """The host snapshots one worker holds (median over the runs' workers, in kB): its own copy, as
+    its last ``snapshot_committed`` event gives its bytes, and the copy it keeps for the rank before
+    it on the ring (one rank per node here: the previous rank); 0 when the layout takes none."""
+    held = []
+    for result in results:
+        own: dict[int, int] = {}
+        for _, _, data in agent_events(result["work"], "snapshot_committed"):
+            own[int(data["rank"])] = int(data["bytes"])
+        held += [own[r] + own.get((r - 1) % len(own), 0) for r in own]
+    return statistics.median(held) / 1024 if held else 0.0
+
+
 def verification_report(steady: list[dict[str, Any]], warm: dict[str, Any], downtimes: list[float]) -> dict[str, Any]:
     """What comparing replicas cost: in the steady runs (the default ``--verify-every auto``), the
     seconds each rank spent on digests against the seconds it trained; and for each drain, the
@@ -653,7 +666,7 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
 
     default_rl = [f["peak_rss_kb"] for r in steady_rl for f in r["finals"].values()]
     default_tr = [f["peak_rss_kb"] for r in steady_tr for f in r["finals"].values()]
-    memory = migration_figures.memory_report(mem_rl, mem_tr)
+    memory = migration_figures.memory_report(mem_rl, mem_tr, snapshots_held_kb(mem_rl))
     lower = state_bytes / bandwidth
     out: dict[str, Any] = {
         "steps": args.steps,
@@ -701,8 +714,14 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "downtime_max_le_2x_lower_bound_plus_step": out["rlaunch_downtime_s_max"] <= 2 * lower + med_warm,
         "joiner_first_step_le_1_5x_median": out["joiner_first_step_over_median"] <= 1.5,
         "steady_overhead_le_2pct": out["steady_overhead_pct"] <= 2,
-        "rss_overhead_le_3pct": out["rss_overhead_pct"] <= 3,
-        "rss_overhead_le_1pct_every_worker": max(memory["peak_overhead_worst_pct"], memory["steady_overhead_pct"]) <= 1,
+        # the host snapshots of a layout with no replica are its recovery's price, held by design (at
+        # most twice a rank's own state, issue 16): stated in ``rss.snapshots_*``, not judged as overhead
+        "rss_overhead_le_3pct": memory["peak_overhead_less_snapshots_pct"] <= 3,
+        "rss_overhead_le_1pct_every_worker": max(
+            memory["peak_overhead_worst_less_snapshots_pct"], memory["steady_overhead_less_snapshots_pct"]
+        )
+        <= 1,  # fmt: skip
+        "rss_snapshots_le_2x_own_state": memory["snapshots_held_kb"] <= 2 * 1.01 * state_bytes / 1024,
         "verify_steady_overhead_le_1pct": (out["verification"]["steady_overhead_pct"] or 0.0) <= 1,
         "verify_move_le_10pct_of_downtime": out["verification"]["move_verify_pct_of_downtime"] <= 10,
         # issue 17's: the transfer bound plus a quarter step (median), twice it plus half a step (worst)

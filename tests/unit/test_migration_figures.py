@@ -24,3 +24,20 @@ def test_warm_against_cold_is_what_each_phase_saved() -> None:
     assert got["saved_s"] == {"transfer_s": 0.05, "first_step_s": 0.4, "downtime_s": 0.4}
     assert got["fresh_process"] == fresh and "note" not in got
     assert "at least 2 sandbox steps" in migration_figures.warm_vs_cold(warm, cold, fresh, "ddp")["note"]
+
+
+def test_memory_overhead_is_judged_without_the_host_snapshots_a_layout_with_no_replica_holds() -> None:
+    def run(peak: int, rss: int) -> dict:
+        stages = ("imported", "runtime_imported", "initialized", "model")
+        memory = {s: {"rss": 100} for s in stages} | {"end": {"rss": rss, "peak": peak, "threads": 3}}
+        worker = {"memory_kb": memory, "threads": ["MainThread"], "heavy_modules": []}
+        return {"finals": {"0": worker, "1": worker}}
+
+    plain = [run(1000, 900)]
+    with_snapshots = [run(1510, 1405)]  # 500 kB of snapshots, 10 kB (1 %) of anything else
+    got = migration_figures.memory_report(with_snapshots, plain, snapshots_kb=500)
+    assert got["peak_overhead_pct"] == 51.0 and got["snapshots_pct"] == 50.0
+    assert got["peak_overhead_less_snapshots_pct"] == 1.0 and got["steady_overhead_less_snapshots_pct"] == 0.56
+    assert got["peak_overhead_worst_less_snapshots_pct"] == 1.0
+    none = migration_figures.memory_report(with_snapshots, plain)
+    assert none["peak_overhead_less_snapshots_pct"] == none["peak_overhead_pct"] == 51.0
