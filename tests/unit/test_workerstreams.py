@@ -63,8 +63,12 @@ class Plain(Dataset[torch.Tensor]):
         return torch.tensor([float(i)])
 
 
-def _data(dataset: Dataset[torch.Tensor], carried: bool = True, seed_by: Any = None) -> EpochLoader:
-    loader = StatefulDataLoader(dataset, batch_size=4, num_workers=2, worker_init_fn=seed_by)
+def _data(
+    dataset: Dataset[torch.Tensor], carried: bool = True, seed_by: Any = None, persistent: bool = False
+) -> EpochLoader:
+    loader = StatefulDataLoader(
+        dataset, batch_size=4, num_workers=2, worker_init_fn=seed_by, persistent_workers=persistent
+    )  # fmt: skip
     data = EpochLoader(loader, None, lambda: 0)
     assert isinstance(loader.worker_init_fn, workerstreams.CarryStreams)
     if not carried:  # as rt.epochs was before the streams were carried
@@ -102,6 +106,27 @@ def test_a_joiner_resumed_mid_epoch_draws_the_transforms_the_sender_would_have()
 def test_without_the_streams_a_resumed_worker_would_draw_other_transforms() -> None:
     expected, got = _resumed_reads(carried=False)
     assert not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), "the test could not fail"
+
+
+def test_persistent_workers_resumed_mid_epoch_carry_their_streams_into_the_next_epochs() -> None:
+    """With ``persistent_workers=True`` an uninterrupted run's workers go on drawing from the streams
+    they ended an epoch with, while a joiner's were started at the move (its sandbox's workers before
+    them): the streams the position carried must hold for the epochs after the move's too."""
+    for carried in (True, False):
+        torch.manual_seed(0)
+        sender = _data(Jittered(), carried, persistent=True)
+        for _ in range(3):
+            sender.batch()
+        position, main_streams = _through_the_wire(sender.state_dict()), torch.get_rng_state()
+        expected = [sender.batch() for _ in range(30)]  # 12 batches an epoch: into the third
+        torch.manual_seed(1)
+        joiner = _data(Jittered(), carried, persistent=True)
+        joiner.batch()  # its sandbox read, and started its workers
+        torch.set_rng_state(main_streams)  # the loader's process's streams: the runtime's, carried apart
+        joiner.load_state_dict(position)
+        got = [joiner.batch() for _ in range(30)]
+        same = [torch.equal(a, b) for a, b in zip(expected, got, strict=True)]
+        assert all(same) if carried else not any(same[:9]), f"carried={carried}: {same}"
 
 
 def test_the_datasets_own_state_is_kept_beside_the_streams() -> None:
