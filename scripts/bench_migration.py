@@ -15,7 +15,10 @@ the JSON's top level, and FSDP2 sharding the same model over both ranks, under
            worker checkpoints and exits, the job exits and torchrun starts every worker again on
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
   (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0); then a fresh
-           process's first steps, part by part (scripts/bench_warmup.py: ``warm_vs_cold``).
+           process's first steps, part by part (scripts/bench_warmup.py: ``warm_vs_cold``);
+  floor    DDP only: the same move with nothing but its own work, no rlaunch (scripts/bench_floor.py:
+           ``floor``, with ``target_below_floor``: whether issue 17's target is below what this
+           machine can do at all).
 A drain's downtime (``rlaunch_downtime_s``) is read on rank 0's timeline around its switch
 (scripts/drain_windows.py): the excess over the job's steady period of the periods from the one
 in which the plan was seen to two after the switch's. A torchrun restart's is the wall time of
@@ -443,6 +446,16 @@ def with_spread(out: dict[str, Any], key: str, values: Sequence[float], digits: 
     out[key], out[f"{key}_runs"], out[f"{key}_min"], out[f"{key}_max"] = s["median"], s["runs"], s["min"], s["max"]
 
 
+def floor_of_a_move() -> dict[str, Any]:
+    """scripts/bench_floor.py's JSON: what the DDP layout's move costs here with nothing but its own work."""
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_floor.py")], capture_output=True, text=True,
+                         timeout=900, env=ENV)  # fmt: skip
+    if res.returncode != 0:
+        raise RuntimeError(f"bench_floor.py failed: {res.stderr[-2000:]}")
+    found: dict[str, Any] = json.loads(res.stdout)["ddp"]
+    return found
+
+
 def fresh_process_steps(layout: str) -> dict[str, Any]:
     """scripts/bench_warmup.py's JSON for ``layout``: a fresh process's first steps, part by part."""
     res = subprocess.run(
@@ -643,6 +656,9 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     cold = run_rlaunch(root, etcd, f"{layout}-rlaunch-cold", args.steps, events, 0, train_args)
     log(f"{layout}: what the first steps of a fresh process pay here, part by part (scripts/bench_warmup.py)")
     warmup = fresh_process_steps(layout)
+    if layout == "ddp":
+        log(f"{layout}: the same move with nothing but its own work (scripts/bench_floor.py)")
+    floor = floor_of_a_move() if layout == "ddp" else None
 
     median_rl = statistics.median(
         median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_rl for k in (0, 1)
@@ -708,6 +724,8 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "phases_cold": phases_cold,
         "warm_vs_cold": migration_figures.warm_vs_cold(phases_warm, phases_cold, warmup, layout),
     })  # fmt: skip
+    if floor is not None:
+        out["floor"] = floor
     out["targets"] = {
         "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,
         "downtime_le_2x_lower_bound_plus_step": out["rlaunch_downtime_s"] <= 2 * lower + med_warm,
