@@ -71,22 +71,45 @@ class _MicroBatch:
     batch_idx: int
 
 
+#: What a ``ModelCheckpoint`` decides from besides its ``state_dict()``, carried beside it under
+#: :data:`KEPT`: the global step it last saved at (a save at the same step is skipped, with the save's
+#: collectives: a joiner whose sandbox saved there would leave its peers waiting in them) and the
+#: path of that save. ``current_score`` is in its ``state_dict()`` but its ``load_state_dict()`` leaves it.
+CHECKPOINT_KEPT = ("_last_global_step_saved", "_last_checkpoint_saved")
+KEPT = "rlaunch_kept"
+
+
 class CallbackStates:
     """The ``state_dict()`` of every callback that has one (a tracked object: a checkpoint callback's
-    best scores, early stopping's patience), by the callback's ``state_key``."""
+    best scores, early stopping's patience), by the callback's ``state_key``; a ``ModelCheckpoint``'s
+    with what its own load leaves as it was (:data:`CHECKPOINT_KEPT`, ``current_score``), so that a
+    joiner's holds what the sender's did, not what its sandbox's validation left."""
 
     def __init__(self, callbacks: list[Any]) -> None:
         self._callbacks = callbacks
 
     def state_dict(self) -> dict[str, Any]:
-        return {c.state_key: c.state_dict() for c in self._callbacks}
+        out = {}
+        for callback in self._callbacks:
+            state = callback.state_dict()
+            if isinstance(callback, ModelCheckpoint):
+                state = {**state, KEPT: {name: getattr(callback, name) for name in CHECKPOINT_KEPT}}
+            out[callback.state_key] = state
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for callback in self._callbacks:
             held = copy.deepcopy(state[callback.state_key])
-            if isinstance(callback, ModelCheckpoint):
-                callback.dirpath = held.get("dirpath", callback.dirpath)  # its load keeps scores only in the same dir
+            if not isinstance(callback, ModelCheckpoint):
+                callback.load_state_dict(held)
+                continue
+            kept = held.pop(KEPT, {})
+            callback.dirpath = held.get("dirpath", callback.dirpath)  # its load keeps scores only in the same dir
             callback.load_state_dict(held)
+            callback.current_score = held.get("current_score", callback.current_score)
+            for name in CHECKPOINT_KEPT:
+                if name in kept:
+                    setattr(callback, name, kept[name])
 
 
 class Strategy(DDPStrategy):  # type: ignore[misc]

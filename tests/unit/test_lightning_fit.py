@@ -4,6 +4,7 @@ the runtime and the carried state from the tracked objects)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +317,26 @@ def test_an_optimizer_step_with_no_step_begun_says_what_lightning_did(tmp_path: 
         "the strategy's process_dataloader" in str(raised.value)
     )
     assert "second time" not in str(raised.value)
+
+
+def test_a_checkpoint_callback_joins_with_what_its_sender_decided_from_not_its_sandboxs(tmp_path: Path) -> None:
+    """Lightning's ``ModelCheckpoint.load_state_dict`` leaves ``current_score`` and the step it last saved
+    at: a joiner whose sandbox validated kept its own, so what landed digested otherwise than what was
+    sent (the move refused, the job restarted), and it skipped a save its peers made, with its collectives."""
+    from rlaunch.lightning.strategy import CallbackStates
+    from rlaunch.runtime.stepstate import fingerprint_value
+
+    def checkpoint(score: float, step: int) -> Any:
+        callback = pl.callbacks.ModelCheckpoint(monitor="val_loss", dirpath=tmp_path, save_top_k=2)
+        callback.current_score = callback.best_model_score = torch.tensor(score)
+        callback._last_global_step_saved, callback._last_checkpoint_saved = step, str(tmp_path / f"s{step}.ckpt")
+        return callback
+
+    sender, joiner = CallbackStates([checkpoint(0.88, 3)]), CallbackStates([checkpoint(0.91, 5)])
+    blob = io.BytesIO()
+    torch.save(sender.state_dict(), blob)
+    blob.seek(0)
+    joiner.load_state_dict(torch.load(blob, weights_only=True))
+    assert fingerprint_value(joiner.state_dict()) == fingerprint_value(sender.state_dict())
+    (landed,) = joiner._callbacks
+    assert landed.current_score == torch.tensor(0.88) and landed._last_global_step_saved == 3
