@@ -19,14 +19,17 @@ them.
 
 Reported for each way (medians over the events, with their runs): ``downtime_s``, the time from the boundary
 (the end of the step before the event) to the end of the first step after it on the last of the
-two ranks, less the median steady step (how rlaunch's phases count a drain's downtime);
+two ranks, less the survivor's median period in the same run away from the events
+(``median_step_s`` there; how rlaunch's phases count a drain's downtime);
 ``transfer_s``, the send's wall time inside the event; ``transfer_alone_s``, the same bytes sent
 while the third process idles (best of 3: the bound's measure); ``first_step_s``, the joiner's
 first step from the end of its receive. ``floor_s`` is the lower of the two medians, set against
-issue 17's target (``target_below_floor``), and the final parameters' digests are compared with a
-run without events, whose survivor's median period is the steady step (the moves must not change
-a bit). What this cannot show: a GPU's copy engines and
-NVLink, where the transfer would not share the cores with the steps. Prints one JSON object.
+issue 17's target (``target_below_floor``; its step: the run without events' median period), and
+the final parameters' digests are compared with that run's (the moves must not change a bit). The
+floor moves the whole state before the joiner's first step; rlaunch's joiner starts once the
+parameters landed, while the optimizer state goes on landing. What this cannot show: a GPU's copy
+engines and NVLink, where the transfer would not share the cores with the steps. Prints one JSON
+object.
 Usage: scripts/bench_floor.py [--events 5] [--steady 12] [--every 6] [--width 2048]
 """
 
@@ -184,18 +187,22 @@ def run(width: int, steps: int, events: list[int], waits: bool, tmp: Path) -> li
     return [json.loads(o.read_text()) for o in outs]
 
 
-def median_period(steady: list[dict[str, Any]]) -> float:
-    """The survivor's median period (from one step's end to the next's) without events, after two steps."""
-    ends = [b for _, b in sorted(steady[0]["steps"].values())]
-    return statistics.median(b - a for a, b in zip(ends[2:], ends[3:], strict=False))
+def median_period(run: list[dict[str, Any]], events: list[int]) -> float:
+    """The survivor's median period (from one step's end to the next's) in ``run``, after its first
+    two steps, leaving out the periods of an event's step and the one after it: the reference of the
+    same run (the machine's speed drifts between runs by more than the effect measured)."""
+    ends = dict(sorted((int(k), b) for k, (_, b) in run[0]["steps"].items()))
+    skip = {e + d for e in events for d in (0, 1)}
+    return statistics.median(ends[k] - ends[k - 1] for k in ends if k >= 3 and k not in skip and k - 1 in ends)
 
 
 def spread(values: list[float]) -> dict[str, Any]:
     return {"median": round(statistics.median(values), 4), "runs": [round(v, 4) for v in values]}
 
 
-def events_report(moved: list[dict[str, Any]], events: list[int], period: float) -> dict[str, Any]:
+def events_report(moved: list[dict[str, Any]], events: list[int]) -> dict[str, Any]:
     """Each event's downtime (as the module docstring says), transfer and joiner's first step."""
+    period = median_period(moved, events)
     downtime, transfer, first = [], [], []
     for step in events:
         key = str(step)
@@ -206,11 +213,16 @@ def events_report(moved: list[dict[str, Any]], events: list[int], period: float)
         downtime.append(max(r["steps"][key][1] for r in moved if key in r["steps"]) - boundary - period)
         transfer.append(got["to"] - sent["from"])
         first.append(joiner["steps"][key][1] - got["to"])
-    return {"downtime_s": spread(downtime), "transfer_s": spread(transfer), "first_step_s": spread(first)}
+    return {
+        "median_step_s": round(period, 4),
+        "downtime_s": spread(downtime),
+        "transfer_s": spread(transfer),
+        "first_step_s": spread(first),
+    }
 
 
 def report(steady: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]], events: list[int]) -> dict[str, Any]:
-    period = median_period(steady)
+    period = median_period(steady, [])
     bound = min(r["transfer_alone_s"] for moved in runs.values() for r in moved)
     out: dict[str, Any] = {
         "state_bytes": steady[0]["state_bytes"],
@@ -219,7 +231,7 @@ def report(steady: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]], 
         "bound_plus_quarter_step_s": round(bound + 0.25 * period, 4),
     }
     for name, moved in runs.items():
-        out[name] = events_report(moved, events, period)
+        out[name] = events_report(moved, events)
     out["floor_s"] = min(out[name]["downtime_s"]["median"] for name in runs)
     out["target_below_floor"] = out["bound_plus_quarter_step_s"] < out["floor_s"]
     digests = {r.get("digest") for moved in (steady, *runs.values()) for r in moved} - {None}
