@@ -17,10 +17,10 @@ all-reduce of a flat buffer after the backward pass (no DDP: DDP's group cannot 
 without rlaunch's swap); steady steps are timed the same way, so the downtime is set against
 them.
 
-Reported for each way (medians over the events, with their runs): ``downtime_s``, the time from the boundary
-(the end of the step before the event) to the end of the first step after it on the last of the
-two ranks, less the survivor's median period in the same run away from the events
-(``median_step_s`` there; how rlaunch's phases count a drain's downtime);
+Reported for each way (medians over the events, with their runs, least and most): ``downtime_s``,
+the time from the boundary (the end of the step before the event) to the end of the first step
+after it on the last of the two ranks, less the survivor's median period in the same run away
+from the events (``median_step_s`` there; how rlaunch's phases count a drain's downtime);
 ``transfer_s``, the send's wall time inside the event; ``transfer_alone_s``, the same bytes sent
 while the third process idles (best of 3: the bound's measure); ``first_step_s``, the joiner's
 first step from the end of its receive. ``floor_s`` is the lower of the two medians, set against
@@ -57,6 +57,7 @@ from torch import nn  # noqa: E402
 from rlaunch.store.embedded import free_port  # noqa: E402
 from scripts.bench_train import batch, digest, make_model  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
+from scripts.migration_figures import spread  # noqa: E402
 
 DEPTH, BATCH = 6, 64  # bench_train.py's defaults (its width: --width)
 WARM = 2  # a standby's own steps before it is needed (rlaunch's default sandbox is 3)
@@ -196,10 +197,6 @@ def median_period(run: list[dict[str, Any]], events: list[int]) -> float:
     return statistics.median(ends[k] - ends[k - 1] for k in ends if k >= 3 and k not in skip and k - 1 in ends)
 
 
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), 4), "runs": [round(v, 4) for v in values]}
-
-
 def events_report(moved: list[dict[str, Any]], events: list[int]) -> dict[str, Any]:
     """Each event's downtime (as the module docstring says), transfer and joiner's first step."""
     period = median_period(moved, events)
@@ -215,9 +212,9 @@ def events_report(moved: list[dict[str, Any]], events: list[int]) -> dict[str, A
         first.append(joiner["steps"][key][1] - got["to"])
     return {
         "median_step_s": round(period, 4),
-        "downtime_s": spread(downtime),
-        "transfer_s": spread(transfer),
-        "first_step_s": spread(first),
+        "downtime_s": spread(downtime, 4),
+        "transfer_s": spread(transfer, 4),
+        "first_step_s": spread(first, 4),
     }
 
 

@@ -432,40 +432,31 @@ def loopback_bandwidth(mib: int = 256, ends: Sequence[tuple[str, list[str]]] = (
     return float(outs[1].strip())
 
 
-def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
-    """The median of ``values`` and their spread, rounded: {"median", "runs", "min", "max"}."""
-    return {
-        "median": round(statistics.median(values), digits), "runs": [round(v, digits) for v in values],
-        "min": round(min(values), digits), "max": round(max(values), digits),
-    }  # fmt: skip
-
-
 def with_spread(out: dict[str, Any], key: str, values: Sequence[float], digits: int = 3) -> None:
     """``key``: the median (the key the JSON always had); ``key_runs``, ``key_min``, ``key_max``."""
-    s = spread(values, digits)
+    s = migration_figures.spread(values, digits)
     out[key], out[f"{key}_runs"], out[f"{key}_min"], out[f"{key}_max"] = s["median"], s["runs"], s["min"], s["max"]
+
+
+def script_json(name: str, *args: str, timeout: float) -> dict[str, Any]:
+    """The JSON another benchmark script of scripts/ prints when run with ``args``."""
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
+                         timeout=timeout, env=ENV)  # fmt: skip
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join((name, *args))} failed: {res.stderr[-2000:]}")
+    found: dict[str, Any] = json.loads(res.stdout)
+    return found
 
 
 def floor_of_a_move() -> dict[str, Any]:
     """scripts/bench_floor.py's JSON: what the DDP layout's move costs here with nothing but its own work."""
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_floor.py")], capture_output=True, text=True,
-                         timeout=900, env=ENV)  # fmt: skip
-    if res.returncode != 0:
-        raise RuntimeError(f"bench_floor.py failed: {res.stderr[-2000:]}")
-    found: dict[str, Any] = json.loads(res.stdout)["ddp"]
+    found: dict[str, Any] = script_json("bench_floor.py", timeout=900)["ddp"]
     return found
 
 
 def fresh_process_steps(layout: str) -> dict[str, Any]:
     """scripts/bench_warmup.py's JSON for ``layout``: a fresh process's first steps, part by part."""
-    res = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_warmup.py"), "--layout", layout], capture_output=True,
-        text=True, timeout=600, env=ENV,
-    )  # fmt: skip
-    if res.returncode != 0:
-        raise RuntimeError(f"bench_warmup.py --layout {layout} failed: {res.stderr[-2000:]}")
-    found: dict[str, Any] = json.loads(res.stdout)
-    return found
+    return script_json("bench_warmup.py", "--layout", layout, timeout=600)
 
 
 def drain_downtimes(phases: dict[str, Any]) -> tuple[list[float], float]:
@@ -656,9 +647,10 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     cold = run_rlaunch(root, etcd, f"{layout}-rlaunch-cold", args.steps, events, 0, train_args)
     log(f"{layout}: what the first steps of a fresh process pay here, part by part (scripts/bench_warmup.py)")
     warmup = fresh_process_steps(layout)
+    floor = None
     if layout == "ddp":
         log(f"{layout}: the same move with nothing but its own work (scripts/bench_floor.py)")
-    floor = floor_of_a_move() if layout == "ddp" else None
+        floor = floor_of_a_move()
 
     median_rl = statistics.median(
         median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_rl for k in (0, 1)

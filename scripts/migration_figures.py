@@ -5,6 +5,7 @@
 - :func:`warm_vs_cold`: what a standby's sandbox warm-up saves a drain, phase by phase, beside what
   a fresh process's first step pays here (scripts/bench_warmup.py).
 - :func:`memory_report`: resident memory of rlaunch's workers against plain DDP's, stage by stage.
+- :func:`spread`: a repeated event's median and spread (bench_floor.py uses it too).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """The median of ``values`` and their spread, rounded: {"median", "runs", "min", "max"}."""
+    return {
+        "median": round(statistics.median(values), digits), "runs": [round(v, digits) for v in values],
+        "min": round(min(values), digits), "max": round(max(values), digits),
+    }  # fmt: skip
+
 
 #: Student's t at 97.5 % for n - 1 degrees of freedom (n pairs): the 95 % interval of a mean
 T975 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20}
