@@ -34,14 +34,16 @@ import json
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from rlaunch.plans import ReplacePlan
 from rlaunch.runtime import buckets, rng, shards
 from rlaunch.runtime.agent_link import AgentLinkError
+from rlaunch.runtime.carried import Plan
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.snapshots import HostSnapshots, Rollback, rollback
+from rlaunch.runtime.stepstate import module_buffers
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
 
@@ -106,6 +108,18 @@ def after_vote_refusal(step: int, own: int) -> str:
     )
 
 
+def first_refusal(reports: Sequence[dict[str, Any]], agreed: int) -> str:
+    """Why no replica may serve the replaced ranks, from every survivor's report ("" when one may).
+
+    Every survivor decides from the same reports: the first refusal any of them gave stands, then the
+    first survivor that wrote parameters before the vote of a step the commit rule discards (one
+    whose last applied step is the commit point ``agreed``: it is in the next step, which is redone).
+    A survivor rolled forward applies the step it wrote them in, as every rank does.
+    """
+    refused = next((str(r["refused"]) for r in reports if r["refused"]), "")
+    return refused or next((str(r["touched"]) for r in reports if r["touched"] and int(r["applied"]) == agreed), "")
+
+
 def newest(plans: Sequence[ReplacePlan]) -> ReplacePlan:
     """The plan to recover to: the one of the highest generation (older ones were superseded)."""
     return max(plans, key=lambda p: p.generation)
@@ -130,8 +144,10 @@ class Recovery:
         learn: Callable[[dict[str, Any]], None],
         undrainable: Callable[[], str],
         host: HostSnapshots,
+        touched: Callable[[], str],
     ) -> None:
         self._s = state
+        self._touched = touched  # why redoing this step would diverge: parameters written before its vote
         self._undrainable = undrainable  # why no move at all could place this rank ("" when one can)
         self._host = host
         self._refusal = refusal
@@ -140,6 +156,8 @@ class Recovery:
         self._learn = learn
         self._plans: queue.Queue[ReplacePlan] = queue.Queue()  # from the listener thread
         self._sends: dict[int, Any] = {}  # replaced rank -> channel, sent at the step boundary
+        #: where the lost ranks' module buffers come from, as the survivors read their own (rlaunch.runtime.carried)
+        self._plan: Plan = {}
         #: between a failed step's report to the agent and its recovery: waiting on peers, not hung
         self.active = False
         #: the recovery rolls back to a host snapshot (set from the agreement to the step boundary)
@@ -221,7 +239,8 @@ class Recovery:
                 self._give_up(
                     plan.generation, f"a live replacement of ranks {sorted(moved)} cannot be made this early: {early}"
                 )
-            refused = s.after_vote or self._refusal()
+            late, buffers = self._late_buffers()
+            refused = s.after_vote or self._refusal() or late
             if refused and not self._host.enabled:
                 self._give_up(plan.generation, self._diverges(sorted(moved), refused))
             survivors = [r for r in range(s.world_size) if r not in moved]
@@ -229,6 +248,7 @@ class Recovery:
             report = {
                 "rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge(),
                 "refused": refused, "undrainable": self._undrainable(), "snapshot": self._host.report(moved),
+                "buffers": {str(i): j for i, j in buffers.items()}, "touched": self._touched(),
             }  # fmt: skip
             s.store.set(f"g{gen}/recover/{s.rank}", json.dumps(report))
             try:
@@ -253,8 +273,7 @@ class Recovery:
         agreed, rolled = commit_point(s.applied, s.step, applied)
         if s.driven:
             self._give_up(plan.generation, driven_refusal(sorted(moved), agreed, applied))
-        # Every survivor decides from the same reports: the first refusal any of them gave stands.
-        refused = next((str(r["refused"]) for r in reports if r["refused"]), "")
+        refused = first_refusal(reports, agreed)
         sources, why = self._sources(plan, survivors) if not refused else ({}, refused)
         back = self._roll_back_to(plan, reports, why) if why else None
         if back is None and rolled:
@@ -264,6 +283,7 @@ class Recovery:
         # What a completed vote taught its ranks (what differs, the next comparison, the samplers'
         # parts): every survivor takes it from one that read the latest vote, so all decide alike.
         self._learn(min((r for r in reports if int(r["applied"]) == agreed), key=lambda r: int(r["rank"]))["knowledge"])
+        self._plan = {int(i): j for r in reversed(reports) for i, j in r["buffers"].items()}
         dirty_names = {n for r in reports for n in r["dirty"]}
         comms = s.groups.build(s.groups.touched(s.rank, moved, also=dirty_names), s.rank, gen)
         if back is not None:
@@ -294,6 +314,20 @@ class Recovery:
             steps_redone=agreed - back.step + 1 if back is not None else 0,
         )  # fmt: skip
         return s.applied == s.step
+
+    def _late_buffers(self) -> tuple[str, Plan]:
+        """Whether this rank's module buffers changed after the last vote past what a replica can know of a
+        lost rank's (why, else ""), and where a lost rank's come from as this rank sees it (DDP broadcast
+        rank 0's, an average copied the model's: see :mod:`rlaunch.runtime.carried`).
+
+        Read from the copies of this step's start, against this rank's row of the previous step's vote:
+        the window after that vote (a rank that already voted in this step is read at the send)."""
+        s = self._s
+        start = s.start
+        if start is None or start.step != s.step or s.vote.carried_step != s.step - 1:
+            return "", {}
+        reading = s.vote.serving(s.step, start.saved, s.rank, s.tracked)
+        return (reading, {}) if isinstance(reading, str) else ("", reading.plan(every=False))
 
     def _roll_back_to(self, plan: ReplacePlan, reports: list[dict[str, Any]], why: str) -> Rollback:
         """The snapshot every survivor rolls back to, when no replica can serve the replaced ranks (``why``);
@@ -333,7 +367,10 @@ class Recovery:
             if back is not None:  # the copy of the lost rank's state this rank holds, at the snapshot's step
                 sent += self._host.send_to(channel, moved, back.step, self._knowledge())
             else:
-                with s.vote.buffers_of(moved, next_step, s.tracked, s.rank):
+                reading = s.vote.serving(next_step, module_buffers(s.tracked), s.rank, s.tracked)
+                if isinstance(reading, str):
+                    self._refuse(s.generation, self._diverges([moved], reading))
+                with s.vote.buffers_of(moved, s.tracked, {**self._plan, **reading.plan(every=True)}):
                     sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())
             retire(channel)  # one use only (an NCCL channel is aborted when retired)
         s.link.call(
@@ -347,13 +384,21 @@ class Recovery:
         the job restarts instead."""
         self._give_up(self._s.generation, f"this rank's state would diverge: {why}")
 
+    def refuse_redo(self, why: str) -> None:
+        """(at the boundary of a step this rank discarded) The script changed state the redo does not put back
+        (``why``): the job restarts instead."""
+        self._give_up(self._s.generation, why)
+
     def _give_up(self, generation: int, why: str) -> None:
-        """Refuse the replacement to ``generation`` (if ``why``): tell the agent why, then stop this worker.
+        """Refuse the replacement to ``generation`` if there is a reason ``why`` (see :meth:`_refuse`)."""
+        if why:
+            self._refuse(generation, why)
+
+    def _refuse(self, generation: int, why: str) -> NoReturn:
+        """Refuse the replacement to ``generation``: tell the agent why, then stop this worker.
 
         The node's failure carries the sentence, and the controller restarts every worker instead.
         """
-        if not why:
-            return
         assert self._s.link is not None
         self._s.link.call("unrecoverable", generation=generation, reason=why)
         raise RefusedError(

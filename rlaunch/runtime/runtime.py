@@ -77,7 +77,7 @@ from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, after_vote_refusal, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
 from rlaunch.runtime.snapshots import HostSnapshots
-from rlaunch.runtime.stepstate import StepSnapshots, is_stateful
+from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, is_stateful, touched
 from rlaunch.runtime.store import AgentStore
 from rlaunch.runtime.untracked import live_schedulers, untracked_state
 from rlaunch.runtime.verify import Verifier
@@ -135,7 +135,7 @@ class Runtime:
         self._moves = Moves(self._s, self._voting, lambda: self._host.every)
         self._recovery = Recovery(  # live replacement after a fault
             self._s, self._moves.replace_refusal, lambda plan, alive: mesh_sources(self._s, plan, alive),
-            self._moves.knowledge, self._moves.learn, self._moves.drain_refusal, self._host,
+            self._moves.knowledge, self._moves.learn, self._moves.drain_refusal, self._host, self._touched,
         )  # fmt: skip
         # planned moves: phase 1 in the background, then the switch
         self._migration = Migration(
@@ -143,6 +143,7 @@ class Runtime:
         )
         self._durations: deque[float] = deque(maxlen=50)
         self._snapshots = StepSnapshots()
+        self._discarded: DiscardedParams | None = None  # a step the recovery discarded, to be redone
         self._device_wait = False  # blocked until this step's GPU work ends (NCCL groups): waits on peers
         # ids of the optimizers and scalers checked for untracked state (at the first vote of each)
         self._checked: set[int] = set()
@@ -480,7 +481,10 @@ class Runtime:
                     elif step == s.step and s.start is not None:
                         # The step is redone: as if never run. Before the replicas are sent, so that a
                         # replacement starts from the same step start as the survivors.
+                        if self._discarded is not None:
+                            self._recovery.refuse_redo(self._discarded.changed())
                         self._snapshots.restore(s.start, s.tracked)
+                    self._discarded = None
                     self._recovery.send_replicas(step)
                     last = time.perf_counter()
                     continue
@@ -590,10 +594,17 @@ class Runtime:
             apply()
 
         applied = self._recovery.recover(rolled_forward)
+        if not applied and self._recovery.rollback is None:  # what the script does next must not touch parameters
+            self._discarded = DiscardedParams(s.step, s.tracked)
         for group in s.groups.mine():
             group.held = True  # until the boundary: the rebuilt groups' other members are there
         self._own_at_vote = at_recovery[0] if applied and at_recovery else None
         return applied
+
+    def _touched(self) -> str:
+        """Why redoing the step under way would diverge: parameters it wrote before its vote ("" if none)."""
+        start = self._s.start
+        return touched(start, self._s.tracked) if start is not None and start.step == self._s.step else ""
 
     def _check_after_vote(self, step: int) -> None:
         """At the end of a step ``rt.steps()`` yielded: if collectives issued after its vote applied it

@@ -8,6 +8,11 @@ tracker, an LR scheduler, a sampler. :class:`StepSnapshots` takes them at the st
 step (buffers are copied into tensors allocated once; the rest are small) and puts them back
 before the step is redone.
 
+Parameters changed outside the optimizer after a discarded step's ``rt.optimizer_step`` (a model
+average updated whatever it returned) would be changed a second time by the redone step, and no
+copy of them is kept: :class:`DiscardedParams` digests them when the step is discarded and tells,
+at the redo, whether they changed since, so that the runtime refuses rather than diverge.
+
 It also gives the per-step vote its uniformity check: :func:`fingerprints` are small integers
 of the RNG states and of each tracked object's state that every rank sums (with their squares)
 in the vote. When every rank holds the same value, a replica can serve a lost rank; when they
@@ -26,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.runtime import rng
+from rlaunch.runtime import digest, rng
 
 
 @dataclass
@@ -44,14 +49,51 @@ class StepStart:
     hyper: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: the tracked modules' persistent buffers (the live tensors, listed once per step)
     buffers: list[torch.Tensor] = field(default_factory=list)
+    #: their values at the step's start (copies, written again at each step's start)
+    saved: list[torch.Tensor] = field(default_factory=list)
+    #: the tracked modules' parameters, and their version counters at the step's start
+    params: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+def _state_tensors(tracked: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The persistent buffers and the parameters of every tracked module, from one walk of their
+    state_dict() (FSDP2's sharded parameters, not gathered ones)."""
+    buffers: list[torch.Tensor] = []
+    params: list[torch.Tensor] = []
+    for obj in tracked.values():
+        if isinstance(obj, nn.Module):
+            for t in obj.state_dict(keep_vars=True).values():
+                (params if isinstance(t, nn.Parameter) else buffers).append(t)
+    return buffers, params
 
 
 def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
     """The persistent buffers of every tracked module (what state_dict() holds besides parameters)."""
-    out = []
-    for obj in tracked.values():
+    return _state_tensors(tracked)[0]
+
+
+def _named_params(tracked: dict[str, Any]) -> dict[int, str]:
+    """How each parameter of the tracked modules is named in sentences, by its id (the first name it has)."""
+    named: dict[int, str] = {}
+    for name, obj in tracked.items():
         if isinstance(obj, nn.Module):
-            out += [t for t in obj.state_dict(keep_vars=True).values() if not isinstance(t, nn.Parameter)]
+            what = f"of the tracked module {name!r} ({type(obj).__name__})"
+            for key, t in obj.state_dict(keep_vars=True).items():
+                if isinstance(t, nn.Parameter):
+                    named.setdefault(id(t), f"{key!r} {what}")
+    return named
+
+
+def buffer_names(tracked: dict[str, Any]) -> list[str]:
+    """How each of :func:`module_buffers` is named in sentences: "'module.1.running_mean' of the tracked module
+    'ema' (AveragedModel)"."""
+    out = []
+    for name, obj in tracked.items():
+        if isinstance(obj, nn.Module):
+            what = f"of the tracked module {name!r} ({type(obj).__name__})"
+            state = obj.state_dict(keep_vars=True)
+            out += [f"{k!r} {what}" for k, t in state.items() if not isinstance(t, nn.Parameter)]
     return out
 
 
@@ -68,7 +110,7 @@ class StepSnapshots:
         self._saved: list[torch.Tensor] = []
 
     def take(self, step: int, tracked: dict[str, Any]) -> StepStart:
-        live = _buffers(tracked)
+        live, params = _state_tensors(tracked)
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=True)):
             self._live, self._saved = live, [t.detach().clone() for t in live]  # allocated once
         else:
@@ -82,7 +124,10 @@ class StepSnapshots:
             for name, obj in tracked.items()
             if isinstance(obj, torch.optim.Optimizer)
         }
-        return StepStart(step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper, buffers=live)
+        return StepStart(
+            step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper, buffers=live, saved=self._saved,
+            params=params, versions=[p._version for p in params],
+        )  # fmt: skip
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -110,6 +155,52 @@ def _load(obj: Any, state: Any) -> None:
             obj._scale, obj._growth_tracker = None, None
             return
     obj.load_state_dict(state)
+
+
+def touched(start: StepStart, tracked: dict[str, Any]) -> str:
+    """Why redoing ``start``'s step would diverge: parameters written in place since its start, before its
+    vote, outside the optimizer (an average updated at the top of the step); "" when none were.
+
+    Read from the parameters' version counters, which every in-place write through autograd's view
+    of a tensor bumps, at no cost; a write through ``.data`` and a foreach operation on DTensors
+    (FSDP2, tensor parallel) bump none, and are not seen here.
+    """
+    moved = [p for p, v in zip(start.params, start.versions, strict=True) if p._version != v]
+    if not moved:
+        return ""
+    count = "1 parameter" if len(moved) == 1 else f"{len(moved)} parameters"
+    first = _named_params(tracked).get(id(moved[0]), "of a tracked module")
+    return (
+        f"{count} changed in step {start.step} before its vote, outside the optimizer, first {first}, and the step is "
+        "discarded: the redone step would change them a second time (a model average updated before "
+        "rt.optimizer_step); make such changes after rt.optimizer_step, when it returns True"
+    )
+
+
+class DiscardedParams:
+    """The tracked modules' parameters as a discarded step left them at its recovery: their digests,
+    read on their own devices (no copy), compared again when the step is redone."""
+
+    def __init__(self, step: int, tracked: dict[str, Any]) -> None:
+        self.step = step
+        names = _named_params(tracked)
+        params = {id(p): p for p in _state_tensors(tracked)[1]}
+        self._named = [(name, params[key]) for key, name in names.items()]
+        self._terms = digest.Terms().read([t for _, t in self._named])
+
+    def changed(self) -> str:
+        """Why the redone step would diverge: parameters changed since the recovery ("" when none did)."""
+        now = digest.Terms().read([t for _, t in self._named])
+        moved = [name for (name, _), a, b in zip(self._named, self._terms, now, strict=True) if a != b]
+        if not moved:
+            return ""
+        count = "1 parameter" if len(moved) == 1 else f"{len(moved)} parameters"
+        return (
+            f"step {self.step} was discarded and is redone, but {count} changed after rt.optimizer_step returned "
+            f"False, first {moved[0]}: the redone step would change them a second time (a model average updated "
+            "whatever rt.optimizer_step returned); make such changes only when rt.optimizer_step returns True "
+            "(if rt.optimizer_step(opt): ema.update_parameters(model))"
+        )
 
 
 def fingerprint_value(value: Any) -> int:

@@ -21,6 +21,9 @@ The vote is one float64 allreduce after gradient sync, laid out as :class:`Layou
 - every rank's module buffers, one row per rank (each rank fills its own, the sum is all of
   them), up to :data:`~rlaunch.runtime.stepstate.CARRY_LIMIT` elements: under DDP they differ by
   rank (each rank's BatchNorm statistics after its own batch), and a replaced rank needs its own.
+  With them, the section :data:`LATE` says which buffers some rank changed after the previous
+  vote, past what a replica can know of a lost rank's (:mod:`rlaunch.runtime.carried`): they are
+  remembered, and a later live replacement is refused.
 
 Sums of integers below 2^53 are exact in float64, and so is a float32 buffer in a row of zeros.
 """
@@ -38,10 +41,31 @@ import torch
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import contract, rng
-from rlaunch.runtime.stepstate import CARRY_LIMIT, StepStart, fingerprint_value, module_buffers, uniform, vote_terms
+from rlaunch.runtime.carried import Carried, Plan, Reading
+from rlaunch.runtime.stepstate import (
+    CARRY_LIMIT,
+    StepStart,
+    buffer_names,
+    fingerprint_value,
+    module_buffers,
+    uniform,
+    vote_terms,
+)
 
 log = logging.getLogger(__name__)
 BUFFERS = "the module buffers (too many for the vote to carry)"
+#: the vote's section of buffers changed after the previous vote: one term per carried buffer
+LATE = "late buffers"
+#: the votes at which every rank reads its buffers for changes after the previous vote, then one in LATE_EVERY
+LATE_FIRST, LATE_EVERY = 16, 8
+
+
+_LATE_SAID = ", which changes after rt.optimizer_step, after the vote that carries every rank's"
+
+
+def late_label(name: str) -> str:
+    """How a buffer changed after the vote that carried it is named among what differs by rank."""
+    return f"the buffer {name}{_LATE_SAID}"
 
 
 def generator_label(name: str) -> str:
@@ -60,8 +84,13 @@ class Layout:
     checked: tuple[str, ...]  # what each fingerprint is of (a tracked name, a generator, or BUFFERS)
     generators: int  # the first ones of ``checked`` are generators, with a "used" term each
     sections: tuple[tuple[str, int], ...]  # named sections after the fingerprints: (name, length)
-    row: int  # elements of one rank's buffers (0: none carried)
+    sizes: tuple[int, ...]  # elements of each carried buffer (none: no buffers carried)
     world: int
+
+    @property
+    def row(self) -> int:
+        """Elements of one rank's buffers (0: none carried)."""
+        return sum(self.sizes)
 
     @property
     def head(self) -> int:
@@ -89,7 +118,7 @@ class Layout:
 
     def digest(self) -> int:
         """A 64-bit digest of the layout: every rank's vote must be laid out alike."""
-        raw = repr((self.checked, self.generators, self.sections, self.row, self.world)).encode()
+        raw = repr((self.checked, self.generators, self.sections, self.sizes, self.world)).encode()
         return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
@@ -105,8 +134,9 @@ class StepVote:
         self.world_size = world_size
         #: what differs from rank to rank without a replica to hold it -> the first step it was seen
         self.differs: dict[str, int] = {}
-        #: (step of the vote, every rank's module buffers as that vote carried them, one row per rank)
-        self._carried: tuple[int, torch.Tensor] | None = None
+        #: every rank's module buffers as the last completed vote carried them
+        self._carried: Carried | None = None
+        self._late_reads = 0  # votes at which this rank read its buffers for changes after the previous vote
         self._used: set[str] = set()  # generators some step drew from
         self._differing: dict[str, int] = {}  # generators whose state differed by rank (first step seen)
         #: tracked objects that may differ by rank (rt.track_if_same): remembered in ``differs``, not refused
@@ -143,10 +173,13 @@ class StepVote:
                 if name not in per_rank:
                     checked.append(name)
                     prints.append(fingerprint_value(state))
+        if buffers:
+            sections = [*sections, (LATE, self._late(start, group_rank, buffers))]
         size = sum(t.numel() for t in buffers)
         layout = Layout(
-            tuple(checked), len(used), tuple((n, int(t.numel())) for n, t in sections), size, self.world_size
-        )
+            tuple(checked), len(used), tuple((n, int(t.numel())) for n, t in sections),
+            tuple(int(t.numel()) for t in buffers), self.world_size,
+        )  # fmt: skip
         head = [1.0, float(ready), float(ready) ** 2, *contract.terms(contract_of(layout)), *vote_terms(prints), *used]
         vote = torch.zeros(layout.size, dtype=torch.float64)
         vote[: len(head)] = torch.tensor(head, dtype=torch.float64)
@@ -158,6 +191,32 @@ class StepVote:
             torch.cat(row, out=vote[at : at + size])
         vote[-1] = 1.0
         return vote, layout
+
+    def _late(self, start: StepStart | None, rank: int, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's :data:`LATE` terms: 1 for the first buffer it changed between the last vote and this
+        step's start past what a replica can know.
+
+        Read at the first :data:`LATE_FIRST` votes, then at one in :data:`LATE_EVERY`, each rank at its own
+        steps (the vote sums every rank's terms: in a world of LATE_EVERY ranks or more, some rank reads
+        every step), and no more once one is known; a fault reads it in any case (``Recovery``)."""
+        late = torch.zeros(len(buffers), dtype=torch.float64)
+        carried = self._carried
+        if start is None or carried is None or carried.step != start.step - 1 or not carried.matches(start.saved):
+            return late
+        if any(name.endswith(_LATE_SAID) for name in self.differs):
+            return late
+        if self._late_reads >= LATE_FIRST and (start.step + rank) % LATE_EVERY:
+            return late
+        self._late_reads += 1
+        changed = carried.compare(start.saved, rank).changed
+        if changed is not None:
+            late[changed] = 1.0
+        return late
+
+    @property
+    def carried_step(self) -> int | None:
+        """The step of the last completed vote that carried every rank's buffers (None: none did)."""
+        return self._carried.step if self._carried is not None else None
 
     def knowledge(self) -> dict[str, Any]:
         """What completed votes proved, for a joiner to decide as the other ranks do (JSON values)."""
@@ -227,8 +286,18 @@ class StepVote:
                 f"with rt.track_per_rank({name}=...) instead of rt.track()."
             )
         if layout.row:
+            changed = [i for i, n in enumerate(layout.section(vote, LATE).tolist()) if n > 0]
+            if changed:
+                name = late_label(buffer_names(tracked)[changed[0]])
+                self.differs.setdefault(name, step)
+                log.info(
+                    "rank %d: %s (seen at step %d): no replica holds a lost rank's, so a live replacement will roll "
+                    "back to a host snapshot or be refused (update a model average only when rt.optimizer_step "
+                    "returns True, or declare it per rank; see the loop patterns in docs/layouts.md).",
+                    rank, name, step,
+                )  # fmt: skip
             rows = vote[layout.buffers : layout.buffers + self.world_size * layout.row]
-            self._carried = (step, rows.view(self.world_size, layout.row))
+            self._carried = Carried(step, rows.view(self.world_size, layout.row), layout.sizes)
 
     def refusal(self, per_rank: set[str], seeded: bool, start: StepStart | None = None) -> str:
         """Why no replica can stand in for a replaced rank ("" when one can).
@@ -253,26 +322,37 @@ class StepVote:
             return why
         return ""
 
+    def serving(self, next_step: int, now: list[torch.Tensor], rank: int, tracked: dict[str, Any]) -> Reading | str:
+        """Whether this rank, holding ``now`` as its module buffers at step ``next_step``'s start, can give a
+        lost rank its own: what became of each since its row, or why it cannot (a sentence)."""
+        if not self.carried_buffers(tracked, now):
+            return Reading([], {})
+        carried = self._carried
+        if carried is None or carried.step != next_step - 1 or not carried.matches(now):
+            held = "none" if carried is None else f"step {carried.step}'s"
+            return (
+                f"a replaced rank needs its module buffers (BatchNorm statistics) as of step {next_step}, but the "
+                f"replica on rank {rank} holds {held}"
+            )
+        reading = carried.compare(now, rank)
+        if reading.changed is not None:
+            return (
+                f"the buffer {buffer_names(tracked)[reading.changed]} differs from rank to rank and changed after step "
+                f"{carried.step}'s vote, which carried every rank's (the script changes it after rt.optimizer_step: a "
+                "model average's update, a forward in training mode), so no replica holds a lost rank's"
+            )
+        return reading
+
     @contextlib.contextmanager
-    def buffers_of(self, moved: int, next_step: int, tracked: dict[str, Any], rank: int) -> Iterator[None]:
-        """While sending to replaced rank ``moved``: the module buffers are its own, as the vote carried them."""
+    def buffers_of(self, moved: int, tracked: dict[str, Any], plan: Plan) -> Iterator[None]:
+        """While sending to replaced rank ``moved``: the module buffers are its own, as the vote carried them and
+        ``plan`` says (see :mod:`rlaunch.runtime.carried`)."""
         buffers = self.carried_buffers(tracked)
-        if not buffers:
+        if not buffers or self._carried is None:
             yield
             return
-        if self._carried is None or self._carried[0] != next_step - 1:
-            held = "none" if self._carried is None else f"step {self._carried[0]}'s"
-            raise RefusedError(
-                f"rank {rank}: the replaced rank {moved} needs its module buffers (BatchNorm statistics) as of "
-                f"step {next_step}, but this replica holds {held}; it stops rather than send another rank's buffers."
-            )
         own = [t.detach().clone() for t in buffers]
-        row = self._carried[1][moved]
-        with torch.no_grad():
-            offset = 0
-            for t in buffers:
-                t.copy_(row[offset : offset + t.numel()].reshape(t.shape).to(t.dtype))
-                offset += t.numel()
+        self._carried.fill(buffers, moved, plan)
         try:
             yield
         finally:

@@ -5,9 +5,9 @@ One script (``tests/scripts/train_loops.py``) combines the patterns by flags, so
 them all: BatchNorm buffers, dropout, two optimizers, CPU AMP with a GradScaler (inf-skip
 included), gradient accumulation under ``no_sync()``, clipping, an LR scheduler, an evaluation
 ``all_reduce`` every 5 steps, draws from ``random``, NumPy and a ``torch.Generator`` of the
-script's own, and three ways of seeding. Every job compares each rank's final model state
-(parameters and buffers) and optimizer, scheduler and scaler state with an uninterrupted run of
-the same script.
+script's own, an average of the weights (``AveragedModel``), and three ways of seeding. Every job
+compares each rank's final model state (parameters and buffers) and optimizer, scheduler and
+scaler state with an uninterrupted run of the same script.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ LOOPS = SCRIPTS / "train_loops.py"
 STEPS = ("--steps", "120")
 EVERY = (
     "--bn", "--dropout", "0.1", "--optimizers", "2", "--scaler", "--accum", "2", "--clip", "--sched",
-    "--eval-every", "5", "--own-gen",
+    "--eval-every", "5", "--own-gen", "--ema", "guarded",
 )  # fmt: skip
 FINAL = re.compile(r"rank (\d+) final: steps=\d+ params=(\w+) optim=(\w+)")
 pytestmark = pytest.mark.timeout(600)
@@ -120,6 +120,22 @@ def test_a_seed_per_rank_set_once_is_replaced_live_by_a_rollback_to_a_host_snaps
     assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
     assert "'rolled_back_to': " in a.output() and "'steps_redone': " in a.output(), a.output()[-3000:]
     assert "event joined" in c.output() and "would diverge" not in a.output()
+    assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
+
+
+def test_a_model_average_updated_whatever_the_vote_said_is_replaced_live_by_a_rollback(cluster: Cluster) -> None:
+    """An EMA of the weights and of the BatchNorm statistics (``AveragedModel(use_buffers=True)``),
+    updated after every ``rt.optimizer_step`` whatever it returned. Its statistics differ by rank and
+    change after the vote that carries them, so no replica holds the lost rank's: the first votes see
+    it, the job takes host snapshots, and b's loss rolls back to one. (Before: the joiner got its
+    statistics as of the vote, the redone step updated the average a second time, and the job ended
+    diverged without a word.)"""
+    extra = ("--bn", "--dropout", "0.1", "--ema", "ignored")
+    a, b, c = start(cluster, *extra, flags=("--max-restarts", "1"))
+    after_a_scheduled_snapshot(a)  # taken once the votes saw the change; the fault comes outside its window
+    b.workers()[0].kill()
+    assert a.wait(240) == 0 and c.wait(240) == 0, (a.output()[-3000:], c.output()[-3000:])
+    assert "'rolled_back_to': " in a.output() and "event joined" in c.output(), a.output()[-3000:]
     assert finals(a, c) == reference(*extra), "the job must end as if uninterrupted"
 
 

@@ -7,12 +7,17 @@ scheduler stepped unconditionally (``--sched``), an evaluation ``all_reduce`` ev
 (``--eval-every``; with ``--plateau`` its result also steps a ``ReduceLROnPlateau``, after the
 vote, as users write it), draws from ``random`` and NumPy, and seeds: the same on every rank
 (``--seed-mode same``), one per rank set once as nanoGPT does (``rank-once``), or per rank
-through the runtime (``rt``). ``--flip RANK:STEP`` and ``--flip-after-move RANK`` inject silent data
-corruption: one flipped bit in one rank's parameter. ``--die-after-vote FILE:RANK:STEP`` loses that rank's
-node right after its vote in that step (once: FILE is made first). ``--collectives`` calls every collective and object
-collective (``collective_checks.py``) before the steps, in steps 0 to 2 (a standby's sandbox steps) and at the
-end, and checks what each returned. ``--ckpt DIR`` writes a checkpoint on rank 0 (``dist.get_rank()
-== 0``) every 5 steps (step 0 included: a sandbox runs a few) and logs who wrote it. ``--misuse`` exercises a refusal.
+through the runtime (``rt``). ``--ema MODE`` keeps an exponential moving average of the weights
+(``torch.optim.swa_utils.AveragedModel``, tracked): ``guarded`` updates it when
+``rt.optimizer_step`` returns True (its buffers as built), ``ignored`` after every
+``rt.optimizer_step`` whatever it returned, its BatchNorm statistics averaged too
+(``use_buffers=True``). ``--flip RANK:STEP`` and ``--flip-after-move RANK`` inject silent data
+corruption: one flipped bit in one rank's parameter. ``--die-after-vote FILE:RANK:STEP`` loses
+that rank's node right after its vote in that step (once: FILE is made first). ``--collectives``
+calls every collective and object collective (``collective_checks.py``) before the steps, in
+steps 0 to 2 (a standby's sandbox steps) and at the end, and checks what each returned. ``--ckpt
+DIR`` writes a checkpoint on rank 0 (``dist.get_rank() == 0``) every 5 steps (step 0 included: a
+sandbox runs a few) and logs who wrote it. ``--misuse`` exercises a refusal.
 
 At the end each rank prints ``rank R final: steps=N params=<model state digest>
 optim=<optimizers, scheduler and scaler digest> versions={}``.
@@ -89,6 +94,7 @@ def main() -> None:
     ap.add_argument("--die", default="", help="RANK:STEP: that rank's node (agent and worker) is SIGKILLed there")
     ap.add_argument("--die-after-vote", default="", help="FILE:RANK:STEP: as --die, after the step's vote, once")
     ap.add_argument("--plateau", action="store_true", help="a ReduceLROnPlateau stepped on each evaluation")
+    ap.add_argument("--ema", choices=["", "guarded", "ignored"], default="", help="a model average (see the docstring)")
     ap.add_argument("--gate", default="", help="active ranks wait at step --gate-at until this file exists")
     ap.add_argument("--gate-at", type=int, default=20)
     ap.add_argument("--flip", default="", help="RANK:STEP: flip a bit of its first weight then")
@@ -121,6 +127,11 @@ def main() -> None:
         tracked["plateau"] = plateau
     if args.misuse == "rank-state":
         tracked["counter"] = Counter(rt.rank)
+    ema = None
+    if args.ema:
+        decay = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        ema = torch.optim.swa_utils.AveragedModel(model.module, multi_avg_fn=decay, use_buffers=args.ema == "ignored")
+        tracked["ema"] = ema
     rt.track(**tracked)
     data = None
     if args.loader:
@@ -203,7 +214,9 @@ def main() -> None:
         elif args.misuse == "late-untracked-sched" and step == 0:
             rt.optimizer_step(optimizers[-1])  # the scheduled optimizer is first stepped in step 1
         else:
-            rt.optimizer_step(*optimizers, **({"scaler": scaler} if scaler else {}))
+            applied = rt.optimizer_step(*optimizers, **({"scaler": scaler} if scaler else {}))
+            if ema is not None and (applied or args.ema == "ignored"):
+                ema.update_parameters(model.module)
         if (rt.rank, step) == after_vote and not os.path.exists(once):
             open(once, "w").close()  # a node lost between the vote and the evaluation that follows it
             os.kill(os.getppid(), signal.SIGKILL)
@@ -228,11 +241,12 @@ def main() -> None:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.5f}", flush=True)
     if sub is not None:
         collective_checks.check(rt, sub, "end")
+    averaged = list(ema.state_dict().values()) if ema is not None else []
     others: list[object] = [t for o in optimizers for s in o.state.values() for t in s.values()]
     others += [sorted(sched.state_dict().items()) if sched else None, scaler.state_dict() if scaler else None]
     others += [sorted(plateau.state_dict().items()) if plateau else None]
     print(
-        f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.state_dict().values()))} "
+        f"rank {rt.rank} final: steps={args.steps} params={digest(list(model.state_dict().values()) + averaged)} "
         f"optim={digest(others)} versions={{}} epoch={data.epoch if data else 0}",
         flush=True,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlaunch.runtime.recovery import after_vote_refusal, driven_refusal
+from rlaunch.runtime.recovery import after_vote_refusal, driven_refusal, first_refusal
 from rlaunch.runtime.runtime import commit_point
 
 
@@ -45,3 +45,22 @@ def test_collectives_that_gave_own_values_after_a_vote_refuse_a_replica_and_say_
     one, two = after_vote_refusal(44, 1), after_vote_refusal(44, 2)
     assert one.startswith("a collective issued after step 44's vote") and two.startswith("2 collectives issued")
     assert "before rt.optimizer_step" in one and "rt.alike()" in one
+
+
+def test_parameters_written_before_the_vote_refuse_a_replica_only_where_the_step_is_redone() -> None:
+    """A survivor wrote parameters before its step's vote (an average updated at the top of the step):
+    where the commit rule discards that step every survivor refuses alike; where it rolls that survivor
+    forward, the step is applied as on every rank, and nothing is refused."""
+    wrote = "1 parameter changed in step 8 before its vote"
+    redone = [
+        {"rank": 0, "applied": 7, "refused": "", "touched": wrote},
+        {"rank": 2, "applied": 7, "refused": "", "touched": ""},
+    ]
+    assert first_refusal(redone, commit_point(7, 8, [7, 7])[0]) == wrote
+    rolled = [
+        {"rank": 0, "applied": 7, "refused": "", "touched": wrote},
+        {"rank": 2, "applied": 8, "refused": "", "touched": ""},
+    ]
+    assert first_refusal(rolled, commit_point(7, 8, [7, 8])[0]) == ""
+    first = [{"rank": 0, "applied": 7, "refused": "per rank", "touched": wrote}]
+    assert first_refusal(first, 7) == "per rank", "the first refusal stands"

@@ -74,7 +74,9 @@ def _planned(rank: int, port: int, results: Any) -> None:
     )  # fmt: skip
     for group in (tp, idle):
         state.groups.add(group)
-    recovery = Recovery(state, str, lambda p, a: ({}, ""), dict, lambda k: None, str, HostSnapshots(state, 0, 1, bool))
+    recovery = Recovery(
+        state, str, lambda p, a: ({}, ""), dict, lambda k: None, str, HostSnapshots(state, 0, 1, bool), str
+    )
     plan = ReplacePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(2,), world_size=3, sources={})
     t = torch.ones(4)
     work = tp.allreduce([t])

@@ -86,7 +86,14 @@ def test_a_survivor_recovers_to_the_newest_plan_it_holds() -> None:
     """Two faults seconds apart: the older plan's exchange waits on a rank the newer plan replaces."""
     state = _state(_Link([]), lambda *a: SandboxComm(0, 2))
     recovery = Recovery(
-        state, lambda: "", lambda plan, alive: ({}, ""), dict, lambda known: None, str, HostSnapshots(state, 0, 1, bool)
+        state,
+        lambda: "",
+        lambda plan, alive: ({}, ""),
+        dict,
+        lambda known: None,
+        str,
+        HostSnapshots(state, 0, 1, bool),
+        str,
     )
     recovery.on_replace(_replace(5, (1,)))
     recovery.on_replace(_replace(6, (1, 2)))

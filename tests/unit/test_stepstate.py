@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from rlaunch.runtime import rng
-from rlaunch.runtime.stepstate import StepSnapshots, fingerprint_value
+from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, fingerprint_value, touched
+from rlaunch.runtime.vote import RefusedError
+from tests.one_rank import plain_runtime
 
 
 def _objects() -> dict[str, Any]:
@@ -87,3 +91,100 @@ def test_fingerprints_see_tensors_and_values() -> None:
     one = rng.fingerprint(rng.capture())
     torch.manual_seed(2)
     assert rng.fingerprint(rng.capture()) != one
+
+
+def _averaged() -> dict[str, Any]:
+    """A model with BatchNorm, its optimizer and an average of its weights, tracked as a script tracks them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "ema": ema}
+
+
+def _averaged_steps(objs: dict[str, Any], steps: int, discard: int, guarded: bool, link: Any = None) -> None:
+    """``steps`` steps of ``rt.steps()`` with step ``discard`` discarded once, as a recovery discards one;
+    the average is updated after the step's optimizer step, when it applied (``guarded``) or whatever it said."""
+    rt = plain_runtime()
+    rt.track(**objs)
+    model, opt, ema = objs["model"], objs["opt"], objs["ema"]
+    redone = False
+    for step in rt.steps(steps):
+        opt.zero_grad()
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        applied = step != discard or redone
+        if applied:
+            opt.step()
+        else:  # what rt.optimizer_step does when its recovery discards the step
+            redone, rt._s.resume_at, rt._s.link = True, step, link
+            rt._discarded = DiscardedParams(step, rt._s.tracked)
+        if applied or not guarded:
+            ema.update_parameters(model)
+
+
+def test_a_model_average_updated_after_a_discarded_step_refuses_the_redo() -> None:
+    """The update the discarded step's script made whatever rt.optimizer_step returned is not put back
+    (no copy of the parameters is kept): the redo would update the average a second time. The job
+    restarts with a sentence instead; updated only when the step applied, the redo ends as a run
+    with no fault does."""
+
+    class Link:
+        calls: list[str] = []
+
+        def call(self, op: str, **fields: Any) -> dict[str, Any]:
+            self.calls.append(op)
+            return {}
+
+    link = Link()
+    with pytest.raises(RefusedError) as refused:
+        _averaged_steps(_averaged(), 4, discard=2, guarded=False, link=link)
+    said = str(refused.value)
+    assert re.search(r"step 2 was discarded and is redone, but \d+ parameters changed after rt.optimizer_step", said)
+    assert "returned False, first 'module.0.weight' of the tracked module 'ema' (AveragedModel): the redone" in said
+    assert "if rt.optimizer_step(opt): ema.update_parameters(model)" in said and link.calls == ["unrecoverable"]
+
+    reference, redone = _averaged(), _averaged()
+    _averaged_steps(reference, 4, discard=-1, guarded=True)
+    _averaged_steps(redone, 4, discard=2, guarded=True)
+    for a, b in zip(reference["ema"].state_dict().values(), redone["ema"].state_dict().values(), strict=True):
+        assert torch.equal(a, b), "guarded: the redone run ends as the run with no fault"
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ("lerp", True),  # AveragedModel's own update (a foreach lerp)
+        ("data", True),  # an average written through .data, which no version counter sees
+        ("clamp", False),  # a projection that leaves parameters already in range as they are
+    ],
+)
+def test_parameters_changed_after_a_discard_are_told_by_value(change: str, refused: bool) -> None:
+    objs = _averaged()
+    with torch.no_grad():
+        for p in objs["model"].parameters():
+            p.clamp_(-0.1, 0.1)
+    discarded = DiscardedParams(7, objs)
+    model, ema = objs["model"], objs["ema"]
+    if change == "lerp":
+        ema.update_parameters(model)
+    elif change == "data":
+        for e, p in zip(ema.module.parameters(), model.parameters(), strict=True):
+            e.data.mul_(0.9).add_(p.data, alpha=0.1)
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.1, 0.1)
+    assert bool(discarded.changed()) is refused, discarded.changed()
+
+
+def test_parameters_written_before_the_vote_are_seen_by_their_versions() -> None:
+    """An average updated at the top of a step writes its parameters in place before the vote: if the
+    step is discarded, its redo would update it again. A step's own forward and backward write none."""
+    objs = _averaged()
+    start = StepSnapshots().take(3, objs)
+    objs["model"](torch.randn(16, 4)).sum().backward()
+    assert touched(start, objs) == ""
+    objs["ema"].update_parameters(objs["model"])
+    said = touched(start, objs)
+    assert said.startswith("6 parameters changed in step 3 before its vote, outside the optimizer, first ")
+    assert "'module.0.weight' of the tracked module 'ema' (AveragedModel)" in said

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from rlaunch.runtime import rng
-from rlaunch.runtime.stepstate import StepSnapshots
+from rlaunch.runtime.carried import Kind, Reading
+from rlaunch.runtime.stepstate import StepSnapshots, buffer_names, module_buffers
 from rlaunch.runtime.vote import RefusedError, StepVote, generator_label
 
 
@@ -63,13 +64,117 @@ def test_every_rank_reads_every_ranks_buffers_and_a_replacement_gets_its_own() -
     assert generator_label("torch") in votes[0].differs, "seeds differ by rank: remembered, not refused"
     assert generator_label("python") not in votes[0].differs, "the same on both ranks here"
     live = ranks[0]["model"][1].running_mean
-    with votes[0].buffers_of(1, 6, ranks[0], 0):
+    reading = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(reading, Reading) and reading.kinds[0] is Kind.KEPT
+    with votes[0].buffers_of(1, ranks[0], reading.plan(every=True)):
         assert torch.equal(live, torch.ones(4)), "rank 1's own statistics are sent"
     assert torch.equal(live, torch.zeros(4)), "and rank 0's are put back"
-    stale = "needs its module buffers .* as of step 9, but this replica holds step 5's"
-    with pytest.raises(RefusedError, match=stale), votes[0].buffers_of(1, 9, ranks[0], 0):
-        pass
+    why = votes[0].serving(9, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(why, str)
+    assert (
+        "needs its module buffers (BatchNorm statistics) as of step 9, but the replica on rank 0 holds step 5's" in why
+    )
     assert "rt.seed(seed, per_rank=True)" in votes[0].refusal(set(), seeded=False)
+
+
+def _averaged(seed: int, use_buffers: bool) -> dict[str, Any]:
+    """A rank with BatchNorm statistics of its own and an average of its weights (tracked as ``ema``)."""
+    tracked = _rank(seed, 7)
+    decay = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    tracked["ema"] = torch.optim.swa_utils.AveragedModel(tracked["model"], multi_avg_fn=decay, use_buffers=use_buffers)
+    tracked["ema"].update_parameters(tracked["model"])  # the first update copies; later ones average
+    with torch.no_grad():
+        tracked["model"][1].running_mean.add_(10.0)  # the model's statistics went on from the average's copy
+    return tracked
+
+
+def _voted(ranks: list[dict[str, Any]]) -> list[StepVote]:
+    """Every rank's vote of step 5, completed and read."""
+    votes, total, layout = _votes(ranks)
+    for i, vote in enumerate(votes):
+        vote.accept(total, layout, 5, ranks[i], i)
+    return votes
+
+
+def test_an_average_updated_after_the_vote_reaches_a_replacement_as_the_lost_rank_held_it() -> None:
+    """An average updated after the vote (when rt.optimizer_step returned True): its count, which every
+    rank's row held alike, is sent as the replica holds it now (the vote carried the one before the
+    update); its statistics, copied from each rank's model by the update, are the lost rank's model's row."""
+    ranks = [_averaged(0, use_buffers=False), _averaged(1, use_buffers=False)]
+    votes = _voted(ranks)
+    for tracked in ranks:
+        tracked["ema"].update_parameters(tracked["model"])
+    reading = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(reading, Reading), reading
+    names = buffer_names(ranks[0])
+    assert reading.kinds[names.index("'n_averaged' of the tracked module 'ema' (AveragedModel)")] is Kind.SHARED
+    copied = names.index("'module.1.running_mean' of the tracked module 'ema' (AveragedModel)")
+    assert reading.copies == {copied: names.index("'1.running_mean' of the tracked module 'model' (Sequential)")}
+    ema = ranks[0]["ema"]
+    with votes[0].buffers_of(1, ranks[0], reading.plan(every=True)):
+        assert int(ema.n_averaged) == 2, "the count after the update (the vote carried 1)"
+        assert torch.equal(ema.module[1].running_mean, torch.full((4,), 11.0)), "rank 1's model's statistics"
+    assert torch.equal(ema.module[1].running_mean, torch.full((4,), 10.0)), "and rank 0's are put back"
+
+
+def test_buffers_that_differ_by_rank_and_change_after_the_vote_refuse_a_replica() -> None:
+    """No replica knows what the lost rank's statistics became after the vote: an average of them
+    (use_buffers=True), or a forward in training mode. Compared by value: BatchNorm's kernel writes
+    its running statistics without bumping their versions."""
+    ranks = [_averaged(0, use_buffers=True), _averaged(1, use_buffers=True)]
+    votes = _voted(ranks)
+    ranks[0]["ema"].update_parameters(ranks[0]["model"])
+    why = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(why, str) and "the buffer 'module.1.running_mean' of the tracked module 'ema' " in why, why
+    assert "changed after step 5's vote" in why
+
+    ranks = [_averaged(0, use_buffers=False), _averaged(1, use_buffers=False)]
+    votes = _voted(ranks)
+    with torch.no_grad():
+        ranks[0]["model"](torch.randn(8, 3))  # training mode: the running statistics move
+    why = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(why, str) and "'1.running_mean' of the tracked module 'model' (Sequential)" in why, why
+
+
+def test_buffers_ddp_broadcast_from_rank_0_after_the_vote_are_sent_as_every_rank_holds_them() -> None:
+    """An evaluation after the vote makes DDP broadcast rank 0's buffers: the lost rank held rank 0's
+    too, so they are sent as held; rank 0 tells nothing apart, and takes the others' word."""
+    ranks = [_rank(0, 7), _rank(1, 7), _rank(2, 7)]
+    votes = _voted(ranks)
+    for tracked in ranks[1:]:
+        tracked["model"].load_state_dict(ranks[0]["model"].state_dict())
+    seen = votes[1].serving(6, module_buffers(ranks[1]), 1, ranks[1])
+    assert isinstance(seen, Reading) and seen.kinds[0] is Kind.FROM_RANK0, seen  # the rest all ranks hold alike
+    mine = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    assert isinstance(mine, Reading) and mine.kinds[0] is Kind.KEPT
+    live = ranks[0]["model"][1].running_mean
+    with votes[0].buffers_of(2, ranks[0], {**seen.plan(every=False), **mine.plan(every=True)}):
+        assert torch.equal(live, torch.zeros(4)), "rank 0's, as the lost rank 2 held them"
+    with votes[0].buffers_of(2, ranks[0], mine.plan(every=True)):
+        assert torch.equal(live, torch.full((4,), 2.0)), "without rank 1's word: rank 2's row"
+
+
+def test_the_vote_after_a_late_change_remembers_it_for_a_replacement() -> None:
+    """The next vote compares each rank's buffers at the step's start with its row of the last vote:
+    a change after the vote is remembered on every rank (a replacement then rolls back to a host
+    snapshot or is refused); a step without one adds nothing."""
+    for late in (False, True):
+        ranks = [_averaged(0, use_buffers=True), _averaged(1, use_buffers=True)]
+        votes = _voted(ranks)
+        if late:
+            ranks[1]["ema"].update_parameters(ranks[1]["model"])
+        tensors, layout = [], None
+        for i, tracked in enumerate(ranks):
+            start = StepSnapshots().take(6, tracked)
+            t, layout = _tensor(votes[i], i, start, tracked, set())
+            tensors.append(t)
+        votes[0].accept(sum(tensors), layout, 6, ranks[0], 0)
+        said = votes[0].refusal(set(), seeded=True)
+        label = "the buffer 'module.1.running_mean' of the tracked module 'ema' (AveragedModel), which changes after "
+        if late:
+            assert f"{label}rt.optimizer_step, after the vote that carries every rank's since step 6" in said, said
+        else:
+            assert label not in said, said
 
 
 def test_a_tracked_object_that_differs_by_rank_is_refused_by_name() -> None:
