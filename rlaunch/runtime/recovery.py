@@ -43,7 +43,7 @@ from rlaunch.runtime.carried import Plan
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.snapshots import HostSnapshots, Rollback, rollback
-from rlaunch.runtime.stepstate import module_buffers
+from rlaunch.runtime.stepstate import broadcasts, buffer_names, module_buffers
 from rlaunch.runtime.transfer import send_state
 from rlaunch.runtime.vote import RefusedError
 
@@ -283,7 +283,10 @@ class Recovery:
         # What a completed vote taught its ranks (what differs, the next comparison, the samplers'
         # parts): every survivor takes it from one that read the latest vote, so all decide alike.
         self._learn(min((r for r in reports if int(r["applied"]) == agreed), key=lambda r: int(r["rank"]))["knowledge"])
-        self._plan = {int(i): j for r in reversed(reports) for i, j in r["buffers"].items()}
+        # what the survivors that read the window the sends serve (after the commit point's vote) told
+        self._plan = {
+            int(i): j for r in reversed(reports) if int(r["applied"]) == agreed for i, j in r["buffers"].items()
+        }
         dirty_names = {n for r in reports for n in r["dirty"]}
         comms = s.groups.build(s.groups.touched(s.rank, moved, also=dirty_names), s.rank, gen)
         if back is not None:
@@ -326,8 +329,8 @@ class Recovery:
         start = s.start
         if start is None or start.step != s.step or s.vote.carried_step != s.step - 1:
             return "", {}
-        reading = s.vote.serving(s.step, start.saved, s.rank, s.tracked)
-        return (reading, {}) if isinstance(reading, str) else ("", reading.plan(every=False))
+        reading = s.vote.serving(s.step, start.saved, start.broadcasts, s.rank, s.tracked)
+        return (reading, {}) if isinstance(reading, str) else ("", reading.told())
 
     def _roll_back_to(self, plan: ReplacePlan, reports: list[dict[str, Any]], why: str) -> Rollback:
         """The snapshot every survivor rolls back to, when no replica can serve the replaced ranks (``why``);
@@ -362,21 +365,41 @@ class Recovery:
         assert s.link is not None
         began = time.perf_counter()
         channels, self._sends = self._sends, {}
+        plan = self._buffer_plan(next_step, sorted(channels)) if back is None else {}
         sent = 0
         for moved, channel in channels.items():
             if back is not None:  # the copy of the lost rank's state this rank holds, at the snapshot's step
                 sent += self._host.send_to(channel, moved, back.step, self._knowledge())
             else:
-                reading = s.vote.serving(next_step, module_buffers(s.tracked), s.rank, s.tracked)
-                if isinstance(reading, str):
-                    self._refuse(s.generation, self._diverges([moved], reading))
-                with s.vote.buffers_of(moved, s.tracked, {**self._plan, **reading.plan(every=True)}):
+                with s.vote.buffers_of(moved, s.tracked, plan):
                     sent += send_state(channel, s.tracked, next_step, rng.capture(), self._knowledge())
             retire(channel)  # one use only (an NCCL channel is aborted when retired)
         s.link.call(
             "replica_sent", generation=s.generation, ranks=sorted(channels), bytes=sent,
             seconds=time.perf_counter() - began,
         )  # fmt: skip
+
+    def _buffer_plan(self, next_step: int, moved: list[int]) -> Plan:
+        """Where the module buffers sent to the ``moved`` ranks come from (see :mod:`rlaunch.runtime.carried`):
+        this rank's reading of its own, and what the other survivors told; else the job restarts, with why."""
+        s = self._s
+        start = s.start
+        counts = start.broadcasts if start is not None and start.step == next_step else broadcasts(s.tracked)
+        reading = s.vote.serving(next_step, module_buffers(s.tracked), counts, s.rank, s.tracked)
+        if isinstance(reading, str):
+            self._refuse(s.generation, self._diverges(moved, reading))
+        untold = sorted(reading.unsure - self._plan.keys())
+        if untold:
+            self._refuse(
+                s.generation,
+                self._diverges(
+                    moved,
+                    f"the buffer {buffer_names(s.tracked)[untold[0]]} is a copy of a buffer DDP broadcast from rank 0 "
+                    "after the vote, and rank 0 cannot tell whether it was made before or after the broadcast (no "
+                    "other survivor told it)",
+                ),
+            )
+        return {**self._plan, **reading.sent()}
 
     def refuse_tainted(self, why: str) -> None:
         """(at the boundary of a step this rank rolled forward) The rest of that step went on from

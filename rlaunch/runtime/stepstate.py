@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,26 +46,36 @@ class StepStart:
     #: each tracked DDP module's "the next forward broadcasts rank 0's buffers" flag (set by the
     #: previous forward: an evaluation under no_grad or a no_sync() micro-step clears it)
     ddp_flags: dict[str, bool] = field(default_factory=dict)
+    #: each tracked DDP module's count of forwards that broadcast rank 0's buffers (see :func:`broadcasts`)
+    broadcasts: dict[str, int] = field(default_factory=dict)
     #: each tracked optimizer's hyperparameters per parameter group (an LR scheduler changes them)
     hyper: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: the tracked modules' persistent buffers (the live tensors, listed once per step)
     buffers: list[torch.Tensor] = field(default_factory=list)
     #: their values at the step's start (copies, written again at each step's start)
     saved: list[torch.Tensor] = field(default_factory=list)
-    #: the tracked modules' parameters, and their version counters at the step's start
+    #: the tracked modules' parameters no tracked optimizer steps (a model average's), and their version
+    #: counters at the step's start
     params: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
 
+def _module_state(tracked: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Each tracked module's state_dict() entries (FSDP2's sharded parameters, not gathered ones): the
+    tracked name, how the entry is named in sentences, and the tensor."""
+    for name, obj in tracked.items():
+        if isinstance(obj, nn.Module):
+            what = f"of the tracked module {name!r} ({type(obj).__name__})"
+            for key, t in obj.state_dict(keep_vars=True).items():
+                yield name, f"{key!r} {what}", t
+
+
 def _state_tensors(tracked: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The persistent buffers and the parameters of every tracked module, from one walk of their
-    state_dict() (FSDP2's sharded parameters, not gathered ones)."""
+    """The persistent buffers and the parameters of every tracked module, from one walk of their state."""
     buffers: list[torch.Tensor] = []
     params: list[torch.Tensor] = []
-    for obj in tracked.values():
-        if isinstance(obj, nn.Module):
-            for t in obj.state_dict(keep_vars=True).values():
-                (params if isinstance(t, nn.Parameter) else buffers).append(t)
+    for _, _, t in _module_state(tracked):
+        (params if isinstance(t, nn.Parameter) else buffers).append(t)
     return buffers, params
 
 
@@ -73,28 +84,32 @@ def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
     return _state_tensors(tracked)[0]
 
 
-def _named_params(tracked: dict[str, Any]) -> dict[int, str]:
-    """How each parameter of the tracked modules is named in sentences, by its id (the first name it has)."""
-    named: dict[int, str] = {}
-    for name, obj in tracked.items():
-        if isinstance(obj, nn.Module):
-            what = f"of the tracked module {name!r} ({type(obj).__name__})"
-            for key, t in obj.state_dict(keep_vars=True).items():
-                if isinstance(t, nn.Parameter):
-                    named.setdefault(id(t), f"{key!r} {what}")
+def _named_params(tracked: dict[str, Any]) -> dict[int, tuple[str, torch.Tensor]]:
+    """The tracked modules' parameters by id (a tied one once), each with how it is named in sentences."""
+    named: dict[int, tuple[str, torch.Tensor]] = {}
+    for _, said, t in _module_state(tracked):
+        if isinstance(t, nn.Parameter):
+            named.setdefault(id(t), (said, t))
     return named
 
 
 def buffer_names(tracked: dict[str, Any]) -> list[str]:
     """How each of :func:`module_buffers` is named in sentences: "'module.1.running_mean' of the tracked module
     'ema' (AveragedModel)"."""
-    out = []
-    for name, obj in tracked.items():
-        if isinstance(obj, nn.Module):
-            what = f"of the tracked module {name!r} ({type(obj).__name__})"
-            state = obj.state_dict(keep_vars=True)
-            out += [f"{k!r} {what}" for k, t in state.items() if not isinstance(t, nn.Parameter)]
-    return out
+    return [said for _, said, t in _module_state(tracked) if not isinstance(t, nn.Parameter)]
+
+
+def buffer_owners(tracked: dict[str, Any]) -> list[str]:
+    """The tracked name of the module each of :func:`module_buffers` is of."""
+    return [name for name, _, t in _module_state(tracked) if not isinstance(t, nn.Parameter)]
+
+
+def _stepped(tracked: dict[str, Any]) -> set[int]:
+    """The ids of the parameters a tracked optimizer steps."""
+    return {
+        id(p) for obj in tracked.values() if isinstance(obj, torch.optim.Optimizer)
+        for group in obj.param_groups for p in group["params"]
+    }  # fmt: skip
 
 
 def is_stateful(obj: Any) -> bool:
@@ -110,7 +125,9 @@ class StepSnapshots:
         self._saved: list[torch.Tensor] = []
 
     def take(self, step: int, tracked: dict[str, Any]) -> StepStart:
-        live, params = _state_tensors(tracked)
+        live, every = _state_tensors(tracked)
+        stepped = _stepped(tracked)
+        params = list({id(p): p for p in every if id(p) not in stepped}.values())
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=True)):
             self._live, self._saved = live, [t.detach().clone() for t in live]  # allocated once
         else:
@@ -126,7 +143,7 @@ class StepSnapshots:
         }
         return StepStart(
             step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper, buffers=live, saved=self._saved,
-            params=params, versions=[p._version for p in params],
+            params=params, versions=[p._version for p in params], broadcasts=broadcasts(tracked),
         )  # fmt: skip
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:
@@ -147,6 +164,32 @@ def _is_ddp(obj: Any) -> bool:
     return isinstance(obj, DistributedDataParallel)
 
 
+#: each DDP module's count of forwards that broadcast rank 0's buffers, since its first step
+_BROADCASTS: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
+
+
+def broadcasts(tracked: dict[str, Any]) -> dict[str, int]:
+    """How many forwards of each tracked DDP module broadcast rank 0's buffers to every rank, so far.
+
+    A forward that follows a synchronised one does (an evaluation's, with or without gradients); a
+    forward pre-hook counts them from the first call here on (DDP's own flag is no witness: a
+    forward with gradients broadcasts and leaves it set).
+    """
+    counts = {}
+    for name, obj in tracked.items():
+        if _is_ddp(obj):
+            if obj not in _BROADCASTS:
+                _BROADCASTS[obj] = [0]
+                obj.register_forward_pre_hook(_count_broadcast)
+            counts[name] = _BROADCASTS[obj][0]
+    return counts
+
+
+def _count_broadcast(module: nn.Module, args: Any) -> None:
+    if module.will_sync_module_buffers():  # type: ignore[operator]
+        _BROADCASTS[module][0] += 1
+
+
 def _load(obj: Any, state: Any) -> None:
     if isinstance(obj, torch.amp.GradScaler):
         # A discarded step may have unscaled gradients: forget that, as update() would.
@@ -158,21 +201,22 @@ def _load(obj: Any, state: Any) -> None:
 
 
 def touched(start: StepStart, tracked: dict[str, Any]) -> str:
-    """Why redoing ``start``'s step would diverge: parameters written in place since its start, before its
-    vote, outside the optimizer (an average updated at the top of the step); "" when none were.
+    """Why redoing ``start``'s step would diverge: parameters no optimizer steps (a model average's) written
+    in place since its start, before its vote (an average updated at the top of the step); "" when none were.
 
     Read from the parameters' version counters, which every in-place write through autograd's view
     of a tensor bumps, at no cost; a write through ``.data`` and a foreach operation on DTensors
-    (FSDP2, tensor parallel) bump none, and are not seen here.
+    (FSDP2, tensor parallel) bump none, and are not seen here. Parameters an optimizer steps are
+    left out: a forward may rewrite them in place alike every time (``nn.Embedding(max_norm=...)``).
     """
     moved = [p for p, v in zip(start.params, start.versions, strict=True) if p._version != v]
     if not moved:
         return ""
     count = "1 parameter" if len(moved) == 1 else f"{len(moved)} parameters"
-    first = _named_params(tracked).get(id(moved[0]), "of a tracked module")
+    first = _named_params(tracked).get(id(moved[0]), ("of a tracked module", moved[0]))[0]
     return (
-        f"{count} changed in step {start.step} before its vote, outside the optimizer, first {first}, and the step is "
-        "discarded: the redone step would change them a second time (a model average updated before "
+        f"{count} that no optimizer steps changed in step {start.step} before its vote, first {first}, and the step "
+        "is discarded: the redone step would change them a second time (a model average updated before "
         "rt.optimizer_step); make such changes after rt.optimizer_step, when it returns True"
     )
 
@@ -183,9 +227,7 @@ class DiscardedParams:
 
     def __init__(self, step: int, tracked: dict[str, Any]) -> None:
         self.step = step
-        names = _named_params(tracked)
-        params = {id(p): p for p in _state_tensors(tracked)[1]}
-        self._named = [(name, params[key]) for key, name in names.items()]
+        self._named = list(_named_params(tracked).values())
         self._terms = digest.Terms().read([t for _, t in self._named])
 
     def changed(self) -> str:

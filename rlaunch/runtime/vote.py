@@ -23,7 +23,7 @@ The vote is one float64 allreduce after gradient sync, laid out as :class:`Layou
   rank (each rank's BatchNorm statistics after its own batch), and a replaced rank needs its own.
   With them, the section :data:`LATE` says which buffers some rank changed after the previous
   vote, past what a replica can know of a lost rank's (:mod:`rlaunch.runtime.carried`): they are
-  remembered, and a later live replacement is refused.
+  remembered, and a later live replacement rolls back to a host snapshot or is refused.
 
 Sums of integers below 2^53 are exact in float64, and so is a float32 buffer in a row of zeros.
 """
@@ -41,11 +41,13 @@ import torch
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import contract, rng
-from rlaunch.runtime.carried import Carried, Plan, Reading
+from rlaunch.runtime.carried import Carried, Plan, Reading, row_of
 from rlaunch.runtime.stepstate import (
     CARRY_LIMIT,
     StepStart,
+    broadcasts,
     buffer_names,
+    buffer_owners,
     fingerprint_value,
     module_buffers,
     uniform,
@@ -56,16 +58,9 @@ log = logging.getLogger(__name__)
 BUFFERS = "the module buffers (too many for the vote to carry)"
 #: the vote's section of buffers changed after the previous vote: one term per carried buffer
 LATE = "late buffers"
-#: the votes at which every rank reads its buffers for changes after the previous vote, then one in LATE_EVERY
+#: the steps at which every rank reads its buffers for changes after the previous vote: the first ones, then
+#: one in LATE_EVERY
 LATE_FIRST, LATE_EVERY = 16, 8
-
-
-_LATE_SAID = ", which changes after rt.optimizer_step, after the vote that carries every rank's"
-
-
-def late_label(name: str) -> str:
-    """How a buffer changed after the vote that carried it is named among what differs by rank."""
-    return f"the buffer {name}{_LATE_SAID}"
 
 
 def generator_label(name: str) -> str:
@@ -136,7 +131,7 @@ class StepVote:
         self.differs: dict[str, int] = {}
         #: every rank's module buffers as the last completed vote carried them
         self._carried: Carried | None = None
-        self._late_reads = 0  # votes at which this rank read its buffers for changes after the previous vote
+        self._late_known = False  # a vote found some rank's buffers changed after the previous vote
         self._used: set[str] = set()  # generators some step drew from
         self._differing: dict[str, int] = {}  # generators whose state differed by rank (first step seen)
         #: tracked objects that may differ by rank (rt.track_if_same): remembered in ``differs``, not refused
@@ -187,8 +182,7 @@ class StepVote:
             layout.section(vote, name).copy_(part)
         if buffers:  # this rank's buffers in its own row (the vote is on the host: gloo carries it)
             at = layout.buffers + group_rank * size
-            row = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for t in buffers]
-            torch.cat(row, out=vote[at : at + size])
+            vote[at : at + size] = row_of(buffers)
         vote[-1] = 1.0
         return vote, layout
 
@@ -196,19 +190,18 @@ class StepVote:
         """This rank's :data:`LATE` terms: 1 for the first buffer it changed between the last vote and this
         step's start past what a replica can know.
 
-        Read at the first :data:`LATE_FIRST` votes, then at one in :data:`LATE_EVERY`, each rank at its own
-        steps (the vote sums every rank's terms: in a world of LATE_EVERY ranks or more, some rank reads
-        every step), and no more once one is known; a fault reads it in any case (``Recovery``)."""
+        Read at the first :data:`LATE_FIRST` steps, then at one step in :data:`LATE_EVERY` (the same steps
+        on every rank, a joiner's included: the vote waits for the slowest), and no more once one is known; a
+        fault reads it in any case (``Recovery``)."""
         late = torch.zeros(len(buffers), dtype=torch.float64)
         carried = self._carried
         if start is None or carried is None or carried.step != start.step - 1 or not carried.matches(start.saved):
             return late
-        if any(name.endswith(_LATE_SAID) for name in self.differs):
+        if self._late_known or (start.step >= LATE_FIRST and start.step % LATE_EVERY):
             return late
-        if self._late_reads >= LATE_FIRST and (start.step + rank) % LATE_EVERY:
+        if carried.unchanged(start.saved, rank):
             return late
-        self._late_reads += 1
-        changed = carried.compare(start.saved, rank).changed
+        changed = carried.compare(start.saved, rank, carried.broadcast(start.broadcasts)).changed
         if changed is not None:
             late[changed] = 1.0
         return late
@@ -220,11 +213,15 @@ class StepVote:
 
     def knowledge(self) -> dict[str, Any]:
         """What completed votes proved, for a joiner to decide as the other ranks do (JSON values)."""
-        return {"differs": dict(self.differs), "used": sorted(self._used), "differing": dict(self._differing)}
+        return {
+            "differs": dict(self.differs), "used": sorted(self._used), "differing": dict(self._differing),
+            "late": self._late_known,
+        }  # fmt: skip
 
     def learn(self, known: dict[str, Any]) -> None:
         """Take what another rank's votes proved (:meth:`knowledge`): a joiner, or a survivor rolled forward."""
         self.differs = {str(k): int(v) for k, v in known["differs"].items()}
+        self._late_known = bool(known["late"])
         self._used = {str(n) for n in known["used"]}
         self._differing = {str(k): int(v) for k, v in known["differing"].items()}
 
@@ -288,16 +285,21 @@ class StepVote:
         if layout.row:
             changed = [i for i, n in enumerate(layout.section(vote, LATE).tolist()) if n > 0]
             if changed:
-                name = late_label(buffer_names(tracked)[changed[0]])
+                name = (
+                    f"the buffer {buffer_names(tracked)[changed[0]]}, which changes after rt.optimizer_step, after "
+                    "the vote that carries every rank's"
+                )
                 self.differs.setdefault(name, step)
+                self._late_known = True
                 log.info(
                     "rank %d: %s (seen at step %d): no replica holds a lost rank's, so a live replacement will roll "
-                    "back to a host snapshot or be refused (update a model average only when rt.optimizer_step "
-                    "returns True, or declare it per rank; see the loop patterns in docs/layouts.md).",
+                    "back to a host snapshot or be refused (see the loop patterns in docs/layouts.md).",
                     rank, name, step,
                 )  # fmt: skip
             rows = vote[layout.buffers : layout.buffers + self.world_size * layout.row]
-            self._carried = Carried(step, rows.view(self.world_size, layout.row), layout.sizes)
+            counts = tuple(broadcasts(tracked).items())
+            owners = tuple(buffer_owners(tracked))
+            self._carried = Carried(step, rows.view(self.world_size, layout.row), layout.sizes, owners, counts)
 
     def refusal(self, per_rank: set[str], seeded: bool, start: StepStart | None = None) -> str:
         """Why no replica can stand in for a replaced rank ("" when one can).
@@ -322,9 +324,12 @@ class StepVote:
             return why
         return ""
 
-    def serving(self, next_step: int, now: list[torch.Tensor], rank: int, tracked: dict[str, Any]) -> Reading | str:
-        """Whether this rank, holding ``now`` as its module buffers at step ``next_step``'s start, can give a
-        lost rank its own: what became of each since its row, or why it cannot (a sentence)."""
+    def serving(
+        self, next_step: int, now: list[torch.Tensor], counts: dict[str, int], rank: int, tracked: dict[str, Any]
+    ) -> Reading | str:
+        """Whether this rank, holding ``now`` as its module buffers at step ``next_step``'s start (its DDP modules
+        having made ``counts`` broadcasts), can give a lost rank its own: what became of each since its row, or why
+        it cannot (a sentence)."""
         if not self.carried_buffers(tracked, now):
             return Reading([], {})
         carried = self._carried
@@ -334,7 +339,7 @@ class StepVote:
                 f"a replaced rank needs its module buffers (BatchNorm statistics) as of step {next_step}, but the "
                 f"replica on rank {rank} holds {held}"
             )
-        reading = carried.compare(now, rank)
+        reading = carried.compare(now, rank, carried.broadcast(counts))
         if reading.changed is not None:
             return (
                 f"the buffer {buffer_names(tracked)[reading.changed]} differs from rank to rank and changed after step "

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from rlaunch.runtime import rng
-from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, fingerprint_value, touched
+from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, broadcasts, fingerprint_value, touched
 from rlaunch.runtime.vote import RefusedError
 from tests.one_rank import plain_runtime
 
@@ -179,12 +179,44 @@ def test_parameters_changed_after_a_discard_are_told_by_value(change: str, refus
 
 def test_parameters_written_before_the_vote_are_seen_by_their_versions() -> None:
     """An average updated at the top of a step writes its parameters in place before the vote: if the
-    step is discarded, its redo would update it again. A step's own forward and backward write none."""
+    step is discarded, its redo would update it again. A step's own forward and backward write none,
+    and parameters an optimizer steps are left out (an embedding with max_norm renormalises its rows
+    in place at every forward, alike every time)."""
     objs = _averaged()
+    embedding = nn.Embedding(5, 4, max_norm=1.0)
+    objs["words"], objs["opt2"] = embedding, torch.optim.SGD(embedding.parameters(), lr=0.1)
     start = StepSnapshots().take(3, objs)
     objs["model"](torch.randn(16, 4)).sum().backward()
+    embedding(torch.tensor([1, 2])).sum().backward()
     assert touched(start, objs) == ""
     objs["ema"].update_parameters(objs["model"])
     said = touched(start, objs)
-    assert said.startswith("6 parameters changed in step 3 before its vote, outside the optimizer, first ")
+    assert said.startswith("6 parameters that no optimizer steps changed in step 3 before its vote, first ")
     assert "'module.0.weight' of the tracked module 'ema' (AveragedModel)" in said
+
+
+def test_ddps_broadcasts_of_rank_0s_buffers_are_counted_with_or_without_gradients() -> None:
+    """A forward after a synchronised one broadcasts rank 0's buffers: an evaluation's under no_grad (which
+    clears DDP's flag) and one with gradients (which leaves it set, so the flag is no witness); a second
+    forward under no_grad does not."""
+    from torch.distributed import HashStore, ProcessGroup, ProcessGroupGloo
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = HashStore()
+    group = ProcessGroup(store, 0, 1)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1))
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), process_group=group)
+    tracked = {"model": model}
+    counts = [broadcasts(tracked)["model"]]
+    model(torch.randn(8, 3)).sum().backward()  # the first forward broadcasts too
+    counts.append(broadcasts(tracked)["model"])
+    model.eval()
+    model(torch.randn(8, 3))  # an evaluation with gradients on
+    counts.append(broadcasts(tracked)["model"])
+    with torch.no_grad():
+        model(torch.randn(8, 3))
+        counts.append(broadcasts(tracked)["model"])
+        model(torch.randn(8, 3))
+        counts.append(broadcasts(tracked)["model"])
+    assert counts == [0, 1, 2, 3, 3], counts

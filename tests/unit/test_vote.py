@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rlaunch.runtime import rng
-from rlaunch.runtime.carried import Kind, Reading
+from rlaunch.runtime.carried import Carried, Kind, Reading
 from rlaunch.runtime.stepstate import StepSnapshots, buffer_names, module_buffers
 from rlaunch.runtime.vote import RefusedError, StepVote, generator_label
 
@@ -64,12 +64,12 @@ def test_every_rank_reads_every_ranks_buffers_and_a_replacement_gets_its_own() -
     assert generator_label("torch") in votes[0].differs, "seeds differ by rank: remembered, not refused"
     assert generator_label("python") not in votes[0].differs, "the same on both ranks here"
     live = ranks[0]["model"][1].running_mean
-    reading = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    reading = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(reading, Reading) and reading.kinds[0] is Kind.KEPT
-    with votes[0].buffers_of(1, ranks[0], reading.plan(every=True)):
+    with votes[0].buffers_of(1, ranks[0], reading.sent()):
         assert torch.equal(live, torch.ones(4)), "rank 1's own statistics are sent"
     assert torch.equal(live, torch.zeros(4)), "and rank 0's are put back"
-    why = votes[0].serving(9, module_buffers(ranks[0]), 0, ranks[0])
+    why = votes[0].serving(9, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(why, str)
     assert (
         "needs its module buffers (BatchNorm statistics) as of step 9, but the replica on rank 0 holds step 5's" in why
@@ -104,14 +104,14 @@ def test_an_average_updated_after_the_vote_reaches_a_replacement_as_the_lost_ran
     votes = _voted(ranks)
     for tracked in ranks:
         tracked["ema"].update_parameters(tracked["model"])
-    reading = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    reading = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(reading, Reading), reading
     names = buffer_names(ranks[0])
     assert reading.kinds[names.index("'n_averaged' of the tracked module 'ema' (AveragedModel)")] is Kind.SHARED
     copied = names.index("'module.1.running_mean' of the tracked module 'ema' (AveragedModel)")
     assert reading.copies == {copied: names.index("'1.running_mean' of the tracked module 'model' (Sequential)")}
     ema = ranks[0]["ema"]
-    with votes[0].buffers_of(1, ranks[0], reading.plan(every=True)):
+    with votes[0].buffers_of(1, ranks[0], reading.sent()):
         assert int(ema.n_averaged) == 2, "the count after the update (the vote carried 1)"
         assert torch.equal(ema.module[1].running_mean, torch.full((4,), 11.0)), "rank 1's model's statistics"
     assert torch.equal(ema.module[1].running_mean, torch.full((4,), 10.0)), "and rank 0's are put back"
@@ -124,7 +124,7 @@ def test_buffers_that_differ_by_rank_and_change_after_the_vote_refuse_a_replica(
     ranks = [_averaged(0, use_buffers=True), _averaged(1, use_buffers=True)]
     votes = _voted(ranks)
     ranks[0]["ema"].update_parameters(ranks[0]["model"])
-    why = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    why = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(why, str) and "the buffer 'module.1.running_mean' of the tracked module 'ema' " in why, why
     assert "changed after step 5's vote" in why
 
@@ -132,7 +132,7 @@ def test_buffers_that_differ_by_rank_and_change_after_the_vote_refuse_a_replica(
     votes = _voted(ranks)
     with torch.no_grad():
         ranks[0]["model"](torch.randn(8, 3))  # training mode: the running statistics move
-    why = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    why = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(why, str) and "'1.running_mean' of the tracked module 'model' (Sequential)" in why, why
 
 
@@ -143,15 +143,71 @@ def test_buffers_ddp_broadcast_from_rank_0_after_the_vote_are_sent_as_every_rank
     votes = _voted(ranks)
     for tracked in ranks[1:]:
         tracked["model"].load_state_dict(ranks[0]["model"].state_dict())
-    seen = votes[1].serving(6, module_buffers(ranks[1]), 1, ranks[1])
+    seen = votes[1].serving(6, module_buffers(ranks[1]), {}, 1, ranks[1])
     assert isinstance(seen, Reading) and seen.kinds[0] is Kind.FROM_RANK0, seen  # the rest all ranks hold alike
-    mine = votes[0].serving(6, module_buffers(ranks[0]), 0, ranks[0])
+    mine = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
     assert isinstance(mine, Reading) and mine.kinds[0] is Kind.KEPT
     live = ranks[0]["model"][1].running_mean
-    with votes[0].buffers_of(2, ranks[0], {**seen.plan(every=False), **mine.plan(every=True)}):
+    with votes[0].buffers_of(2, ranks[0], {**seen.told(), **mine.sent()}):
         assert torch.equal(live, torch.zeros(4)), "rank 0's, as the lost rank 2 held them"
-    with votes[0].buffers_of(2, ranks[0], mine.plan(every=True)):
+    with votes[0].buffers_of(2, ranks[0], mine.sent()):
         assert torch.equal(live, torch.full((4,), 2.0)), "without rank 1's word: rank 2's row"
+
+
+def test_statistics_alike_at_the_vote_that_an_average_makes_differ_are_known_by_their_source() -> None:
+    """An average built before training copies statistics every rank holds alike; its first update after
+    the vote copies each rank's own (a copy of the model's row: the lost rank's is known), a later one
+    averages them (no replica knows the lost rank's: refused, not sent as the replica's own)."""
+    for use_buffers in (False, True):
+        ranks = []
+        for seed in (0, 1):
+            tracked = _rank(0, 7)  # statistics alike on every rank, as at the start of training
+            decay = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+            tracked["ema"] = torch.optim.swa_utils.AveragedModel(
+                tracked["model"], multi_avg_fn=decay, use_buffers=use_buffers
+            )
+            with torch.no_grad():
+                tracked["model"][1].running_mean.fill_(float(seed + 3))  # the model's own, by rank, from here
+            ranks.append(tracked)
+        votes = _voted(ranks)
+        ranks[0]["ema"].update_parameters(ranks[0]["model"])  # the first update copies
+        reading = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
+        assert isinstance(reading, Reading), reading
+        names = buffer_names(ranks[0])
+        ema_mean = names.index("'module.1.running_mean' of the tracked module 'ema' (AveragedModel)")
+        assert reading.copies[ema_mean] == names.index("'1.running_mean' of the tracked module 'model' (Sequential)")
+        with votes[0].buffers_of(1, ranks[0], reading.sent()):
+            assert torch.equal(ranks[0]["ema"].module[1].running_mean, torch.full((4,), 4.0)), "rank 1's model's"
+    ranks[1]["ema"].update_parameters(ranks[1]["model"])
+    for tracked in ranks:
+        with torch.no_grad():
+            tracked["model"][1].running_mean.add_(10.0)  # the model's statistics move on
+    votes = _voted(ranks)  # use_buffers=True, one update made on every rank: the next averages
+    ranks[0]["ema"].update_parameters(ranks[0]["model"])
+    why = votes[0].serving(6, module_buffers(ranks[0]), {}, 0, ranks[0])
+    assert isinstance(why, str) and "'module.1.running_mean' of the tracked module 'ema'" in why, why
+
+
+def test_rank_0_reads_ddps_broadcast_from_its_count_and_asks_the_others_about_copies_of_it() -> None:
+    """Rank 0 holds its own row after DDP broadcast it: by value it sees nothing. The count of DDP's
+    broadcasts, taken at the vote and again now, says so; a copy rank 0 made of such a buffer may be
+    from before or after the broadcast, which only the other ranks can tell."""
+    rows = torch.tensor([[1.0, 1.0, 5.0, 1.0], [2.0, 2.0, 5.0, 2.0]], dtype=torch.float64)  # model a, b, n; ema
+    carried = Carried(5, rows, (1, 1, 1, 1), ("model", "model", "model", "ema"), (("model", 7),))
+    now = [torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([5.0]), torch.tensor([1.0])]
+    assert carried.broadcast({"model": 7}) == frozenset()
+    assert carried.compare(now, 0).kinds == [Kind.KEPT, Kind.KEPT, Kind.SHARED, Kind.KEPT], "no broadcast"
+    reading = carried.compare(now, 0, carried.broadcast({"model": 8}))
+    assert reading.kinds[:3] == [Kind.FROM_RANK0] * 3
+    assert reading.kinds[3] is Kind.KEPT, "the average's own row: nothing moved"
+    rows[:, 3] = torch.tensor([7.0, 8.0], dtype=torch.float64)  # the average then copied the model's a
+    reading = carried.compare(now, 0, carried.broadcast({"model": 8}))
+    assert reading.kinds[3] is Kind.UNSURE and reading.unsure == {3}
+    assert carried.compare(now, 0).copies == {3: 0}, "without a broadcast: a copy of its own row"
+    before = carried.compare([torch.tensor([2.0])] * 2 + [torch.tensor([5.0]), torch.tensor([2.0])], 1)
+    assert before.copies == {3: 0}, "rank 1 copied its own row of a: before the broadcast"
+    after = carried.compare([torch.tensor([1.0])] * 2 + [torch.tensor([5.0]), torch.tensor([1.0])], 1)
+    assert after.kinds == [Kind.FROM_RANK0, Kind.FROM_RANK0, Kind.SHARED, Kind.FROM_RANK0], "after it: rank 0's"
 
 
 def test_the_vote_after_a_late_change_remembers_it_for_a_replacement() -> None:
