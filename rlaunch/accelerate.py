@@ -18,8 +18,13 @@ It calls ``accelerator.prepare`` and then:
 
 - tracks what it returned: the models (DDP), the optimizers and schedulers inside Accelerate's
   wrappers, the ``GradScaler``, and Accelerate's gradient-accumulation counter (``accelerator.step``);
+  at each optimizer step, the modules given to ``accelerator.register_for_checkpointing()`` (a model
+  average) too, and live moves are refused for any other object registered so that the script did
+  not track itself (a joiner would not receive it);
 - votes in the optimizer's ``step()`` (Accelerate's ``AcceleratedOptimizer.step``) at each step that
-  syncs gradients; a discarded step is not applied, and ``rt.steps()`` yields it again;
+  syncs gradients; a discarded step is not applied (``optimizer.step_was_skipped`` is then True, as
+  for a step a ``GradScaler`` skipped: update a model average when it is False), and ``rt.steps()``
+  yields it again;
 - replaces each prepared loader (Accelerate's ``DataLoaderShard``) by one whose ``batch()`` reads
   through ``rt.epochs`` (made at its first ``batch()``, each loader under its own name: ``data``,
   ``data1``...): a joiner resumes at the same sample with its own shard. It avoids the two things
@@ -88,7 +93,7 @@ def prepare(accelerator: Any, rt: Runtime, *objects: Any) -> Any:
     out = list(prepared) if isinstance(prepared, tuple) else [prepared]
     for i, obj in enumerate(out):
         if isinstance(obj, AcceleratedOptimizer):
-            _vote_in(obj, loop)
+            _vote_in(obj, loop, accelerator)
             loop.track("optimizer", obj.optimizer)
         elif isinstance(obj, AcceleratedScheduler):
             loop.track("scheduler", obj.scheduler)
@@ -141,7 +146,7 @@ class _AccelerateState:
             self._loop.joined()
 
 
-def _vote_in(opt: Any, loop: UserLoop) -> None:
+def _vote_in(opt: Any, loop: UserLoop, accelerator: Any) -> None:
     """Accelerate's optimizer step, with the vote where it applies the update."""
     original = opt.step
 
@@ -158,9 +163,12 @@ def _vote_in(opt: Any, loop: UserLoop) -> None:
         loop.enter()  # the tutorial's loop over the loader's epochs: the runtime's steps begin here
         if not loop.rt.in_step:
             return loop.vote(opt.optimizer, None, original)  # refuses moves, steps as Accelerate would
+        _track_registered(accelerator, loop)
         inner, scaler = opt.optimizer, opt.scaler
         if scaler is None:
-            return loop.vote(inner, None, original)
+            applied = loop.vote(inner, None, original)
+            opt._is_overflow = not applied  # a discarded step reads as skipped (optimizer.step_was_skipped)
+            return applied
         # Accelerate learns whether the scaler skipped the step (inf gradients) from a patched step method.
         inner.step = opt._optimizer_patched_step_method
         try:
@@ -172,6 +180,24 @@ def _vote_in(opt: Any, loop: UserLoop) -> None:
         return None
 
     opt.step = step
+
+
+def _track_registered(accelerator: Any, loop: UserLoop) -> None:
+    """What the script gave ``accelerator.register_for_checkpointing()`` is training state: a module (a
+    model average) is tracked as the prepared models are; another object the script did not track
+    itself refuses live moves, by name (it may differ by rank, and a copy of it at each step's start,
+    which a redone step needs, may be as large as a model)."""
+    for obj in accelerator._custom_objects:
+        if loop.rt.tracks(obj):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            loop.track("registered", obj)
+        else:
+            loop.refuse(
+                f"An object of type {type(obj).__name__} was given to accelerator.register_for_checkpointing(), and a "
+                "joiner would not receive it; track it as well for live moves (rt.track(name=obj), or "
+                "rt.track_per_rank(name=obj) if it differs by rank)."
+            )
 
 
 class _ShardPart:

@@ -227,6 +227,13 @@ class Runtime:
                 start.states[name] = copy.deepcopy(obj.state_dict())
             tracked[name] = obj
 
+    def tracks(self, obj: Any) -> bool:
+        """Whether ``obj`` is tracked (under any name; a generator by the holder of its state)."""
+        return any(
+            held is obj or (isinstance(held, rng.ScriptGenerator) and held.generator is obj)
+            for held in self._s.tracked.values()
+        )
+
     def track_per_rank(self, **objects: Any) -> None:
         """Register state that differs from rank to rank (a data loader over this rank's shard).
 

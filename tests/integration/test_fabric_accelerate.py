@@ -8,10 +8,11 @@ loader, an LR scheduler, gradient clipping, an evaluation loader set up with the
 iterated as the tutorials do at each epoch's end (inside ``rt.steps()`` in the port: it passes
 through, and a joiner evaluates its new rank's part), a second train loader set up with the others
 and first read after the main epochs (a later phase); Fabric with fp16 AMP and a ``GradScaler`` on
-CPU, Accelerate with gradient accumulation and bf16 autocast. One job per framework: a and b train,
-c and d are warm standbys; b is drained to c, then, in the later phase, a's node is SIGKILLed and d
-(whose sandbox never read the later loader) takes rank 0 live. The port also runs under plain
-torchrun, as the tutorial loop does, and ends as it does.
+CPU, Accelerate with gradient accumulation, bf16 autocast and an average of the weights registered
+for checkpointing (``AveragedModel``, updated when ``optimizer.step_was_skipped`` is False). One job
+per framework: a and b train, c and d are warm standbys; b is drained to c, then, in the later
+phase, a's node is SIGKILLed and d (whose sandbox never read the later loader) takes rank 0 live.
+The port also runs under plain torchrun, as the tutorial loop does, and ends as it does.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def drain_then_lose_a(cluster: Cluster, script: Path, *args: str, gate_at: int, 
 FABRIC = SCRIPTS / "fabric_train.py"
 FABRIC_ARGS = ("--precision", "16-mixed", "--eval", "--phase2")  # 3 epochs of 20 steps, then 10 of the later phase
 ACCELERATE = SCRIPTS / "accelerate_train.py"
-ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16", "--eval", "--phase2")  # 3 x 10 steps, then 5
+ACCELERATE_ARGS = ("--accum", "2", "--mixed-precision", "bf16", "--eval", "--phase2", "--ema")  # 3 x 10 steps, then 5
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,7 @@ def main() -> object:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
+    ap.add_argument("--ema", action="store_true", help="an average of the weights, registered for checkpointing")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -111,6 +112,11 @@ def main() -> object:
         prepared = accelerator.prepare(*objects)
     model, optimizer, train_dataloader, eval_dataloader, phase2_dataloader, lr_scheduler = prepared
     evals = Evals()
+    ema = None
+    if args.ema:  # as Accelerate's users keep one: registered for its checkpoints, updated where the step applied
+        decay = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        ema = torch.optim.swa_utils.AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=decay)
+        accelerator.register_for_checkpointing(ema)
 
     def evaluate() -> None:
         model.eval()
@@ -129,6 +135,8 @@ def main() -> object:
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
+            if ema is not None and accelerator.sync_gradients and not optimizer.step_was_skipped:
+                ema.update_parameters(accelerator.unwrap_model(model))
             lr_scheduler.step()
             optimizer.zero_grad()
 
@@ -166,9 +174,10 @@ def main() -> object:
     inner = optimizer.optimizer
     optim = [t for s in inner.state.values() for t in s.values()] + [sorted(lr_scheduler.state_dict().items())]
     unwrapped = accelerator.unwrap_model(model)
+    averaged = list(ema.state_dict().values()) if ema is not None else []
     shown = f" eval={','.join(repr(v) for v in evals.values)}" if args.eval else ""
     print(
-        f"rank {accelerator.process_index} final: params={digest(list(unwrapped.state_dict().values()))} "
+        f"rank {accelerator.process_index} final: params={digest(list(unwrapped.state_dict().values()) + averaged)} "
         f"optim={digest(optim)} steps={lr_scheduler.scheduler.last_epoch}{shown}",
         flush=True,
     )

@@ -132,3 +132,35 @@ def test_a_script_on_the_unified_lightning_package_is_refused_with_a_sentence(mo
     for strategy in (rlaunch.lightning.Strategy, rlaunch.lightning.FabricStrategy):
         with pytest.raises(UsageError, match=r"uses the unified lightning package \(import lightning as L\)"):
             strategy()
+
+
+def test_what_accelerate_checkpoints_for_the_script_moves_with_it_or_refuses_moves_by_name() -> None:
+    """A module given to accelerator.register_for_checkpointing() (a model average) is tracked at the
+    next optimizer step; another object registered so and left untracked refuses live moves, naming it."""
+    pytest.importorskip("accelerate", reason="the Accelerate adapter's tests need 'rlaunch[accelerate]'")
+    import torch
+    from accelerate import Accelerator
+
+    import rlaunch.accelerate
+    from tests.one_rank import plain_runtime
+
+    class Counter:
+        def state_dict(self) -> dict[str, int]:
+            return {"n": 0}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    rt = plain_runtime()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = rlaunch.accelerate.prepare(accelerator, rt, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema, counter = torch.optim.swa_utils.AveragedModel(model), Counter()
+    accelerator.register_for_checkpointing(ema, counter)
+    assert not rt.tracks(ema)
+    for _ in rt.steps(1):
+        model(torch.ones(3, 2)).sum().backward()
+        optimizer.step()
+    assert rt.tracks(ema) and not rt.tracks(counter)
+    said = "An object of type Counter was given to accelerator.register_for_checkpointing(), and a joiner would not"
+    assert said in rt._s.refused
