@@ -140,7 +140,6 @@ class Carried:
     step: int
     rows: torch.Tensor  # (world, elements) float64: one row per rank
     sizes: tuple[int, ...]  # elements of each buffer, in the order of the row
-    owners: tuple[str, ...] = ()  # the tracked module each buffer is of
     #: each tracked DDP module's count of forwards that broadcast rank 0's buffers, at the vote
     broadcasts: tuple[tuple[str, int], ...] = ()
 
@@ -222,11 +221,11 @@ class Carried:
                     reading.kinds[i] = Kind.FROM_RANK0
                 break
 
-    def broadcast(self, counts: dict[str, int]) -> frozenset[int]:
+    def broadcast(self, counts: dict[str, int], owners: Sequence[str]) -> frozenset[int]:
         """The buffers DDP broadcast from rank 0 since the vote: those of the modules that counted a broadcast
-        since (``counts``: each tracked DDP module's count now)."""
+        since (``counts``: each tracked DDP module's count now; ``owners``: the tracked module each buffer is of)."""
         since = {owner for owner, at_vote in self.broadcasts if counts.get(owner, at_vote) > at_vote}
-        return frozenset(i for i, owner in enumerate(self.owners) if owner in since)
+        return frozenset(i for i, owner in enumerate(owners) if owner in since)
 
     def fill(self, buffers: Sequence[torch.Tensor], moved: int, plan: Plan) -> None:
         """Put into ``buffers`` what rank ``moved`` holds as ``plan`` says (those it maps to None stay as held)."""

@@ -54,6 +54,8 @@ class StepStart:
     buffers: list[torch.Tensor] = field(default_factory=list)
     #: their values at the step's start (copies, written again at each step's start)
     saved: list[torch.Tensor] = field(default_factory=list)
+    #: the tracked name of the module each buffer is of
+    owners: list[str] = field(default_factory=list)
     #: the tracked modules' parameters no tracked optimizer steps (a model average's), and their version
     #: counters at the step's start
     params: list[torch.Tensor] = field(default_factory=list)
@@ -70,13 +72,19 @@ def _module_state(tracked: dict[str, Any]) -> Iterator[tuple[str, str, torch.Ten
                 yield name, f"{key!r} {what}", t
 
 
-def _state_tensors(tracked: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The persistent buffers and the parameters of every tracked module, from one walk of their state."""
+def _state_tensors(tracked: dict[str, Any]) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+    """The persistent buffers of every tracked module, the tracked name of the module each is of, and the
+    parameters, from one walk of their state."""
     buffers: list[torch.Tensor] = []
+    owners: list[str] = []
     params: list[torch.Tensor] = []
-    for _, _, t in _module_state(tracked):
-        (params if isinstance(t, nn.Parameter) else buffers).append(t)
-    return buffers, params
+    for name, _, t in _module_state(tracked):
+        if isinstance(t, nn.Parameter):
+            params.append(t)
+        else:
+            buffers.append(t)
+            owners.append(name)
+    return buffers, owners, params
 
 
 def _buffers(tracked: dict[str, Any]) -> list[torch.Tensor]:
@@ -101,7 +109,7 @@ def buffer_names(tracked: dict[str, Any]) -> list[str]:
 
 def buffer_owners(tracked: dict[str, Any]) -> list[str]:
     """The tracked name of the module each of :func:`module_buffers` is of."""
-    return [name for name, _, t in _module_state(tracked) if not isinstance(t, nn.Parameter)]
+    return _state_tensors(tracked)[1]
 
 
 def _stepped(tracked: dict[str, Any]) -> set[int]:
@@ -125,7 +133,7 @@ class StepSnapshots:
         self._saved: list[torch.Tensor] = []
 
     def take(self, step: int, tracked: dict[str, Any]) -> StepStart:
-        live, every = _state_tensors(tracked)
+        live, owners, every = _state_tensors(tracked)
         stepped = _stepped(tracked)
         params = list({id(p): p for p in every if id(p) not in stepped}.values())
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=True)):
@@ -143,7 +151,7 @@ class StepSnapshots:
         }
         return StepStart(
             step=step, rng=rng.capture(), states=states, ddp_flags=flags, hyper=hyper, buffers=live, saved=self._saved,
-            params=params, versions=[p._version for p in params], broadcasts=broadcasts(tracked),
+            owners=owners, params=params, versions=[p._version for p in params], broadcasts=broadcasts(tracked),
         )  # fmt: skip
 
     def restore(self, start: StepStart, tracked: dict[str, Any]) -> None:

@@ -201,7 +201,7 @@ class StepVote:
             return late
         if carried.unchanged(start.saved, rank):
             return late
-        changed = carried.compare(start.saved, rank, carried.broadcast(start.broadcasts)).changed
+        changed = carried.compare(start.saved, rank, carried.broadcast(start.broadcasts, start.owners)).changed
         if changed is not None:
             late[changed] = 1.0
         return late
@@ -298,8 +298,7 @@ class StepVote:
                 )  # fmt: skip
             rows = vote[layout.buffers : layout.buffers + self.world_size * layout.row]
             counts = tuple(broadcasts(tracked).items())
-            owners = tuple(buffer_owners(tracked))
-            self._carried = Carried(step, rows.view(self.world_size, layout.row), layout.sizes, owners, counts)
+            self._carried = Carried(step, rows.view(self.world_size, layout.row), layout.sizes, counts)
 
     def refusal(self, per_rank: set[str], seeded: bool, start: StepStart | None = None) -> str:
         """Why no replica can stand in for a replaced rank ("" when one can).
@@ -339,7 +338,7 @@ class StepVote:
                 f"a replaced rank needs its module buffers (BatchNorm statistics) as of step {next_step}, but the "
                 f"replica on rank {rank} holds {held}"
             )
-        reading = carried.compare(now, rank, carried.broadcast(counts))
+        reading = carried.compare(now, rank, carried.broadcast(counts, buffer_owners(tracked)))
         if reading.changed is not None:
             return (
                 f"the buffer {buffer_names(tracked)[reading.changed]} differs from rank to rank and changed after step "

@@ -193,15 +193,16 @@ def test_rank_0_reads_ddps_broadcast_from_its_count_and_asks_the_others_about_co
     broadcasts, taken at the vote and again now, says so; a copy rank 0 made of such a buffer may be
     from before or after the broadcast, which only the other ranks can tell."""
     rows = torch.tensor([[1.0, 1.0, 5.0, 1.0], [2.0, 2.0, 5.0, 2.0]], dtype=torch.float64)  # model a, b, n; ema
-    carried = Carried(5, rows, (1, 1, 1, 1), ("model", "model", "model", "ema"), (("model", 7),))
+    carried = Carried(5, rows, (1, 1, 1, 1), (("model", 7),))
+    owners = ("model", "model", "model", "ema")
     now = [torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([5.0]), torch.tensor([1.0])]
-    assert carried.broadcast({"model": 7}) == frozenset()
+    assert carried.broadcast({"model": 7}, owners) == frozenset()
     assert carried.compare(now, 0).kinds == [Kind.KEPT, Kind.KEPT, Kind.SHARED, Kind.KEPT], "no broadcast"
-    reading = carried.compare(now, 0, carried.broadcast({"model": 8}))
+    reading = carried.compare(now, 0, carried.broadcast({"model": 8}, owners))
     assert reading.kinds[:3] == [Kind.FROM_RANK0] * 3
     assert reading.kinds[3] is Kind.KEPT, "the average's own row: nothing moved"
     rows[:, 3] = torch.tensor([7.0, 8.0], dtype=torch.float64)  # the average then copied the model's a
-    reading = carried.compare(now, 0, carried.broadcast({"model": 8}))
+    reading = carried.compare(now, 0, carried.broadcast({"model": 8}, owners))
     assert reading.kinds[3] is Kind.UNSURE and reading.unsure == {3}
     assert carried.compare(now, 0).copies == {3: 0}, "without a broadcast: a copy of its own row"
     before = carried.compare([torch.tensor([2.0])] * 2 + [torch.tensor([5.0]), torch.tensor([2.0])], 1)
