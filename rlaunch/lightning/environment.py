@@ -57,5 +57,11 @@ class RuntimeEnvironment(ClusterEnvironment):  # type: ignore[misc]
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     def node_rank(self) -> int:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return max(self.global_rank(), 0) // max(per_node, 1)
+        """The node of this rank: -1 in a standby's sandbox. Lightning then runs a ``prepare_data`` made
+        once per job (``prepare_data_per_node = False``: a shared disk, prepared by global rank 0) only
+        on the active ranks, and one made per node (the default) on the standby too, whose node will
+        need the data once it joins."""
+        rank = self.global_rank()
+        if rank < 0:
+            return -1
+        return rank // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)

@@ -163,6 +163,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
     backend its communicators are built with (see :mod:`rlaunch.runtime.backend`).
     """
 
+    #: made by the runtime (``rt.group``, ``rt.new_group``, a mesh's), so a move can rebuild it; see
+    #: :class:`rlaunch.runtime.sandboxgroups.SandboxTorchGroup` for one that is not
+    made_by_runtime = True
+
     def __init__(
         self,
         name: str,
@@ -387,9 +391,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             raise RuntimeError(f"The runtime group {self.label} is not registered with torch.distributed.")
         return GroupName(self.registered_name)
 
-    def monitored_barrier(self, timeout: datetime.timedelta, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """``dist.monitored_barrier`` on this group (torch calls it from Python; torch's C++ method
-        would look for a backend this group does not hold).
+        would look for a backend this group does not hold). Without ``timeout`` (Lightning's barrier
+        calls it so), the communicator's own applies, as with torch's method.
 
         It returns at once in a sandbox and once the group failed, is paused or held; otherwise it runs on
         the communicator. Under rlaunch a failure (a peer gone, or the cut of an abandoned
@@ -399,7 +404,10 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             return
         comm = self.comm
         try:
-            comm.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+            if timeout is None:
+                comm.monitored_barrier(wait_all_ranks=wait_all_ranks)
+            else:
+                comm.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
         except RuntimeError as exc:
             if not self.guarded:
                 raise

@@ -21,7 +21,7 @@ import torch
 
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Role
-from rlaunch.runtime import pending, reshard
+from rlaunch.runtime import pending, reshard, sandboxgroups
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import WORLD
@@ -193,8 +193,10 @@ class Joining:
         """(joiner) Take this rank's place in every group: a group with this rank gets its communicator
         of ``generation`` and is known to torch with its members only; one without it is held as an
         active non-member holds it, with no communicator (its sandbox's would answer collectives
-        with made-up data) and unknown to torch."""
+        with made-up data) and unknown to torch. torch's own ``new_group`` is put back (see
+        :mod:`rlaunch.runtime.sandboxgroups`)."""
         s = self._s
+        sandboxgroups.leave()
         for group in s.groups:
             group.group_rank = group.members.index(s.rank) if s.rank in group.members else -1
             if group.label in comms:

@@ -36,12 +36,12 @@ def unregister(group: SwitchableGroup) -> None:
 
 def foreign_groups() -> list[str]:
     """The groups torch.distributed knows that the runtime did not make (``dist.new_group``,
-    ``init_device_mesh``), each named with its ranks: a move cannot rebuild them."""
+    ``init_device_mesh``, in a sandbox too), each named with its ranks: a move cannot rebuild them."""
     world = c10d._world
     return [
         f"{world.pg_names.get(pg, '?')} (ranks {sorted(world.pg_group_ranks.get(pg, {}))})"
         for pg in list(world.pg_map)
-        if not isinstance(pg, SwitchableGroup)
+        if not getattr(pg, "made_by_runtime", False)
     ]
 
 

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rlaunch.errors import RlaunchError
 from rlaunch.plans import Hello, Role, StartRole
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, snapshots, verify
+from rlaunch.runtime import buckets, contract, devicework, partition, replicas, rng, sandboxgroups, snapshots, verify
 from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
 from rlaunch.runtime.data import EpochLoader
 from rlaunch.runtime.driven import DrivenSteps
@@ -161,7 +161,9 @@ class Runtime:
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)
-            if not standby:
+            if standby:
+                sandboxgroups.serve(world_size, store, backend)  # torch's new_group, until the join
+            else:
                 self._start_listener()
         else:
             # plain torchrun: torch's own group stays the default, and rt.group is made known beside it,
@@ -712,6 +714,7 @@ class Runtime:
                 log.warning("rank %d: the driven steps did not end cleanly at exit: %s", self.rank, exc)
         self._s.stopped.set()
         self._host.close()
+        sandboxgroups.close()
         for group in self._s.groups:
             unregister(group)
             backends.current().release(group.comm)  # an NCCL communicator is aborted, not left to teardown

@@ -32,6 +32,9 @@ call (``isend``, ``batch_isend_irecv``,
 ``send_object_list``, ``recv_object_list``)
 =============================================  ==========================================================
 
+A group the script makes with torch's own ``new_group`` is served too (see
+:mod:`rlaunch.runtime.sandboxgroups`).
+
 Object collectives need more than shapes. torch sends an object as its pickled size, then its
 bytes; a receiver allocates both with ``torch.empty`` and reads what the source wrote. In a
 sandbox no source writes, so a receiver would read an uninitialized size (and try to allocate

@@ -67,7 +67,10 @@ def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, str
 
 def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
     """The OneCycleLR is sized by self.trainer.estimated_stepping_batches in configure_optimizers, as
-    Lightning's docs do, which sets up the train loader from inside the strategy's setup. The train set
+    Lightning's docs do, which sets up the train loader from inside the strategy's setup. The data
+    module's prepare_data runs behind Lightning's barrier on a group torch makes (before the sandbox
+    served torch's new_group, the standbys' sandboxes stopped there: "'int' object has no attribute
+    'monitored_barrier'", and the wait for warm standbys timed out). The train set
     is read by two loader workers, which draw a random jitter for each sample from their global streams
     and a scale from a NumPy generator each makes at its first read (without their streams in the
     loader's position, the node lost mid-epoch left its replacement's batches jittered differently:

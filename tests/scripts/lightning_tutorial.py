@@ -5,9 +5,12 @@ A ``LightningModule`` (a small MLP), ``self.log`` with ``prog_bar=True``, a vali
 scheduler, a shuffled ``DataLoader``, ``seed_everything``, and the ``Trainer``'s default callbacks
 (checkpointing, progress bar, model summary) and logger left on. The one line rlaunch asks for is the
 strategy; ``--strategy ddp`` gives Lightning's own for the baseline. The scheduler's length is
-``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``. ``--workers N``
-reads the train set in N loader worker processes, and ``--augment`` adds a random jitter to each sample
-as a dataset's transform does (drawn in the workers, or in the main process without them).
+``self.trainer.estimated_stepping_batches``, as Lightning's docs size a ``OneCycleLR``. The data come from
+a ``LightningDataModule`` as Lightning's MNIST tutorial writes one: ``prepare_data`` "downloads" the sets
+once per node (it writes them to ``--data-dir``, which Lightning runs behind a barrier of its own group),
+``setup`` reads them. ``--workers N`` reads the train set in N loader worker processes, and ``--augment``
+adds a random jitter to each sample as a dataset's transform does (drawn in the workers, or in the main
+process without them).
 
 Test hooks (only with ``--step-time``): each training batch sleeps that long and prints
 ``epoch E batch B`` so a test can choose where to inject a fault, and ``--hold FILE`` keeps the active
@@ -97,6 +100,37 @@ class Jittered(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (x + 0.05 * torch.randn_like(x)) * float(self.rng.uniform(0.9, 1.1)), y
 
 
+class RandomDataModule(pl.LightningDataModule):
+    def __init__(self, data_dir: str, workers: int, augment: bool) -> None:
+        super().__init__()
+        self.data_dir = data_dir
+        self.workers = workers
+        self.augment = augment
+
+    def prepare_data(self) -> None:
+        # the "download": every node's local rank 0 writes the sets, as a dataset's download=True does
+        os.makedirs(self.data_dir, exist_ok=True)
+        for name, n, seed in (("train", 384, 0), ("val", 128, 1)):
+            path = os.path.join(self.data_dir, f"{name}.pt")
+            if not os.path.exists(path):
+                part = f"{path}.{os.getpid()}"
+                torch.save(make_data(n, seed).tensors, part)
+                os.replace(part, path)
+
+    def setup(self, stage: str) -> None:
+        def load(name: str) -> TensorDataset:
+            return TensorDataset(*torch.load(os.path.join(self.data_dir, f"{name}.pt"), weights_only=True))
+
+        self.train_set, self.val_set = load("train"), load("val")
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        data = Jittered(self.train_set) if self.augment else self.train_set
+        return DataLoader(data, batch_size=16, shuffle=True, num_workers=self.workers)
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(self.val_set, batch_size=32)
+
+
 def make_data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g)
@@ -129,6 +163,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--root", default="lightning_runs")
+    ap.add_argument("--data-dir", default="")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--hold", default="")
     ap.add_argument("--workers", type=int, default=0)
@@ -136,11 +171,7 @@ def main() -> None:
     args = ap.parse_args()
 
     pl.seed_everything(42)
-    train_set = make_data(384, 0)
-    train_loader = DataLoader(
-        Jittered(train_set) if args.augment else train_set, batch_size=16, shuffle=True, num_workers=args.workers
-    )
-    val_loader = DataLoader(make_data(128, 1), batch_size=32)
+    data = RandomDataModule(args.data_dir or os.path.join(args.root, "data"), args.workers, args.augment)
     model = LitRegressor()
     trainer = pl.Trainer(
         max_epochs=3,
@@ -151,7 +182,7 @@ def main() -> None:
         default_root_dir=args.root,
         callbacks=[Pace(args.step_time, args.hold)] if args.step_time else None,
     )
-    trainer.fit(model, train_loader, val_loader)
+    trainer.fit(model, datamodule=data)
 
     line = (
         f"rank {trainer.global_rank} final: params={digest(model.state_dict())} "

@@ -164,3 +164,22 @@ def test_what_accelerate_checkpoints_for_the_script_moves_with_it_or_refuses_mov
     assert rt.tracks(ema) and not rt.tracks(counter)
     said = "An object of type Counter was given to accelerator.register_for_checkpointing(), and a joiner would not"
     assert said in rt._s.refused
+
+
+def test_a_standby_is_on_no_node_so_lightning_prepares_per_node_data_there_and_job_data_on_rank_0_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lightning runs prepare_data where local_rank == 0, and also node_rank == 0 unless it is per node."""
+    from types import SimpleNamespace
+
+    from rlaunch.lightning.environment import RuntimeEnvironment
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    runtime = SimpleNamespace(rank=-1, world_size=4)
+    env = RuntimeEnvironment(lambda: runtime)  # type: ignore[arg-type,return-value]
+    assert (env.global_rank(), env.local_rank(), env.node_rank()) == (-1, 0, -1), "a standby's sandbox"
+    runtime.rank = 3  # it joined as rank 3, read afresh
+    assert (env.global_rank(), env.node_rank()) == (3, 1)
+    runtime.rank = 1
+    assert env.node_rank() == 0

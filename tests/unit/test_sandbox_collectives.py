@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.device_mesh as torch_mesh
-from torch.distributed import HashStore
+from torch.distributed import HashStore, ProcessGroup
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -303,6 +303,44 @@ def test_a_joiner_holds_the_groups_without_its_rank_as_an_active_non_member(stan
     assert standby.pair.registered_name is None
     with pytest.raises(ValueError, match="is not registered"):
         dist.get_rank(standby.pair)
+
+
+def test_torchs_own_new_group_in_a_sandbox_serves_lightnings_barrier_and_refuses_moves_while_it_lives(
+    standby: Standby,
+) -> None:
+    """Lightning wraps prepare_data in _InfiniteBarrier: torch's new_group, the group's
+    monitored_barrier, destroy_process_group. In a sandbox torch would give a non-member (an int)
+    and the barrier would fail; the group holds rank 0's place instead, serves collectives, and
+    counts as a group the runtime did not make until it is destroyed."""
+    from lightning_fabric.utilities.distributed import _InfiniteBarrier
+
+    from rlaunch.runtime import registry
+
+    with _InfiniteBarrier() as barrier:
+        group = barrier.group
+        assert isinstance(group, ProcessGroup) and dist.get_rank(group) == 0 and dist.get_world_size(group) == WORLD
+        assert len(registry.foreign_groups()) == 1, "a move is refused while the group lives, as on active ranks"
+        t = torch.arange(3.0)
+        dist.all_reduce(t, group=group)
+        objects: list[Any] = ["mine"]
+        dist.broadcast_object_list(objects, src=2, group=group)
+        assert t.tolist() == [0.0, 1.0, 2.0] and objects == ["mine"]
+    assert registry.foreign_groups() == [], "destroyed with destroy_process_group"
+    assert dist.new_group([1, 2]) == c10d.GroupMember.NON_GROUP_MEMBER, "rank 0 is not in it"
+    with pytest.raises(ValueError, match="not all in 0..3"):
+        dist.new_group([0, 4])
+
+
+def test_a_group_made_with_torch_in_the_sandbox_and_kept_past_the_join_raises_a_sentence(standby: Standby) -> None:
+    from rlaunch.runtime import sandboxgroups
+
+    kept = dist.new_group(backend="gloo")
+    sandboxgroups.leave()
+    assert dist.new_group is c10d.new_group and dist.new_group.__module__ == c10d.__name__, "torch's is back"
+    with pytest.raises(SandboxError, match="was made with torch.distributed.new_group while this process was a"):
+        dist.all_reduce(torch.ones(2), group=kept)
+    with pytest.raises(SandboxError, match="Destroy such a group before training steps begin"):
+        dist.monitored_barrier(group=kept)
 
 
 def test_a_failed_groups_object_collectives_give_the_callers_own_objects_not_garbage() -> None:

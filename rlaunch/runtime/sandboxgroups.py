@@ -1,0 +1,120 @@
+"""``torch.distributed.new_group`` in a standby's sandbox.
+
+A script or a framework may make a group of its own with torch. Lightning does it around
+``prepare_data``: ``new_group(backend="gloo", timeout=...)``, then the group's
+``monitored_barrier``, then ``destroy_process_group``. In a sandbox torch asks the default group
+for this process's rank, a standby's -1, and gives back ``GroupMember.NON_GROUP_MEMBER``, an
+int: the barrier fails, the sandbox stops and the standby never warms up.
+
+While the standby is in its sandbox, :func:`serve` puts :func:`_sandbox_new_group` in torch's
+place. A group with the rank the sandbox lays out as (0, see :mod:`rlaunch.runtime.sandbox`) is
+a :class:`SandboxTorchGroup`: a :class:`SwitchableGroup` on a sandbox communicator, known to torch
+as a group torch made is, so ``dist.get_rank(group)``, every collective, ``monitored_barrier``
+and ``destroy_process_group`` work. The runtime counts it among the groups it did not make (see
+:func:`rlaunch.runtime.registry.foreign_groups`): while it lives, moves are refused, as they are
+on the active ranks, whose twin of it is a real torch group. A group without rank 0 is
+``NON_GROUP_MEMBER``, as torch gives rank 0.
+
+At the join (:func:`leave`) torch's ``new_group`` is put back. A group made in the sandbox and
+never destroyed has no peers; it keeps no sandbox communicator (it would answer with made-up
+data) but one that raises a sentence at its first use (:class:`_NoPeers`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from rlaunch.errors import SandboxError
+from rlaunch.runtime import backend as backends
+from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
+from rlaunch.runtime.registry import register, unregister
+
+#: The global rank a sandbox lays out as.
+SANDBOX_RANK = 0
+
+
+class SandboxTorchGroup(SwitchableGroup):
+    """A group the script made with torch's ``new_group`` in a sandbox (see the module docstring)."""
+
+    made_by_runtime = False
+
+
+class _NoPeers:
+    """The communicator of a :class:`SandboxTorchGroup` still alive at the join: every use raises."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+
+    def __getattr__(self, name: str) -> Any:
+        raise SandboxError(
+            f"The group {self._label} was made with torch.distributed.new_group while this process was a standby, "
+            "and was kept past its join: it has no peers, so it cannot carry traffic. Destroy such a group before "
+            "training steps begin (dist.destroy_process_group), or make it with rt.new_group."
+        )
+
+
+class _Served:
+    """torch's ``new_group`` while it is replaced, and the groups made in its place."""
+
+    def __init__(self, original: Callable[..., Any], world_size: int, store: Any, kind: backends.Backend) -> None:
+        self.original = original
+        self.world_size = world_size
+        self.store = store
+        self.kind = kind
+        self.made: list[SandboxTorchGroup] = []
+        self.numbers = itertools.count()
+
+
+_served: _Served | None = None
+
+
+def _sandbox_new_group(ranks: Iterable[int] | None = None, *args: Any, **kwargs: Any) -> Any:
+    """What ``dist.new_group`` gives in a sandbox: a sandbox group, or a non-member (as for rank 0)."""
+    assert _served is not None
+    members = sorted(set(range(_served.world_size) if ranks is None else ranks))
+    if not members or members[0] < 0 or members[-1] >= _served.world_size:
+        raise ValueError(f"The ranks {members} of a new group are not all in 0..{_served.world_size - 1}.")
+    if SANDBOX_RANK not in members:
+        return c10d.GroupMember.NON_GROUP_MEMBER
+    label = f"torch.new_group.{next(_served.numbers)}"
+    comm = SandboxComm(members.index(SANDBOX_RANK), len(members))
+    group = SandboxTorchGroup(label, members, SANDBOX_RANK, comm, 0, guarded=False, backend=_served.kind)
+    register(group, _served.store, {g: i for i, g in enumerate(members)}, standby=members.index(SANDBOX_RANK))
+    _served.made.append(group)
+    return group
+
+
+def serve(world_size: int, store: Any, kind: backends.Backend) -> None:
+    """(standby) Serve torch's ``new_group`` in the sandbox, until :func:`leave`; ``kind``: the
+    backend of the groups it makes (``rt.group``'s)."""
+    global _served
+    if _served is None:
+        _served = _Served(c10d.new_group, world_size, store, kind)
+        c10d.new_group = dist.new_group = _sandbox_new_group
+
+
+def leave() -> list[SandboxTorchGroup]:
+    """(joiner) Put torch's ``new_group`` back; the groups made in the sandbox and still alive,
+    returned, raise at their next use."""
+    global _served
+    if _served is None:
+        return []
+    c10d.new_group = dist.new_group = _served.original
+    alive = [group for group in _served.made if group in c10d._world.pg_map]
+    for group in alive:
+        group.comm = _NoPeers(group.label)
+    _served = None
+    return alive
+
+
+def close() -> None:
+    """(at exit) As :func:`leave`, and torch forgets the groups made in the sandbox still alive."""
+    leave()
+    for group in list(c10d._world.pg_map):
+        if isinstance(group, SandboxTorchGroup):
+            unregister(group)
