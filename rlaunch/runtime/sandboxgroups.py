@@ -13,7 +13,8 @@ as a group torch made is, so ``dist.get_rank(group)``, every collective, ``monit
 and ``destroy_process_group`` work. The runtime counts it among the groups it did not make (see
 :func:`rlaunch.runtime.registry.foreign_groups`): while it lives, moves are refused, as they are
 on the active ranks, whose twin of it is a real torch group. A group without rank 0 is
-``NON_GROUP_MEMBER``, as torch gives rank 0.
+``NON_GROUP_MEMBER``, as torch gives rank 0. Either way torch's count of groups moves as on every
+active rank: it names the next group, and members meet under that name in the store.
 
 At the join (:func:`leave`) torch's ``new_group`` is put back. A group made in the sandbox and
 never destroyed has no peers; it keeps no sandbox communicator (it would answer with made-up
@@ -22,7 +23,6 @@ data) but one that raises a sentence at its first use (:class:`_NoPeers`).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,22 +67,43 @@ class _Served:
         self.store = store
         self.kind = kind
         self.made: list[SandboxTorchGroup] = []
-        self.numbers = itertools.count()
 
 
 _served: _Served | None = None
 
 
-def _sandbox_new_group(ranks: Iterable[int] | None = None, *args: Any, **kwargs: Any) -> Any:
-    """What ``dist.new_group`` gives in a sandbox: a sandbox group, or a non-member (as for rank 0)."""
+def _sandbox_new_group(
+    ranks: Iterable[int] | None = None,
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
+) -> Any:
+    """What ``dist.new_group`` gives in a sandbox, as torch gives rank 0: a sandbox group, or a non-member.
+
+    torch names a group from a counter every rank moves at every ``new_group`` (members or not), and the
+    name is where its members meet in the store: the counter moves here too, or a joiner's next group
+    would meet under the name of one its peers made and destroyed before. ``timeout``, ``backend`` and the
+    rest shape a real communicator, which a sandbox group does not have.
+    """
     assert _served is not None
-    members = sorted(set(range(_served.world_size) if ranks is None else ranks))
-    if not members or members[0] < 0 or members[-1] >= _served.world_size:
-        raise ValueError(f"The ranks {members} of a new group are not all in 0..{_served.world_size - 1}.")
+    c10d._get_default_group()  # raises as torch does once the script destroyed the default group
+    chosen = list(range(_served.world_size) if ranks is None else ranks)
+    if use_local_synchronization and ranks is not None and SANDBOX_RANK not in chosen:
+        return None  # torch makes no group and moves no counter for a rank outside it here
+    members = sorted(chosen)
+    if len(set(members)) != len(members):
+        raise ValueError(f"The ranks {chosen} of a new group contain one twice; give each rank once.")
+    if members and (members[0] < 0 or members[-1] >= _served.world_size):
+        raise ValueError(f"The ranks {chosen} of a new group are not all in 0..{_served.world_size - 1}.")
+    name = c10d._process_group_name(members, use_hashed_name=use_local_synchronization)
     if SANDBOX_RANK not in members:
         return c10d.GroupMember.NON_GROUP_MEMBER
-    label = f"torch.new_group.{next(_served.numbers)}"
     comm = SandboxComm(members.index(SANDBOX_RANK), len(members))
+    label = f"torch.new_group.{name}"
     group = SandboxTorchGroup(label, members, SANDBOX_RANK, comm, 0, guarded=False, backend=_served.kind)
     register(group, _served.store, {g: i for i, g in enumerate(members)}, standby=members.index(SANDBOX_RANK))
     _served.made.append(group)

@@ -329,6 +329,22 @@ def test_torchs_own_new_group_in_a_sandbox_serves_lightnings_barrier_and_refuses
     assert dist.new_group([1, 2]) == c10d.GroupMember.NON_GROUP_MEMBER, "rank 0 is not in it"
     with pytest.raises(ValueError, match="not all in 0..3"):
         dist.new_group([0, 4])
+    with pytest.raises(ValueError, match="contain one twice"):
+        dist.new_group([0, 0, 1])
+
+
+def test_torchs_group_counter_moves_in_a_sandbox_as_on_every_active_rank(standby: Standby) -> None:
+    """torch names each group from a counter that every rank moves at every new_group, member or not; the
+    name is where the members meet in the store. A joiner whose sandbox left it behind would make its
+    next group under the name of one its peers made and destroyed before, and wait there."""
+    before = c10d._world.group_count
+    group = dist.new_group([0, 1])
+    assert group.label == f"torch.new_group.{before}" and c10d._world.group_count == before + 1
+    dist.new_group([2, 3])
+    assert c10d._world.group_count == before + 2, "a non-member moves it too"
+    assert dist.new_group([2, 3], use_local_synchronization=True) is None, "as torch, which names it by a hash"
+    assert c10d._world.group_count == before + 2
+    dist.destroy_process_group(group)
 
 
 def test_a_group_made_with_torch_in_the_sandbox_and_kept_past_the_join_raises_a_sentence(standby: Standby) -> None:
