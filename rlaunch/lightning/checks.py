@@ -25,8 +25,9 @@ from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signatu
 #: precision plugins whose optimizer step the strategy reproduces around the vote
 CARRIED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 #: Lightning's callbacks that change the model, its optimizer or its schedulers by epoch, or keep a model
-#: of their own, outside what a joiner receives (GradientAccumulationScheduler's window is carried)
-UNCARRIED_CALLBACKS = (BaseFinetuning, StochasticWeightAveraging, WeightAveraging, ModelPruning)
+#: of their own, outside what a joiner receives (GradientAccumulationScheduler's window is carried, and
+#: WeightAveraging's model: see averaged_models)
+UNCARRIED_CALLBACKS = (BaseFinetuning, StochasticWeightAveraging, ModelPruning)
 
 
 def stepping(trainer: Any, precision: Any, optimizers: list[torch.optim.Optimizer]) -> str:
@@ -93,6 +94,19 @@ def refusals(trainer: Any, strategy: Any) -> list[str]:
         if why:
             found.append(why)
     return found
+
+
+def averaged_models(trainer: Any) -> dict[str, torch.nn.Module]:
+    """The models of the fit's ``WeightAveraging`` callbacks (``EMAWeightAveraging`` among them), to track
+    beside the model, by name.
+
+    Each callback made its ``AveragedModel`` in its ``setup`` (before the strategy's) and updates it in
+    ``on_train_batch_end``, after the step's vote: only after a step that applied, since a discarded step
+    is redone inside the strategy's ``optimizer_step``. Its one counter of updates travels in its
+    ``state_dict()`` with the other callbacks' states.
+    """
+    averaging = [c for c in trainer.callbacks if isinstance(c, WeightAveraging) and c._average_model is not None]
+    return {f"average{i}" if len(averaging) > 1 else "average": c._average_model for i, c in enumerate(averaging)}
 
 
 def carried_callbacks(trainer: Any) -> list[Any]:

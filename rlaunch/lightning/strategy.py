@@ -220,6 +220,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
         scaler = self._scaler()
         if scaler is not None:
             tracked["scaler"] = scaler
+        tracked.update(checks.averaged_models(trainer))
         self._position = LoopPosition(trainer)
         tracked["lightning"] = self._position
         epoch_loop = trainer.fit_loop.epoch_loop

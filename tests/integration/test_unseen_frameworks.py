@@ -70,18 +70,19 @@ def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: C
     Lightning's docs do, which sets up the train loader from inside the strategy's setup. The data
     module's prepare_data runs behind Lightning's barrier on a group torch makes (before the sandbox
     served torch's new_group, the standbys' sandboxes stopped there: "'int' object has no attribute
-    'monitored_barrier'", and the wait for warm standbys timed out). The train set
+    'monitored_barrier'", and the wait for warm standbys timed out). An EMAWeightAveraging callback
+    keeps an average of the weights, updated after each step, which ends as the model. The train set
     is read by two loader workers, which draw a random jitter for each sample from their global streams
     and a scale from a NumPy generator each makes at its first read (without their streams in the
     loader's position, the node lost mid-epoch left its replacement's batches jittered differently:
     params fe99c79f... against 82fc36f5...)."""
-    loading = ("--workers", "2", "--augment")
-    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *loading)
+    options = ("--workers", "2", "--augment", "--ema")
+    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *options)
     assert ddp[0] == ddp[1]
-    tr = run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr"), *loading)
+    tr = run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr"), *options)
     assert tr == ddp, "rlaunch's strategy"
     job = drain_then_kill(
-        cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *loading
+        cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *options
     )  # fmt: skip
     assert job == ddp, "the job must end as Lightning's DDP does, on every rank"
 

@@ -10,12 +10,15 @@ a ``LightningDataModule`` as Lightning's MNIST tutorial writes one: ``prepare_da
 once per node (it writes them to ``--data-dir``, which Lightning runs behind a barrier of its own group),
 ``setup`` reads them. ``--workers N`` reads the train set in N loader worker processes, and ``--augment``
 adds a random jitter to each sample as a dataset's transform does (drawn in the workers, or in the main
-process without them).
+process without them). ``--ema`` keeps an exponential moving average of the weights with Lightning's
+``EMAWeightAveraging`` callback (validation runs on the average, and the model ends as the average).
+After the fit, ``trainer.test`` runs the test loop (and ``prepare_data`` again), as the tutorials end.
 
 Test hooks (only with ``--step-time``): each training batch sleeps that long and prints
 ``epoch E batch B`` so a test can choose where to inject a fault, and ``--hold FILE`` keeps the active
 ranks at batch 4 of epoch 0 until FILE exists (so that standbys can warm up first). At the end every
-rank writes ``rank R final: params=<digest> optim=<digest> sched=<digest> steps=N`` in one ``os.write``.
+rank writes ``rank R final: params=<digest> optim=<digest> sched=<digest> steps=N eval=<test loss>`` in one
+``os.write``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import EMAWeightAveraging
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -53,6 +57,10 @@ class LitRegressor(pl.LightningModule):
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, object]:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -130,6 +138,9 @@ class RandomDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         return DataLoader(self.val_set, batch_size=32)
 
+    def test_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(self.val_set, batch_size=32)
+
 
 def make_data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
@@ -168,11 +179,15 @@ def main() -> None:
     ap.add_argument("--hold", default="")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--augment", action="store_true")
+    ap.add_argument("--ema", action="store_true")
     args = ap.parse_args()
 
     pl.seed_everything(42)
     data = RandomDataModule(args.data_dir or os.path.join(args.root, "data"), args.workers, args.augment)
     model = LitRegressor()
+    callbacks: list[pl.Callback] = [EMAWeightAveraging()] if args.ema else []
+    if args.step_time:
+        callbacks.append(Pace(args.step_time, args.hold))
     trainer = pl.Trainer(
         max_epochs=3,
         accelerator="cpu",
@@ -180,16 +195,16 @@ def main() -> None:
         num_nodes=args.nodes,
         strategy=rlaunch.lightning.Strategy() if args.strategy == "rlaunch" else "ddp",
         default_root_dir=args.root,
-        callbacks=[Pace(args.step_time, args.hold)] if args.step_time else None,
+        callbacks=callbacks,
     )
     trainer.fit(model, datamodule=data)
-
     line = (
         f"rank {trainer.global_rank} final: params={digest(model.state_dict())} "
         f"optim={digest(trainer.optimizers[0].state_dict())} "
-        f"sched={digest(trainer.lr_scheduler_configs[0].scheduler.state_dict())} steps={trainer.global_step}\n"
+        f"sched={digest(trainer.lr_scheduler_configs[0].scheduler.state_dict())} steps={trainer.global_step}"
     )
-    os.write(1, line.encode())
+    tested = trainer.test(model, datamodule=data)  # prepare_data again, behind Lightning's barrier
+    os.write(1, f"{line} eval={tested[0]['test_loss']:.6f}\n".encode())
 
 
 if __name__ == "__main__":

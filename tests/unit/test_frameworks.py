@@ -64,8 +64,9 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
             return {"best": Score(0.5)}  # an object of its own class: torch.load(weights_only=True) refuses it
 
     swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)
+    ema = pl.callbacks.EMAWeightAveraging()
     trainer = pl.Trainer(
-        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa], logger=False,
+        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa, ema], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.strategy._lightning_module = Module()
@@ -83,7 +84,10 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     for sentence in found:  # each names the value and what to do instead, as a sentence
         assert sentence[0].isupper() and sentence.endswith(".") and "; " in sentence, sentence
     assert any(s.startswith("The callback StochasticWeightAveraging changes the model") for s in found)
-    assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
+    assert not any("EMAWeightAveraging" in s for s in found), "its average is tracked beside the model"
+    assert checks.carried_callbacks(trainer) == [ema], "a state that cannot travel is refused, not carried"
+    ema.setup(trainer, trainer.lightning_module, "fit")
+    assert checks.averaged_models(trainer) == {"average": ema._average_model}
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
     assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
     assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
