@@ -21,6 +21,8 @@ from typing import Any
 
 import psutil
 
+from rlaunch.errors import StoreUnavailableError
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -28,14 +30,22 @@ TAG_VAR = "RLAUNCH_TEST_TAG"
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll ``pred`` until truthy; fail the test naming ``what`` after ``timeout`` seconds."""
+    """Poll ``pred`` until truthy; fail the test naming ``what`` after ``timeout`` seconds.
+
+    A poll that read etcd and got no answer in time (the test's own ``Cluster.status``, on a loaded
+    machine) counts as not yet: only the deadline fails the test, with the last such error.
+    """
     end = time.monotonic() + timeout
+    unanswered: StoreUnavailableError | None = None
     while time.monotonic() < end:
-        value = pred()
+        try:
+            value = pred()
+        except StoreUnavailableError as exc:
+            unanswered, value = exc, None
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}") from unanswered
 
 
 #: a committed host snapshot in an agent's log: the rank and the step (rlaunch.runtime.snapshots)
