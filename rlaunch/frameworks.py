@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from dataclasses import dataclass
 
 from rlaunch.errors import UsageError
 
@@ -19,42 +20,65 @@ from rlaunch.errors import UsageError
 SUPPORTED = {
     "pytorch-lightning": ">=2.6,<2.7",
     "lightning-fabric": ">=2.6,<2.7",
+    "lightning": ">=2.6,<2.7",
     "accelerate": ">=1.15,<1.16",
 }
 #: distribution -> the extra that installs it
-EXTRAS = {"pytorch-lightning": "lightning", "lightning-fabric": "lightning", "accelerate": "accelerate"}
+EXTRAS = {
+    "pytorch-lightning": "lightning",
+    "lightning-fabric": "lightning",
+    "lightning": "lightning",
+    "accelerate": "accelerate",
+}
 
 
-def require_lightning(what: str) -> None:
-    """Check both distributions ``rlaunch.lightning`` imports, before anything imports them.
+@dataclass(frozen=True)
+class LightningPackaging:
+    """One of the two ways Lightning is shipped: the same classes under two sets of module names."""
 
-    The unified ``lightning`` distribution (``import lightning as L``) ships the same classes under
-    other names (``lightning.pytorch.Trainer``), whose Trainer and Fabric take only strategies of
-    their own package: when it is what is installed, the sentence says what to install and import.
-    """
-    for distribution in ("pytorch-lightning", "lightning-fabric"):
-        try:
-            require(distribution, what)
-        except UsageError:
-            if _installed("lightning") and not _installed(distribution):
-                raise UsageError(unified_lightning(what)) from None
-            raise
+    name: str  # as a sentence names it
+    distributions: tuple[str, ...]
+    trainer: str  # the package of the Trainer
+    fabric: str  # the package of Fabric
+
+    def imported(self) -> bool:
+        return any(sys.modules.get(name) is not None for name in (self.trainer, self.fabric))
 
 
-def refuse_unified_lightning(what: str) -> None:
-    """Refuse a script that imported the unified ``lightning`` package (see :func:`require_lightning`):
-    its ``L.Trainer`` or ``L.Fabric`` would not take this strategy (Lightning refuses to mix the two)."""
-    if "lightning.pytorch" in sys.modules or "lightning.fabric" in sys.modules:
-        raise UsageError(unified_lightning(what))
+#: ``import pytorch_lightning as pl``, ``from lightning_fabric import Fabric``
+PACKAGES = LightningPackaging(
+    "the pytorch_lightning and lightning_fabric packages", ("pytorch-lightning", "lightning-fabric"),
+    "pytorch_lightning", "lightning_fabric",
+)  # fmt: skip
+#: ``import lightning as L`` (``L.Trainer``, ``L.Fabric``)
+UNIFIED = LightningPackaging("the unified lightning package", ("lightning",), "lightning.pytorch", "lightning.fabric")
 
 
-def unified_lightning(what: str) -> str:
-    return (
-        f"{what} is a strategy of the pytorch-lightning and lightning-fabric packages, and this script uses the "
-        "unified lightning package (import lightning as L), whose Trainer and Fabric take only strategies of their "
-        "own package; pip install 'rlaunch[lightning]' and import pytorch_lightning as pl (pl.Trainer) and "
-        "lightning_fabric (Fabric) instead of lightning."
-    )
+def lightning_packaging() -> LightningPackaging:
+    """The Lightning the script trains with: the one it imported, else the one installed (both installed:
+    the packages). A Trainer or Fabric takes only strategies of its own packaging, so ``rlaunch.lightning``
+    is built on this one's modules (see :mod:`rlaunch.lightning.packages`)."""
+    for packaging in (UNIFIED, PACKAGES):
+        if packaging.imported():
+            return packaging
+    if all(_installed(d) for d in PACKAGES.distributions) or not _installed("lightning"):
+        return PACKAGES
+    return UNIFIED
+
+
+def require_lightning(what: str, packaging: LightningPackaging) -> None:
+    """Check the distributions of ``packaging``, before anything imports them, and that the script does not
+    train with the other packaging too (imported after ``rlaunch.lightning``, whose classes are
+    ``packaging``'s)."""
+    for distribution in packaging.distributions:
+        require(distribution, what)
+    other = UNIFIED if packaging is PACKAGES else PACKAGES
+    if other.imported():
+        raise UsageError(
+            f"{what} was built on {packaging.name}, the Lightning found when rlaunch.lightning was imported, but "
+            f"this script trains with {other.name}, whose Trainer and Fabric take only strategies of their own; "
+            "import Lightning before rlaunch.lightning."
+        )
 
 
 def _installed(distribution: str) -> bool:

@@ -21,6 +21,6 @@ fi
 # docs: what tests/integration/test_docs.py builds the site with; lightning, accelerate: the framework
 # integrations' tests (CPU wheels only: torch stays as installed)
 pip install -e ".[test,docs,lightning,accelerate]"
-python -c "import torch, aetcd, rlaunch, mkdocs, material, mkdocstrings, pytorch_lightning, accelerate" || {
+python -c "import torch, aetcd, rlaunch, mkdocs, material, mkdocstrings, pytorch_lightning, lightning, accelerate" || {
   echo "setup: the installation is incomplete" >&2; exit 1; }
 rm -f "$log"

@@ -16,11 +16,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningModule
-from pytorch_lightning.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging, WeightAveraging
-from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from pytorch_lightning.utilities.model_helpers import is_overridden
-from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
+
+from rlaunch.lightning import packages
+
+LightningModule = packages.trainer().LightningModule
+_callbacks, _precision = packages.trainer("callbacks"), packages.trainer("plugins.precision")
+BaseFinetuning, ModelPruning = _callbacks.BaseFinetuning, _callbacks.ModelPruning
+StochasticWeightAveraging, WeightAveraging = _callbacks.StochasticWeightAveraging, _callbacks.WeightAveraging
+DoublePrecision, HalfPrecision = _precision.DoublePrecision, _precision.HalfPrecision
+MixedPrecision, Precision = _precision.MixedPrecision, _precision.Precision
+is_overridden = packages.trainer("utilities.model_helpers").is_overridden
+is_param_in_hook_signature = packages.trainer("utilities.signature_utils").is_param_in_hook_signature
 
 #: precision plugins whose optimizer step the strategy reproduces around the vote
 CARRIED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)

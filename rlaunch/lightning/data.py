@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -38,6 +37,10 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+
+from rlaunch.lightning import packages
+
+DistributedSamplerWrapper = packages.fabric("utilities.distributed").DistributedSamplerWrapper
 
 if TYPE_CHECKING:
     from rlaunch.runtime.data import EpochLoader
@@ -129,7 +132,7 @@ class WorkerSeeds:
         self.rank = rank
 
     def __call__(self, worker_id: int) -> None:
-        from lightning_fabric.utilities.seed import pl_worker_init_function
+        pl_worker_init_function = packages.fabric("utilities.seed").pl_worker_init_function
 
         pl_worker_init_function(worker_id, rank=self.rank)
 
@@ -156,7 +159,7 @@ def resumable(rt: Runtime, loader: Any, name: str = "data", track: bool = True) 
     return loader, rt.epochs(loader, sampler=sampler, order_rng=order_rng, name=name, track=track), ""
 
 
-class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc]
+class OneOrderPerEpoch(DistributedSamplerWrapper):  # type: ignore[misc,valid-type]
     """Lightning's ``DistributedSamplerWrapper`` drawing the wrapped sampler's order once per
     ``set_epoch``: a resumed ``StatefulDataLoader`` iterates its sampler more than once while it finds
     its place, and each iteration of the wrapper draws another order (from the wrapped sampler's

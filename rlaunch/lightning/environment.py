@@ -13,13 +13,15 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lightning_fabric.plugins.environments import ClusterEnvironment
+from rlaunch.lightning import packages
+
+ClusterEnvironment = packages.fabric("plugins.environments").ClusterEnvironment
 
 if TYPE_CHECKING:
     from rlaunch.runtime.runtime import Runtime
 
 
-class RuntimeEnvironment(ClusterEnvironment):  # type: ignore[misc]
+class RuntimeEnvironment(ClusterEnvironment):  # type: ignore[misc,valid-type]
     """The runtime's ranks; ``runtime`` starts the runtime on first use (``rlaunch.init()``)."""
 
     def __init__(self, runtime: Callable[[], Runtime]) -> None:

@@ -24,18 +24,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning_fabric.plugins.precision.amp import MixedPrecision
-from lightning_fabric.strategies import DDPStrategy
-from lightning_fabric.utilities.apply_func import move_data_to_device
-from lightning_fabric.utilities.data import _set_sampler_epoch
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import refuse_unified_lightning, require
+from rlaunch.lightning import packages
 from rlaunch.lightning.data import resumable, unmovable
 from rlaunch.lightning.environment import RuntimeEnvironment
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
 from rlaunch.userloop import LoopData, UserLoop
+
+MixedPrecision = packages.fabric("plugins.precision.amp").MixedPrecision
+DDPStrategy = packages.fabric("strategies").DDPStrategy
+move_data_to_device = packages.fabric("utilities.apply_func").move_data_to_device
+_set_sampler_epoch = packages.fabric("utilities.data")._set_sampler_epoch
 
 
 class _Ranks:
@@ -79,14 +80,13 @@ class _CountedSync:
         return self._control.no_backward_sync(module, enabled)
 
 
-class FabricStrategy(DDPStrategy):  # type: ignore[misc]
+class FabricStrategy(DDPStrategy):  # type: ignore[misc,valid-type]
     """Fabric's DDP on the rlaunch runtime (see the module docstring); ``rt`` and ``timeout_s`` as for
     :class:`rlaunch.lightning.Strategy`, other keyword arguments go to ``DistributedDataParallel``."""
 
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
-        require("lightning-fabric", "rlaunch.lightning.FabricStrategy")
-        refuse_unified_lightning("rlaunch.lightning.FabricStrategy")
+        packages.check("rlaunch.lightning.FabricStrategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s

@@ -20,14 +20,17 @@ import copy
 from typing import Any
 
 import torch
-from pytorch_lightning.loops import _Loop
-from pytorch_lightning.loops.progress import _BaseProgress
+
+from rlaunch.lightning import packages
+
+_Loop = packages.trainer("loops")._Loop
+_BaseProgress = packages.trainer("loops.progress")._BaseProgress
 
 
-def progress_of(loop: _Loop, prefix: str = "") -> dict[str, _BaseProgress]:
+def progress_of(loop: Any, prefix: str = "") -> dict[str, Any]:
     """Every progress object of ``loop`` and of its child loops, by attribute path (as Lightning's
     own ``_Loop.state_dict`` walks them)."""
-    found: dict[str, _BaseProgress] = {}
+    found: dict[str, Any] = {}
     for name, value in vars(loop).items():
         if isinstance(value, _BaseProgress):
             found[prefix + name] = value

@@ -37,21 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning_fabric.utilities.seed import reset_seed
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.loops.utilities import _block_parallel_sync_behavior
-from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.errors import RlaunchError, UsageError
-from rlaunch.frameworks import refuse_unified_lightning, require
-from rlaunch.lightning import checks
+from rlaunch.lightning import checks, packages
 from rlaunch.lightning.aftervote import Reading, Stretch, refusal
 from rlaunch.lightning.data import TrainData, WorkerSeeds, train_data
 from rlaunch.lightning.environment import RuntimeEnvironment
@@ -60,6 +50,16 @@ from rlaunch.runtime import rng, workerstreams
 from rlaunch.runtime.driven import DrivenSteps
 from rlaunch.runtime.runtime import Runtime, report_errors_as_sentences
 from rlaunch.runtime.vote import RefusedError
+
+pl = packages.trainer()
+_optimizer_handles_unscaling = packages.fabric("plugins.precision.amp")._optimizer_handles_unscaling
+reset_seed = packages.fabric("utilities.seed").reset_seed
+ModelCheckpoint = packages.trainer("callbacks").ModelCheckpoint
+LightningOptimizer = packages.trainer("core.optimizer").LightningOptimizer
+_block_parallel_sync_behavior = packages.trainer("loops.utilities")._block_parallel_sync_behavior
+MixedPrecision = packages.trainer("plugins.precision").MixedPrecision
+DDPStrategy = packages.trainer("strategies").DDPStrategy
+TrainerFn = packages.trainer("trainer.states").TrainerFn
 
 
 @dataclass
@@ -112,7 +112,7 @@ class CallbackStates:
                     setattr(callback, name, kept[name])
 
 
-class Strategy(DDPStrategy):  # type: ignore[misc]
+class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
     """Lightning's DDP on the rlaunch runtime, with live drains and replacements (see the module docstring).
 
     ``rt``: a runtime the script started itself (``rlaunch.init()``); by default the strategy starts
@@ -124,8 +124,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
 
     def __init__(self, *, rt: Runtime | None = None, timeout_s: float = 300.0, **ddp_kwargs: Any) -> None:
         report_errors_as_sentences()
-        require("pytorch-lightning", "rlaunch.lightning.Strategy")
-        refuse_unified_lightning("rlaunch.lightning.Strategy")
+        packages.check("rlaunch.lightning.Strategy")
         super().__init__(cluster_environment=RuntimeEnvironment(self._runtime), **ddp_kwargs)
         self._rt = rt
         self._timeout_s = timeout_s
@@ -190,7 +189,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc]
 
     # -- what is tracked, and the train data ---------------------------------------------------
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return

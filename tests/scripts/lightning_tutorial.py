@@ -1,5 +1,7 @@
 """A PyTorch Lightning script as Lightning's own tutorials write one, trained on random tensors.
 
+It imports the unified package, ``import lightning as L``, as Lightning's docs do.
+
 A ``LightningModule`` (a small MLP), ``self.log`` with ``prog_bar=True``, a validation step logging
 ``val_loss`` with ``sync_dist=True``, ``configure_optimizers`` returning an optimizer and a step-interval
 scheduler, a shuffled ``DataLoader``, ``seed_everything``, and the ``Trainer``'s default callbacks
@@ -28,10 +30,10 @@ import hashlib
 import os
 import time
 
+import lightning as L
 import numpy as np
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -39,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import rlaunch.lightning
 
 
-class LitRegressor(pl.LightningModule):
+class LitRegressor(L.LightningModule):
     def __init__(self, lr: float = 1e-2) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -72,20 +74,20 @@ class LitRegressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class Pace(pl.Callback):
+class Pace(L.Callback):
     """The test hooks: a sleep per training batch, a progress line, a hold at batch 4."""
 
     def __init__(self, step_time: float, hold: str) -> None:
         self.step_time = step_time
         self.hold = hold
 
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, i: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object, i: int) -> None:
         if self.hold and (trainer.current_epoch, i) == (0, 4) and os.environ.get("RLAUNCH_ROLE") == "active":
             while not os.path.exists(self.hold):
                 time.sleep(0.1)
         print(f"epoch {trainer.current_epoch} batch {i}", flush=True)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
         time.sleep(self.step_time)
 
 
@@ -108,7 +110,7 @@ class Jittered(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (x + 0.05 * torch.randn_like(x)) * float(self.rng.uniform(0.9, 1.1)), y
 
 
-class RandomDataModule(pl.LightningDataModule):
+class RandomDataModule(L.LightningDataModule):
     def __init__(self, data_dir: str, workers: int, augment: bool) -> None:
         super().__init__()
         self.data_dir = data_dir
@@ -182,13 +184,13 @@ def main() -> None:
     ap.add_argument("--ema", action="store_true")
     args = ap.parse_args()
 
-    pl.seed_everything(42)
+    L.seed_everything(42)
     data = RandomDataModule(args.data_dir or os.path.join(args.root, "data"), args.workers, args.augment)
     model = LitRegressor()
-    callbacks: list[pl.Callback] = [EMAWeightAveraging()] if args.ema else []
+    callbacks: list[L.Callback] = [EMAWeightAveraging()] if args.ema else []
     if args.step_time:
         callbacks.append(Pace(args.step_time, args.hold))
-    trainer = pl.Trainer(
+    trainer = L.Trainer(
         max_epochs=3,
         accelerator="cpu",
         devices=args.devices,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def _fresh_import(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> 
     monkeypatch.setattr(importlib.metadata, "version", version)
     for name in [m for m in sys.modules if m == "rlaunch.lightning" or m.startswith("rlaunch.lightning.")]:
         monkeypatch.delitem(sys.modules, name)
-    for name in ("pytorch_lightning", "lightning_fabric"):
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning", "lightning.pytorch", "lightning.fabric"):
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
     with pytest.raises(UsageError) as err:
         importlib.import_module("rlaunch.lightning")
@@ -119,22 +120,40 @@ def test_a_missing_or_unsupported_lightning_is_refused_at_import_with_a_sentence
     assert str(err.value).startswith("rlaunch.lightning needs pytorch-lightning >=2.6,<2.7, which is not installed")
     err = _fresh_import(monkeypatch, {"pytorch-lightning": "2.6.6", "lightning-fabric": "2.7.0"})
     assert str(err.value).startswith("rlaunch.lightning supports lightning-fabric >=2.6,<2.7")
-    # The unified package installed instead: the sentence says what to install and import.
-    err = _fresh_import(monkeypatch, {"lightning": "2.6.6"})
-    assert "uses the unified lightning package (import lightning as L)" in str(err.value)
-    assert "import pytorch_lightning as pl" in str(err.value) and str(err.value).endswith(".")
+    # The unified package alone: its version is the one checked.
+    err = _fresh_import(monkeypatch, {"lightning": "2.7.1"})
+    assert str(err.value).startswith("rlaunch.lightning supports lightning >=2.6,<2.7 (it reads that version's")
 
 
-def test_a_script_on_the_unified_lightning_package_is_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``import lightning as L``: its Trainer takes only lightning.pytorch strategies (a traceback from inside it)."""
-    pytest.importorskip("pytorch_lightning")
+def test_the_unified_lightning_package_gets_strategies_of_its_own() -> None:
+    """``import lightning as L`` before ``import rlaunch.lightning``: L.Trainer takes only strategies of the
+    unified package (lightning.pytorch), so the integration is built on its modules, not pytorch_lightning's."""
+    script = (
+        "import sys; import lightning as L; import rlaunch.lightning; "
+        "from rlaunch.lightning import packages; from rlaunch import frameworks; "
+        "assert packages.PACKAGING is frameworks.UNIFIED; "
+        "assert issubclass(rlaunch.lightning.Strategy, L.pytorch.strategies.DDPStrategy); "
+        "assert issubclass(rlaunch.lightning.FabricStrategy, L.fabric.strategies.DDPStrategy); "
+        "assert 'pytorch_lightning' not in sys.modules and 'lightning_fabric' not in sys.modules; print('ok')"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+def test_a_script_that_trains_with_the_other_lightning_packaging_is_refused_with_a_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rlaunch.lightning imported first found one packaging; the script then imports the other, whose Trainer
+    would refuse the strategy with a traceback from inside it."""
     import types
 
     import rlaunch.lightning
+    from rlaunch.lightning import packages
 
-    monkeypatch.setitem(sys.modules, "lightning.pytorch", types.ModuleType("lightning.pytorch"))
+    other = frameworks.UNIFIED if packages.PACKAGING is frameworks.PACKAGES else frameworks.PACKAGES
+    monkeypatch.setitem(sys.modules, other.trainer, types.ModuleType(other.trainer))
     for strategy in (rlaunch.lightning.Strategy, rlaunch.lightning.FabricStrategy):
-        with pytest.raises(UsageError, match=r"uses the unified lightning package \(import lightning as L\)"):
+        with pytest.raises(UsageError, match=f"but this script trains with {other.name}, whose Trainer and Fabric"):
             strategy()
 
 

@@ -1,0 +1,35 @@
+"""The Lightning modules ``rlaunch.lightning`` is built on, from the packaging the script trains with.
+
+Lightning ships the same classes twice: in the ``pytorch_lightning`` and ``lightning_fabric``
+packages, and in the unified ``lightning`` package (``import lightning as L``) as
+``lightning.pytorch`` and ``lightning.fabric``. A Trainer takes only a strategy of its own
+packaging, so the integration's classes subclass and import the modules of the one found when
+``rlaunch.lightning`` is first imported (:func:`rlaunch.frameworks.lightning_packaging`: the one the
+script imported, else the one installed). Its versions are checked here, before anything of
+Lightning's is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rlaunch.frameworks import lightning_packaging, require_lightning
+
+PACKAGING = lightning_packaging()
+require_lightning("rlaunch.lightning", PACKAGING)
+
+
+def trainer(module: str = "") -> Any:
+    """A module of the Trainer's package (``trainer("callbacks")``: ``pytorch_lightning.callbacks``)."""
+    return importlib.import_module(f"{PACKAGING.trainer}.{module}" if module else PACKAGING.trainer)
+
+
+def fabric(module: str = "") -> Any:
+    """A module of Fabric's package (``fabric("strategies")``: ``lightning_fabric.strategies``)."""
+    return importlib.import_module(f"{PACKAGING.fabric}.{module}" if module else PACKAGING.fabric)
+
+
+def check(what: str) -> None:
+    """(at a strategy's construction) The versions again, and no other packaging imported since."""
+    require_lightning(what, PACKAGING)
