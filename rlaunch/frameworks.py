@@ -55,9 +55,10 @@ UNIFIED = LightningPackaging("the unified lightning package", ("lightning",), "l
 
 
 def lightning_packaging() -> LightningPackaging:
-    """The Lightning the script trains with: the one it imported, else the one installed (both installed:
-    the packages). A Trainer or Fabric takes only strategies of its own packaging, so ``rlaunch.lightning``
-    is built on this one's modules (see :mod:`rlaunch.lightning.packages`)."""
+    """The Lightning the script trains with: the one it imported (both: the unified one), else the one
+    installed (both installed: the packages). A Trainer or Fabric takes only strategies of its own
+    packaging, so ``rlaunch.lightning`` is built on this one's modules (see
+    :mod:`rlaunch.lightning.packages`)."""
     for packaging in (UNIFIED, PACKAGES):
         if packaging.imported():
             return packaging
@@ -67,18 +68,22 @@ def lightning_packaging() -> LightningPackaging:
 
 
 def require_lightning(what: str, packaging: LightningPackaging) -> None:
-    """Check the distributions of ``packaging``, before anything imports them, and that the script does not
-    train with the other packaging too (imported after ``rlaunch.lightning``, whose classes are
-    ``packaging``'s)."""
+    """Check the distributions of ``packaging``, before anything imports them."""
     for distribution in packaging.distributions:
         require(distribution, what)
+
+
+def other_lightning(what: str, packaging: LightningPackaging) -> str:
+    """Why ``what``, built on ``packaging``, cannot serve this script: it imported the other packaging since
+    ``packaging`` was chosen ("" when it did not)."""
     other = UNIFIED if packaging is PACKAGES else PACKAGES
-    if other.imported():
-        raise UsageError(
-            f"{what} was built on {packaging.name}, the Lightning found when rlaunch.lightning was imported, but "
-            f"this script trains with {other.name}, whose Trainer and Fabric take only strategies of their own; "
-            "import Lightning before rlaunch.lightning."
-        )
+    if not other.imported():
+        return ""
+    return (
+        f"{what} was built on {packaging.name}, the Lightning found when the strategy was first used, and this "
+        f"script imported {other.name} after that, whose Trainer and Fabric take only strategies of their own; "
+        "import Lightning before the first use of rlaunch.lightning.Strategy or FabricStrategy."
+    )
 
 
 def _installed(distribution: str) -> bool:

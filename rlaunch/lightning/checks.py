@@ -36,6 +36,17 @@ CARRIED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 UNCARRIED_CALLBACKS = (BaseFinetuning, StochasticWeightAveraging, ModelPruning)
 
 
+#: Why a live replacement is refused once a batch hook inside a step issued a collective (a drain still moves)
+HOOK_COLLECTIVE = (
+    "A collective was issued in a batch hook inside a step (on_train_batch_start, a batch transfer hook, or "
+    "on_train_batch_end of a batch that does not step the optimizer: a self.log(..., sync_dist=True) there, or, "
+    "with gradient accumulation, Trainer(max_time=...) or a ModelCheckpoint saving by time or every few steps), "
+    "which a step redone after a fault does not run again while its replacement does, so their collectives would "
+    "no longer pair up; a drain still moves this rank live, and a fault restarts the job. Sync such values in "
+    "training_step."
+)
+
+
 def stepping(trainer: Any, precision: Any, optimizers: list[torch.optim.Optimizer]) -> str:
     """Why the strategy must leave the optimizer step to Lightning, without a vote ("" when it need not)."""
     if type(precision) not in CARRIED_PRECISION:
@@ -115,6 +126,18 @@ def averaged_models(trainer: Any) -> dict[str, torch.nn.Module]:
     return {f"average{i}" if len(averaging) > 1 else "average": c._average_model for i, c in enumerate(averaging)}
 
 
+def average_replaced(trainer: Any, tracked: dict[str, torch.nn.Module]) -> str:
+    """Why the averages tracked at the fit's setup (``tracked``) no longer serve ("" while they do): a
+    callback replaced its average model since, which a joiner would not take."""
+    now = averaged_models(trainer)
+    if now.keys() == tracked.keys() and all(now[name] is tracked[name] for name in now):
+        return ""
+    return (
+        "A WeightAveraging callback replaced its average model after the fit was set up, where the strategy "
+        "tracks it beside the model, so a joiner would not take the new one; keep the one its setup() built."
+    )
+
+
 def carried_callbacks(trainer: Any) -> list[Any]:
     """The callbacks whose ``state_dict()`` holds state a joiner must take (and can: see :func:`_uncarried`)."""
     return [c for c in trainer.callbacks if not _uncarried(c) and c.state_dict()]
@@ -127,6 +150,12 @@ def _uncarried(callback: Any) -> str:
     unpickled freely), so the state must be tensors, numbers, strings, lists and dicts. Some of
     Lightning's own callbacks change more than their state (:data:`UNCARRIED_CALLBACKS`).
     """
+    if isinstance(callback, WeightAveraging) and callback._average_model is None:
+        return (
+            f"The callback {type(callback).__name__} had no average model when the fit was set up, where the "
+            "strategy tracks it beside the model, so a joiner would not take the one it builds later; build it "
+            "in the callback's setup(), as Lightning's WeightAveraging does, or leave it out for live moves."
+        )
     if isinstance(callback, UNCARRIED_CALLBACKS):
         return (
             f"The callback {type(callback).__name__} changes the model, its optimizer or its schedulers by "

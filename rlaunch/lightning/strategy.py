@@ -76,14 +76,28 @@ class _MicroBatch:
 #: collectives: a joiner whose sandbox saved there would leave its peers waiting in them) and the
 #: path of that save. ``current_score`` is in its ``state_dict()`` but its ``load_state_dict()`` leaves it.
 CHECKPOINT_KEPT = ("_last_global_step_saved", "_last_checkpoint_saved")
+#: What a ``WeightAveraging`` decides from besides its ``state_dict()`` (which holds the step of its last
+#: update): the epoch of its last update at an epoch's end (a joiner whose sandbox ran an epoch's end
+#: would skip an update its peers make)
+AVERAGING_KEPT = ("_latest_update_epoch",)
 KEPT = "rlaunch_kept"
+
+
+def _kept_beside(callback: Any) -> tuple[str, ...]:
+    """The attributes of ``callback`` carried beside its ``state_dict()``."""
+    if isinstance(callback, ModelCheckpoint):
+        return CHECKPOINT_KEPT
+    if isinstance(callback, checks.WeightAveraging):
+        return AVERAGING_KEPT
+    return ()
 
 
 class CallbackStates:
     """The ``state_dict()`` of every callback that has one (a tracked object: a checkpoint callback's
     best scores, early stopping's patience), by the callback's ``state_key``; a ``ModelCheckpoint``'s
-    with what its own load leaves as it was (:data:`CHECKPOINT_KEPT`, ``current_score``), so that a
-    joiner's holds what the sender's did, not what its sandbox's validation left."""
+    and a ``WeightAveraging``'s with what their own load leaves as it was (:data:`CHECKPOINT_KEPT`,
+    ``current_score``, :data:`AVERAGING_KEPT`), so that a joiner's holds what the sender's did, not what
+    its sandbox's validation or epoch's end left."""
 
     def __init__(self, callbacks: list[Any]) -> None:
         self._callbacks = callbacks
@@ -92,22 +106,22 @@ class CallbackStates:
         out = {}
         for callback in self._callbacks:
             state = callback.state_dict()
-            if isinstance(callback, ModelCheckpoint):
-                state = {**state, KEPT: {name: getattr(callback, name) for name in CHECKPOINT_KEPT}}
+            kept = _kept_beside(callback)
+            if kept:
+                state = {**state, KEPT: {name: getattr(callback, name) for name in kept}}
             out[callback.state_key] = state
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for callback in self._callbacks:
             held = copy.deepcopy(state[callback.state_key])
-            if not isinstance(callback, ModelCheckpoint):
-                callback.load_state_dict(held)
-                continue
             kept = held.pop(KEPT, {})
-            callback.dirpath = held.get("dirpath", callback.dirpath)  # its load keeps scores only in the same dir
+            if isinstance(callback, ModelCheckpoint):
+                callback.dirpath = held.get("dirpath", callback.dirpath)  # its load keeps scores only in the same dir
             callback.load_state_dict(held)
-            callback.current_score = held.get("current_score", callback.current_score)
-            for name in CHECKPOINT_KEPT:
+            if isinstance(callback, ModelCheckpoint):
+                callback.current_score = held.get("current_score", callback.current_score)
+            for name in _kept_beside(callback):
                 if name in kept:
                     setattr(callback, name, kept[name])
 
@@ -138,6 +152,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
         self._window: list[_MicroBatch] = []  # the training_step calls of the current step
         self._reads = 0  # batches the current step read
         self._kept: tuple[Any, Any] | None = None  # logged results and callback states at the last call's start
+        self._averages: dict[str, torch.nn.Module] = {}  # the WeightAveraging models tracked at the fit's setup
+        #: the runtime's count of issued collectives where the step began or its last training_step ended
+        self._issued_mark = 0
         self._redoing = False  # a discarded step is being run again: record nothing
         self._stepped = 0  # manual optimization: optimizer steps in this training_step
         self._discarded = False  # manual optimization: the vote discarded this training_step's step
@@ -219,11 +236,12 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
         scaler = self._scaler()
         if scaler is not None:
             tracked["scaler"] = scaler
-        tracked.update(checks.averaged_models(trainer))
+        self._averages = checks.averaged_models(trainer)
+        tracked.update(self._averages)
         self._position = LoopPosition(trainer)
         tracked["lightning"] = self._position
         epoch_loop = trainer.fit_loop.epoch_loop
-        epoch_loop._broadcast_sigterm_tensor = _alike(rt, epoch_loop._broadcast_sigterm_tensor)
+        epoch_loop._broadcast_sigterm_tensor = self._sigterm_alike(epoch_loop._broadcast_sigterm_tensor)
         rt.track(**tracked)
         carried = checks.carried_callbacks(trainer)
         if carried:
@@ -266,6 +284,22 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
         if why:
             self._refuse(why)
 
+    def _sigterm_alike(self, broadcast: Callable[[], None]) -> Callable[[], None]:
+        """Lightning's broadcast of its SIGTERM flag, issued before each batch is read, inside ``rt.alike()``:
+        the flag is 0 on every rank until one receives SIGTERM (which ends that rank's fit), so after a fault
+        each rank's own value is every rank's, and it does not count as work after a vote that went on from
+        this rank's own values (see :mod:`rlaunch.lightning.aftervote`). Nor is it a batch hook's collective
+        (see :meth:`training_step`): a redone step issues it between its batches too."""
+        rt = self._runtime()
+
+        def alike_broadcast() -> None:
+            before = rt.issued
+            with rt.alike():
+                broadcast()
+            self._issued_mark += rt.issued - before
+
+        return alike_broadcast
+
     def _refuse(self, why: str) -> None:
         self._runtime().refuse_moves(f"rlaunch.lightning: {why}")
 
@@ -299,6 +333,9 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
     def _begin_step(self) -> None:
         assert self._driver is not None and self._position is not None
         self._check_logged()
+        why = checks.average_replaced(self._trainer, self._averages) if self._averages else ""
+        if why:
+            self._refuse(why)
         self._position.capture()
         joined = self._driver.begin()
         self._window, self._reads = [], 0
@@ -306,6 +343,7 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
             self._take_position()
         self._metric_counts = {id(m): m._update_count for m in self._metrics}
         self._stretch = Stretch.STEPPING
+        self._issued_mark = self._runtime().issued
 
     def _check_logged(self) -> None:
         """What the training hooks logged since the last check: refused if it cannot be carried."""
@@ -382,12 +420,26 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
         if self._driver is None or self._redoing:
             return super().training_step(*args, **kwargs)
         trainer = self._trainer
+        rt = self._runtime()
+        if rt.issued != self._issued_mark:  # since the step began or its last training_step: the batch hooks'
+            rt.refuse_replacement(f"rlaunch.lightning: {checks.HOOK_COLLECTIVE}")
         entry = _MicroBatch(args, rng.capture(), trainer.fit_loop.epoch_loop.batch_idx)
         self._kept = self._keep()
-        if trainer.lightning_module.automatic_optimization:
-            self._window.append(entry)
-            return super().training_step(*args, **kwargs)
-        return self._manual_training_step(entry, kwargs)
+        try:
+            if trainer.lightning_module.automatic_optimization:
+                self._window.append(entry)
+                return super().training_step(*args, **kwargs)
+            return self._manual_training_step(entry, kwargs)
+        finally:
+            self._issued_mark = rt.issued
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward pass, with its hooks (``on_before_backward``, ``on_after_backward``), which a
+        redone step runs again: what they issue is not a batch hook's collective (see :meth:`training_step`)."""
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._issued_mark = self._runtime().issued
 
     def _keep(self) -> tuple[Any, Any]:
         """What a discarded attempt may change besides the tracked state: the logged results, the callbacks."""
@@ -554,19 +606,6 @@ def _relog(results: dict[str, Any], logged: dict[str, tuple[Any, dict[str, Any]]
         for name, value in fields.items():
             setattr(metric, name, value)
         results[key] = metric
-
-
-def _alike(rt: Runtime, broadcast: Callable[[], None]) -> Callable[[], None]:
-    """Lightning's broadcast of its SIGTERM flag, issued before each batch is read, inside ``rt.alike()``:
-    the flag is 0 on every rank until one receives SIGTERM (which ends that rank's fit), so after a fault
-    each rank's own value is every rank's, and it does not count as work after a vote that went on from
-    this rank's own values (see :mod:`rlaunch.lightning.aftervote`)."""
-
-    def alike_broadcast() -> None:
-        with rt.alike():
-            broadcast()
-
-    return alike_broadcast
 
 
 def _metric_modules(module: Any) -> list[Any]:

@@ -205,6 +205,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
         #: or was paused, or abandoned them in flight), barriers, sends and those issued inside alike() aside
         self.own_results = 0
+        #: collectives (barriers and point-to-point calls included) issued here so far
+        self.issued = 0
         #: counted collectives whose futures completed when they were queued on the GPU (NCCL's), so far;
         #: those past ``_device_settled`` are not known done there, and count in own_results if their
         #: communicator is cut or records an error first
@@ -400,6 +402,7 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         the communicator. Under rlaunch a failure (a peer gone, or the cut of an abandoned
         communicator) fails the group as a failed collective does, and the step is recovered.
         """
+        self.issued += 1
         if self.failed or self.paused or self.left or self.held or self.sandboxed:
             return
         comm = self.comm
@@ -476,6 +479,7 @@ def _counted(name: str) -> bool:
 
 def _forward(name: str) -> Any:
     def method(self: SwitchableGroup, *args: Any, **kwargs: Any) -> Any:
+        self.issued += 1
         if self.failed or self.paused or self.left or self.held:
             return self.unissued(name, args, kwargs)
         comm = self.comm

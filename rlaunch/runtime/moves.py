@@ -67,6 +67,7 @@ class Moves:
         s = self._s
         return (
             self.drain_refusal()
+            or s.refused_replacement
             or s.vote.refusal(s.per_rank, s.seed is not None, s.start)
             or self._voting.verifier.refusal()
         )
@@ -94,7 +95,8 @@ class Moves:
         s = self._s
         v = self._voting
         seen = (
-            s.generation, s.rank, len(s.tracked), len(s.per_rank), s.refused, s.declared, tuple(sorted(s.vote.differs)),
+            s.generation, s.rank, len(s.tracked), len(s.per_rank), s.refused, s.refused_replacement, s.declared,
+            tuple(sorted(s.vote.differs)),
             tuple(sorted(v.verifier.differs)), tuple(sorted(v.partitions.items())), registry.known_groups(),
             self._snapshot_every(),
         )  # fmt: skip

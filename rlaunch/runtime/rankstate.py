@@ -71,6 +71,9 @@ class RankState:
     driven: bool = False
     #: why this rank's state must not move live, as the script said (rt.refuse_moves); "" when it may
     refused: str = ""
+    #: why no replica may stand in for this rank after a fault, as the script said (rt.refuse_replacement),
+    #: while a drain may move it; "" when one may
+    refused_replacement: str = ""
     #: why the coming recovery must not let a replica stand in for a lost rank: a fault after a step's
     #: vote handed the rest of that step collectives' own inputs (recovery.after_vote_refusal); "" when
     #: none did. Set at that step's end, cleared by the recovery

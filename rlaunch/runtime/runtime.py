@@ -274,6 +274,22 @@ class Runtime:
             if self._s.link is not None and not self.standby:
                 log.warning("rank %d: live moves are refused: %s", self.rank, reason)
 
+    def refuse_replacement(self, reason: str) -> None:
+        """Say that no replica can stand in for this rank after a fault, and why (a sentence), while a drain
+        may still move it: for what the runtime cannot see, such as collectives a framework's step runs
+        that a step redone after a fault would not (see ``rlaunch.lightning``). A fault then restarts the
+        job. Called again, the first reason stands."""
+        if not self._s.refused_replacement:
+            self._s.refused_replacement = reason
+            if self._s.link is not None and not self.standby:
+                log.warning("rank %d: live replacement is refused (a drain still moves it): %s", self.rank, reason)
+
+    @property
+    def issued(self) -> int:
+        """How many collectives (barriers and point-to-point calls included) this rank issued so far on its
+        groups: what a framework's hooks issued can be told by comparing it across them."""
+        return sum(g.issued for g in self._s.groups)
+
     def drive(self) -> DrivenSteps:
         """Steps for a loop this script does not own (a framework's), begun and redone from its hooks.
 

@@ -8,6 +8,7 @@ import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,9 +66,8 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
             return {"best": Score(0.5)}  # an object of its own class: torch.load(weights_only=True) refuses it
 
     swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)
-    ema = pl.callbacks.EMAWeightAveraging()
     trainer = pl.Trainer(
-        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa, ema], logger=False,
+        limit_train_batches=5, reload_dataloaders_every_n_epochs=1, callbacks=[Keeps(), swa], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.strategy._lightning_module = Module()
@@ -85,13 +85,45 @@ def test_what_the_lightning_integration_does_not_carry_is_named_at_fit_time() ->
     for sentence in found:  # each names the value and what to do instead, as a sentence
         assert sentence[0].isupper() and sentence.endswith(".") and "; " in sentence, sentence
     assert any(s.startswith("The callback StochasticWeightAveraging changes the model") for s in found)
-    assert not any("EMAWeightAveraging" in s for s in found), "its average is tracked beside the model"
-    assert checks.carried_callbacks(trainer) == [ema], "a state that cannot travel is refused, not carried"
-    ema.setup(trainer, trainer.lightning_module, "fit")
-    assert checks.averaged_models(trainer) == {"average": ema._average_model}
+    assert checks.carried_callbacks(trainer) == [], "a state that cannot travel is refused, not carried"
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
     assert checks.stepping(trainer, trainer.precision_plugin, [lbfgs]).startswith("The LBFGS optimizer")
     assert checks.stepping(trainer, trainer.precision_plugin, []) == ""
+
+
+def test_a_weight_average_is_tracked_beside_the_model_with_what_decides_its_next_update() -> None:
+    """Lightning's WeightAveraging builds its AveragedModel in its setup, before the strategy's: that model
+    is tracked; the epoch of its last update, outside its state_dict(), travels beside it."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch
+
+    from rlaunch.lightning import checks
+    from rlaunch.lightning.strategy import CallbackStates
+
+    def fit_with(ema: Any) -> Any:
+        trainer = pl.Trainer(callbacks=[ema], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.strategy._lightning_module = pl.LightningModule()
+        trainer.lightning_module.layer = torch.nn.Linear(2, 1)
+        return trainer
+
+    ema = pl.callbacks.EMAWeightAveraging(update_starting_at_epoch=1)
+    trainer = fit_with(ema)
+    assert [s for s in checks.refusals(trainer, _PlainDDP()) if "had no average model when the fit was set up" in s]
+    ema.setup(trainer, trainer.lightning_module, "fit")
+    assert checks.refusals(trainer, _PlainDDP()) == [] and checks.carried_callbacks(trainer) == [ema]
+    tracked = checks.averaged_models(trainer)
+    assert tracked == {"average": ema._average_model} and checks.average_replaced(trainer, tracked) == ""
+    ema._latest_update_epoch, ema._latest_update_step = 2, 30  # the sender's, after epoch 2's end
+    joiner = pl.callbacks.EMAWeightAveraging(update_starting_at_epoch=1)  # its sandbox ran no epoch's end
+    CallbackStates([joiner]).load_state_dict(CallbackStates([ema]).state_dict())
+    assert (joiner._latest_update_epoch, joiner._latest_update_step) == (2, 30)
+    ema._average_model = torch.optim.swa_utils.AveragedModel(trainer.lightning_module)
+    assert checks.average_replaced(trainer, tracked).startswith("A WeightAveraging callback replaced its average")
+
+
+class _PlainDDP:
+    _ddp_comm_hook = None
+    _model_averaging_period = None
 
 
 def _fresh_import(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> pytest.ExceptionInfo[UsageError]:
@@ -125,36 +157,43 @@ def test_a_missing_or_unsupported_lightning_is_refused_at_import_with_a_sentence
     assert str(err.value).startswith("rlaunch.lightning supports lightning >=2.6,<2.7 (it reads that version's")
 
 
-def test_the_unified_lightning_package_gets_strategies_of_its_own() -> None:
-    """``import lightning as L`` before ``import rlaunch.lightning``: L.Trainer takes only strategies of the
-    unified package (lightning.pytorch), so the integration is built on its modules, not pytorch_lightning's."""
-    script = (
-        "import sys; import lightning as L; import rlaunch.lightning; "
-        "from rlaunch.lightning import packages; from rlaunch import frameworks; "
-        "assert packages.PACKAGING is frameworks.UNIFIED; "
-        "assert issubclass(rlaunch.lightning.Strategy, L.pytorch.strategies.DDPStrategy); "
-        "assert issubclass(rlaunch.lightning.FabricStrategy, L.fabric.strategies.DDPStrategy); "
-        "assert 'pytorch_lightning' not in sys.modules and 'lightning_fabric' not in sys.modules; print('ok')"
-    )
+def _python(script: str) -> str:
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert res.stdout.strip() == "ok", res.stdout + res.stderr
+    return res.stdout + res.stderr
 
 
-def test_a_script_that_trains_with_the_other_lightning_packaging_is_refused_with_a_sentence(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """rlaunch.lightning imported first found one packaging; the script then imports the other, whose Trainer
-    would refuse the strategy with a traceback from inside it."""
-    import types
+def test_the_unified_lightning_package_gets_strategies_of_its_own_whatever_the_order_of_the_imports() -> None:
+    """L.Trainer takes only strategies of the unified package (lightning.pytorch): the integration is built
+    on its modules when the script imported it, before or after rlaunch.lightning (isort puts
+    ``import rlaunch.lightning`` before ``from lightning.pytorch import Trainer``)."""
+    for imports in (
+        "import lightning as L; import rlaunch.lightning",
+        "import rlaunch.lightning; import lightning as L",
+    ):
+        said = _python(
+            f"import sys; {imports}; from rlaunch.lightning import packages; from rlaunch import frameworks; "
+            "assert packages.PACKAGING is frameworks.UNIFIED; "
+            "assert issubclass(rlaunch.lightning.Strategy, L.pytorch.strategies.DDPStrategy); "
+            "assert issubclass(rlaunch.lightning.FabricStrategy, L.fabric.strategies.DDPStrategy); "
+            "assert 'pytorch_lightning' not in sys.modules and 'lightning_fabric' not in sys.modules; print('ok')"
+        )
+        assert said.strip() == "ok", (imports, said)
 
-    import rlaunch.lightning
-    from rlaunch.lightning import packages
 
-    other = frameworks.UNIFIED if packages.PACKAGING is frameworks.PACKAGES else frameworks.PACKAGES
-    monkeypatch.setitem(sys.modules, other.trainer, types.ModuleType(other.trainer))
-    for strategy in (rlaunch.lightning.Strategy, rlaunch.lightning.FabricStrategy):
-        with pytest.raises(UsageError, match=f"but this script trains with {other.name}, whose Trainer and Fabric"):
-            strategy()
+def test_a_script_that_imports_the_other_lightning_packaging_after_the_strategy_is_refused_with_a_sentence() -> None:
+    """The strategy was first used before the unified package was imported, so it was built on pytorch_lightning
+    (installed, or imported); the script then trains with the unified package, whose Trainer would refuse the
+    strategy with a traceback from inside it."""
+    for first in ("", "import pytorch_lightning; "):
+        said = _python(
+            f"{first}import rlaunch.lightning; strategy = rlaunch.lightning.Strategy; import lightning; strategy()"
+        )
+        assert (
+            "rlaunch: error: rlaunch.lightning.Strategy was built on the pytorch_lightning and lightning_fabric "
+            "packages, the Lightning found when the strategy was first used, and this script imported the unified "
+            "lightning package after that"
+        ) in said, (first, said)
+        assert "Traceback" not in said, said
 
 
 def test_what_accelerate_checkpoints_for_the_script_moves_with_it_or_refuses_moves_by_name() -> None:

@@ -275,6 +275,58 @@ def test_a_fault_seen_after_a_collective_that_followed_the_vote_refuses_the_live
         unregister(rt.group)
 
 
+class HookCollective(pl.Callback):
+    """A collective in a batch hook, as a value synced there would issue: an all_reduce at a batch's start
+    (``start``), at its end (``end``) or after its backward pass (``backward``), a barrier at its start
+    (``barrier``), or an all_reduce there inside rt.alike() (``alike``)."""
+
+    def __init__(self, where: str, rt: Runtime) -> None:
+        self.where = where
+        self.rt = rt
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+        if self.where == "start":
+            torch.distributed.all_reduce(torch.ones(1))
+        elif self.where == "barrier":
+            torch.distributed.barrier()
+        elif self.where == "alike":
+            with self.rt.alike():
+                torch.distributed.all_reduce(torch.ones(1))
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        if self.where == "end":
+            torch.distributed.all_reduce(torch.ones(1))
+
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        if self.where == "backward":
+            torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_a_collective_in_a_batch_hook_inside_a_step_refuses_the_live_replacement_not_the_drain(tmp_path: Path) -> None:
+    """A step redone after a fault runs its training_step calls again, not the batch hooks around them, while
+    the replacement runs them: their collectives would not pair up (a hang, or two values that are not the
+    same). The end of a batch that steps the optimizer is past the vote, and is not redone by anyone; the
+    hooks of a backward pass are run again by the redo."""
+    cases = (
+        ("start", 1, True), ("end", 2, True), ("barrier", 1, True), ("alike", 1, True),
+        ("end", 1, False), ("backward", 2, False), ("", 2, False),
+    )  # fmt: skip
+    for where, accumulate, refused in cases:
+        rt = plain_runtime()
+        register(rt.group, rt._s.store, {0: 0}, default=True)  # torch.distributed is up: the hook's call reaches it
+        try:
+            _fit(rt, Tiny(log_on_epoch=False), tmp_path, epochs=1, callbacks=[HookCollective(where, rt)],
+                 accumulate_grad_batches=accumulate)  # fmt: skip
+        finally:
+            unregister(rt.group)
+        assert rt._s.refused == "", "a drain still moves it"
+        said = rt._s.refused_replacement
+        assert bool(said) == refused, (where, accumulate, said)
+        if refused:
+            assert _sentence(said).startswith("A collective was issued in a batch hook inside a step")
+            assert rt._moves.replace_refusal() == said
+
+
 class Estimated(Tiny):
     """A OneCycleLR sized by the Trainer's estimate, as Lightning's docs size one (in configure_optimizers,
     during the strategy's setup: the estimate sets up the train loader there, once)."""
