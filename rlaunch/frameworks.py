@@ -73,10 +73,15 @@ def require_lightning(what: str, packaging: LightningPackaging) -> None:
         require(distribution, what)
 
 
+def other_packaging(packaging: LightningPackaging) -> LightningPackaging:
+    """The packaging that ``packaging`` is not."""
+    return UNIFIED if packaging is PACKAGES else PACKAGES
+
+
 def other_lightning(what: str, packaging: LightningPackaging) -> str:
     """Why ``what``, built on ``packaging``, cannot serve this script: it imported the other packaging since
     ``packaging`` was chosen ("" when it did not)."""
-    other = UNIFIED if packaging is PACKAGES else PACKAGES
+    other = other_packaging(packaging)
     if not other.imported():
         return ""
     return (

@@ -16,11 +16,11 @@ import importlib
 from typing import Any
 
 from rlaunch.errors import UsageError
-from rlaunch.frameworks import lightning_packaging, other_lightning, require_lightning
+from rlaunch.frameworks import lightning_packaging, other_lightning, other_packaging, require_lightning
 
 PACKAGING = lightning_packaging()
 #: the other packaging had been imported too (the unified one was chosen then): its later import is no sign
-_OTHER_BEFORE = other_lightning("rlaunch.lightning", PACKAGING) != ""
+_OTHER_BEFORE = other_packaging(PACKAGING).imported()
 require_lightning("rlaunch.lightning", PACKAGING)
 
 

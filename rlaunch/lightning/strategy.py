@@ -153,7 +153,8 @@ class Strategy(DDPStrategy):  # type: ignore[misc,valid-type]
         self._reads = 0  # batches the current step read
         self._kept: tuple[Any, Any] | None = None  # logged results and callback states at the last call's start
         self._averages: dict[str, torch.nn.Module] = {}  # the WeightAveraging models tracked at the fit's setup
-        #: the runtime's count of issued collectives where the step began or its last training_step ended
+        #: the runtime's count of issued collectives where the step began or its last training_step or backward
+        #: pass ended, past Lightning's SIGTERM broadcasts since (what is issued beyond it, a batch hook issued)
         self._issued_mark = 0
         self._redoing = False  # a discarded step is being run again: record nothing
         self._stepped = 0  # manual optimization: optimizer steps in this training_step

@@ -59,14 +59,13 @@ class _NoPeers:
 
 
 class _Served:
-    """torch's ``new_group`` while it is replaced, and the groups made in its place."""
+    """torch's ``new_group`` while it is replaced, and what the groups made in its place are built with."""
 
     def __init__(self, original: Callable[..., Any], world_size: int, store: Any, kind: backends.Backend) -> None:
         self.original = original
         self.world_size = world_size
         self.store = store
         self.kind = kind
-        self.made: list[SandboxTorchGroup] = []
 
 
 _served: _Served | None = None
@@ -106,7 +105,6 @@ def _sandbox_new_group(
     label = f"torch.new_group.{name}"
     group = SandboxTorchGroup(label, members, SANDBOX_RANK, comm, 0, guarded=False, backend=_served.kind)
     register(group, _served.store, {g: i for i, g in enumerate(members)}, standby=members.index(SANDBOX_RANK))
-    _served.made.append(group)
     return group
 
 
@@ -119,23 +117,25 @@ def serve(world_size: int, store: Any, kind: backends.Backend) -> None:
         c10d.new_group = dist.new_group = _sandbox_new_group
 
 
-def leave() -> list[SandboxTorchGroup]:
-    """(joiner) Put torch's ``new_group`` back; the groups made in the sandbox and still alive,
-    returned, raise at their next use."""
+def _alive() -> list[SandboxTorchGroup]:
+    """The groups made in the sandbox that torch still knows (not destroyed)."""
+    return [group for group in c10d._world.pg_map if isinstance(group, SandboxTorchGroup)]
+
+
+def leave() -> None:
+    """(joiner) Put torch's ``new_group`` back; the groups made in the sandbox and still alive raise at
+    their next use."""
     global _served
     if _served is None:
-        return []
+        return
     c10d.new_group = dist.new_group = _served.original
-    alive = [group for group in _served.made if group in c10d._world.pg_map]
-    for group in alive:
+    for group in _alive():
         group.comm = _NoPeers(group.label)
     _served = None
-    return alive
 
 
 def close() -> None:
     """(at exit) As :func:`leave`, and torch forgets the groups made in the sandbox still alive."""
     leave()
-    for group in list(c10d._world.pg_map):
-        if isinstance(group, SandboxTorchGroup):
-            unregister(group)
+    for group in _alive():
+        unregister(group)
