@@ -76,6 +76,7 @@ from rlaunch.runtime.phases import Phase, report
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery, after_vote_refusal, commit_point, mesh_sources
 from rlaunch.runtime.registry import register, unregister
+from rlaunch.runtime.sandbox import SANDBOX_RANK
 from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, is_stateful, touched
 from rlaunch.runtime.store import AgentStore
@@ -444,7 +445,7 @@ class Runtime:
                 "rt.device_mesh() was already called; build one mesh for the job and slice it (mesh['dp'])."
             )
         # A standby lays its model out as rank 0 would (see rlaunch.runtime.mesh), until it joins.
-        rank = 0 if s.standby else self.rank
+        rank = SANDBOX_RANK if s.standby else self.rank
         kind = backends.choose(None, device_type, self.group.backend)
         mesh = RuntimeMesh(shape, chosen, rank)
         groups = [self._mesh_group(name, members, rank, kind) for name, members in mesh.lines(rank)]

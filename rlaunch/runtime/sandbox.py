@@ -66,6 +66,8 @@ from torch.distributed import distributed_c10d as c10d
 from rlaunch.errors import SandboxError
 from rlaunch.runtime.works import done, flat
 
+#: The global rank a standby lays its model and groups out as until it joins (see rlaunch.runtime.mesh).
+SANDBOX_RANK = 0
 #: How far up the stack an object collective is looked for (torch's wrappers sit in between).
 FRAME_DEPTH = 12
 _BROADCAST_OBJECTS: CodeType = inspect.unwrap(c10d.broadcast_object_list).__code__

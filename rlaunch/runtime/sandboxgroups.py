@@ -33,9 +33,7 @@ from rlaunch.errors import SandboxError
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from rlaunch.runtime.registry import register, unregister
-
-#: The global rank a sandbox lays out as.
-SANDBOX_RANK = 0
+from rlaunch.runtime.sandbox import SANDBOX_RANK
 
 
 class SandboxTorchGroup(SwitchableGroup):

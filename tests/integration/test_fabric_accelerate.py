@@ -97,9 +97,12 @@ def accelerate_reference() -> dict[int, tuple[str, ...]]:
 def test_a_fabric_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
     cluster: Cluster, fabric_reference: dict[int, tuple[str, ...]]
 ) -> None:
+    """The moved job imports Fabric from the unified package (``import lightning as L``), the reference from
+    ``lightning_fabric``: the strategy is built on the packaging the script imported, and both train alike."""
     _, _, c, d = drain_then_lose_a(
-        cluster, FABRIC, "--devices", "1", "--nodes", "2", *FABRIC_ARGS, "--loop", "steps", gate_at=2, die_at=65
-    )
+        cluster, FABRIC, "--devices", "1", "--nodes", "2", *FABRIC_ARGS, "--loop", "steps", "--package", "lightning",
+        gate_at=2, die_at=65,
+    )  # fmt: skip
     assert finals(c.output() + d.output()) == fabric_reference, "the port ends as Fabric's own loop under torchrun"
     assert run("rlaunch", FABRIC, "--devices", "2", *FABRIC_ARGS, "--loop", "steps") == fabric_reference
 

@@ -10,7 +10,8 @@ at each epoch's end, iterating it as Fabric's docs do (in the port, inside ``rt.
 loss over every rank's part is in the final line. ``--phase2`` sets a second train loader up with the
 others and trains one epoch of it after the main epochs (in the port, first read with ``batch()``
 then: a later phase's loader). Test hooks as in ``lightning_train.py``:
-``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``.
+``--step-time``, ``--gate FILE:STEP``, ``--die RANK:STEP``. ``--package lightning`` takes Fabric from the
+unified package (``import lightning as L``, as Lightning's docs now write it) instead of ``lightning_fabric``.
 
 At the end every rank prints ``rank R final: params=<digest> optim=<digest> steps=N`` (and
 `` eval=<losses>`` with ``--eval``).
@@ -25,7 +26,6 @@ import signal
 import time
 
 import torch
-from lightning_fabric import Fabric, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,8 +81,19 @@ def main() -> object:
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--gate", action="append", default=[])
     ap.add_argument("--die", default="")
+    ap.add_argument("--package", choices=["lightning_fabric", "lightning"], default="lightning_fabric")
     args = ap.parse_args()
 
+    if args.package == "lightning":  # the unified package, as Lightning's docs import it
+        import lightning as L
+        from lightning.fabric.plugins import MixedPrecision
+
+        fabric_class, seed_everything = L.Fabric, L.seed_everything
+    else:
+        import lightning_fabric
+        from lightning_fabric.plugins import MixedPrecision
+
+        fabric_class, seed_everything = lightning_fabric.Fabric, lightning_fabric.seed_everything
     torch.set_num_threads(1)
     seed_everything(0)
     if args.strategy == "rlaunch":
@@ -93,10 +104,10 @@ def main() -> object:
         strategy = "ddp"
     plugins = None
     if args.precision == "16-mixed":  # fp16 AMP with a GradScaler on CPU (Fabric's CPU default is bf16)
-        from lightning_fabric.plugins.precision import MixedPrecision
-
         plugins = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
-    fabric = Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy, plugins=plugins)
+    fabric = fabric_class(
+        accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy, plugins=plugins
+    )
     fabric.launch()
 
     g = torch.Generator().manual_seed(1234)
