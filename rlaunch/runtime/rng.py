@@ -194,7 +194,8 @@ def numpy_to_json(state: tuple[Any, ...]) -> list[Any]:
 def numpy_from_json(value: list[Any]) -> tuple[Any, ...]:
     """The inverse of :func:`numpy_to_json` (for ``set_state()``; NumPy must be imported)."""
     kind, keys, pos, has_gauss, cached = value
-    return (kind, numpy_module().array(keys, dtype=numpy_module().uint32), pos, has_gauss, cached)
+    np = numpy_module()
+    return (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
 
 
 def to_json(state: RngState) -> dict[str, Any]:
