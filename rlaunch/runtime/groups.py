@@ -219,12 +219,16 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
 
     def swap(self, comm: Any, version: int, ready_timeout: float = READY_TIMEOUT_S) -> None:
         """Use ``comm`` from now on. A communicator built in the background (NCCL's non-blocking
-        setup) is waited for here, at the switch, and nowhere before."""
+        setup) is waited for here, at the switch, and nowhere before.
+
+        A pause stays: a replacement planned before a drain's switch (a peer of the drain was lost)
+        still needs its recovery, and the drain's communicator may hold the lost peer. Only the
+        recovery ends the pause (:meth:`rlaunch.runtime.recovery.Recovery.recover`).
+        """
         backends.current().wait_ready(comm, ready_timeout)
         with self._lock:
             old, self.comm, self.version = self.comm, comm, version
             self.failed = ""
-            self.paused = False
             self._device_settled = self._device_queued  # the old one's work is not lost: it is retired, not cut
         backends.current().forget(id(old))  # from now on its fds may be reused: never cut them
         retire(old)

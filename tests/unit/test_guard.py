@@ -101,6 +101,49 @@ def test_a_plan_ends_a_collective_a_recovering_peer_never_issues_and_pauses_the_
     assert later == [1.0, 1.0] and planned
 
 
+def _switched_after_plan(rank: int, port: int, results: Any) -> None:
+    """A drain's switch and a replacement plan cross: the plan (a peer of the drain was lost) pauses
+    rank 0's groups while rank 0 is still short of the drain's agreed switch; the switch then swaps
+    the drained group's new communicator in, with the lost peer in it. Until the recovery, its
+    collectives must still return at once, un-issued: one issued would wait for the lost peer."""
+    from rlaunch.plans import ReplacePlan, Role
+    from rlaunch.runtime.grouptable import GroupTable
+    from rlaunch.runtime.rankstate import RankState
+    from rlaunch.runtime.recovery import Recovery
+    from rlaunch.runtime.snapshots import HostSnapshots
+    from rlaunch.runtime.vote import StepVote
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
+    old = SwitchableGroup("world", [0, 1], rank, backends.build(store, "g1/world/", rank, 2, TIMEOUT), 1)
+    drained = backends.build(store, "g2/world/", rank, 2, TIMEOUT)  # what the drain prepared (phase 1)
+    if rank == 1:
+        time.sleep(8)  # the lost peer: alive to its sockets, never issuing again
+        return
+    state = RankState(
+        rank=0, world_size=2, generation=1, standby=False, link=None, store=None, timeout=TIMEOUT,
+        groups=GroupTable(None, TIMEOUT), vote=StepVote(2),
+    )  # fmt: skip
+    state.groups.add(old)
+    recovery = Recovery(
+        state, str, lambda p, a: ({}, ""), dict, lambda k: None, str, HostSnapshots(state, 0, 1, bool), str
+    )
+    recovery.on_replace(
+        ReplacePlan(generation=3, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2, sources={})
+    )
+    state.groups.swap({"world": drained}, 2)  # Migration.switch, at the boundary the drain's vote agreed on
+    t = torch.ones(2)
+    began = time.monotonic()
+    old.allreduce([t]).wait()
+    results.put((time.monotonic() - began, old.paused, old.version, t.tolist(), recovery.planned))
+
+
+def test_a_drains_switch_after_a_replacement_plan_keeps_the_groups_paused() -> None:
+    waited, paused, version, t, planned = run_pair(_switched_after_plan)
+    assert version == 2 and planned, "the drain's communicator is in, the plan waits for the recovery"
+    assert paused and waited < 2.0, f"the switch un-paused the group: its allreduce waited {waited:.1f} s"
+    assert t == [1.0, 1.0], "un-issued: the caller's inputs back"
+
+
 def _left(rank: int, port: int, results: Any) -> None:
     """Rank 1 has handed its state over in a drain: its peer swapped the group out and never issues
     on it again, yet a broadcast still comes (Lightning's SIGTERM handler, when the agent stops the
