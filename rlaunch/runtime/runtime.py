@@ -792,7 +792,7 @@ class Runtime:
             if s.link is not None and survivor:  # this step's excess over the median step is its downtime
                 median = _median(self._durations) if self._durations else 0.0
                 s.link.call(
-                    "switched", generation=s.generation, rank=s.rank,
+                    "switched", generation=moved.generation, rank=s.rank,
                     downtime_ms=max(0.0, seconds - median) * 1000, step_ms=seconds * 1000,
                     median_ms=median * 1000, verify_ms=self._voting.verifier.last_cost_s * 1000,
                 )  # fmt: skip
