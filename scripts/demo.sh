@@ -4,10 +4,17 @@
 # standby node-c while node-a keeps its process, and the measured downtime is printed. Then
 # node-a's worker is SIGKILLed: node-d takes its rank live, with its state from node-c's
 # replica, and node-c keeps its process. `rlaunch status` is printed along the way. Sets up a
-# virtualenv first if needed.
+# virtualenv first if needed; `--no-setup` skips that (to run it again, or offline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+case "${1:-}" in
+  "") bash scripts/setup.sh ;;
+  --no-setup)
+    [ -x .venv/bin/python ] || {
+      echo "demo: --no-setup needs the virtualenv in .venv; run scripts/demo.sh once without it." >&2; exit 2; } ;;
+  *) echo "demo: unknown argument '$1'; run scripts/demo.sh, or scripts/demo.sh --no-setup to skip the setup." >&2
+     exit 2 ;;
+esac
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
