@@ -94,10 +94,13 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     assert run(["torch.distributed.run", "--standalone"], root=tmp_path / "torchrun") == ddp
 
 
-def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
+def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_node(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     """With manual optimization the vote is in the training_step's own optimizer.step(): a and b train,
-    c is a warm standby; a's node is SIGKILLed at global step 25 (mid-epoch 1) and c takes rank 0 live,
-    b reruns the discarded training_step whole. Both end as Lightning's DDP does."""
+    c and d are warm standbys; b is drained to c early on, then a's node is SIGKILLed at global step 25
+    (mid-epoch 1) and d takes rank 0 live, c reruns the discarded training_step whole. Both end as
+    Lightning's DDP does."""
     manual = ("--manual", "--loader", "plain")
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
@@ -106,16 +109,20 @@ def test_manual_optimization_reruns_the_training_step_after_a_lost_node(cluster:
     )  # fmt: skip
     ddp = finals(res.stdout)
     assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
-    gate = cluster.tmp / "gate"
-    a, b, c = cluster.agents_in_order(
-        ["a", "b", "c"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *manual,
-        "--step-time", "0.05", "--gate", f"{gate}:2", "--die", "0:25", flags=("--max-restarts", "1"),
+    gates = cluster.tmp / "gate", cluster.tmp / "drained"
+    a, b, c, d = cluster.agents_in_order(
+        ["a", "b", "c", "d"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *manual,
+        "--step-time", "0.05", "--gate", f"{gates[0]}:2", "--gate", f"{gates[1]}:22", "--die", "0:25",
+        flags=("--max-restarts", "1"),
     )  # fmt: skip
-    wait_for(lambda: warm(cluster, "c"), 240, "standby c to be warm")
-    gate.touch()
-    assert [x.wait(240) for x in (b, c)] == [0, 0], (b.output()[-3000:], c.output()[-3000:])
-    assert "'resume_at': 25" in b.output() and "event joined" in c.output()
-    assert finals(b.output() + c.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
+    wait_for(lambda: warm(cluster, "c") and warm(cluster, "d"), 240, "standbys c and d to be warm")
+    gates[0].touch()
+    drain(cluster, "b")
+    gates[1].touch()
+    assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (c.output()[-3000:], d.output()[-3000:])
+    assert JOINED.search(c.output()) and "final" not in b.output(), "b's rank moved to c"
+    assert "'resume_at': 25" in c.output() and "event joined" in d.output()
+    assert finals(c.output() + d.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
 
 
 def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp_path: Path) -> None:
