@@ -120,6 +120,19 @@ def first_refusal(reports: Sequence[dict[str, Any]], agreed: int) -> str:
     return refused or next((str(r["touched"]) for r in reports if r["touched"] and int(r["applied"]) == agreed), "")
 
 
+def generation_split(reports: Sequence[dict[str, Any]], generation: int) -> str:
+    """Why the survivors cannot recover to ``generation`` together ("" when they can): a drain's switch
+    crossed the fault, and some survivors switched to the drain's groups while others did not, so
+    the groups the replacement keeps would not match."""
+    held = {int(r["rank"]): int(r["generation"]) for r in reports}
+    if len(set(held.values())) <= 1:
+        return ""
+    return (
+        f"the survivors of generation {generation} stand in different generations (rank: generation {held}): a "
+        "drain's switch crossed the fault, so the groups they would keep do not match"
+    )
+
+
 def newest(plans: Sequence[ReplacePlan]) -> ReplacePlan:
     """The plan to recover to: the one of the highest generation (older ones were superseded)."""
     return max(plans, key=lambda p: p.generation)
@@ -246,7 +259,8 @@ class Recovery:
             survivors = [r for r in range(s.world_size) if r not in moved]
             dirty = sorted(g.label for g in s.groups.mine() if g.failed and not moved & set(g.members))
             report = {
-                "rank": s.rank, "applied": s.applied, "dirty": dirty, "knowledge": self._knowledge(),
+                "rank": s.rank, "generation": s.generation, "applied": s.applied, "dirty": dirty,
+                "knowledge": self._knowledge(),
                 "refused": refused, "undrainable": self._undrainable(), "snapshot": self._host.report(moved),
                 "buffers": {str(i): j for i, j in buffers.items()}, "touched": self._touched(),
             }  # fmt: skip
@@ -269,6 +283,7 @@ class Recovery:
                         f"{s.timeout.total_seconds():.0f} s; the recovery cannot go on, so this worker stops."
                     ) from None
         reports = sorted((json.loads(v) for v in values), key=lambda r: int(r["rank"]))
+        self._give_up(plan.generation, generation_split(reports, plan.generation))
         applied = [int(r["applied"]) for r in reports]
         agreed, rolled = commit_point(s.applied, s.step, applied)
         if s.driven:
@@ -298,8 +313,9 @@ class Recovery:
             if group.label in comms:  # rebuilt after a fault: what its GPU ran since the last wait may be lost
                 group.device_lost()
         s.groups.swap(comms, gen)
-        for group in s.groups.mine():
-            group.paused = False  # the kept groups: every member stopped at the same collective
+        if not self.planned:  # a newer plan came meanwhile: its pause stands until its own recovery
+            for group in s.groups.mine():
+                group.paused = False  # the kept groups: every member stopped at the same collective
         s.generation = gen
         resume = back.step if back is not None else agreed + 1
         if back is not None:

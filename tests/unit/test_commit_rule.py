@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlaunch.runtime.recovery import after_vote_refusal, driven_refusal, first_refusal
+from rlaunch.runtime.recovery import after_vote_refusal, driven_refusal, first_refusal, generation_split
 from rlaunch.runtime.runtime import commit_point
 
 
@@ -64,3 +64,15 @@ def test_parameters_written_before_the_vote_refuse_a_replica_only_where_the_step
     assert first_refusal(rolled, commit_point(7, 8, [7, 8])[0]) == ""
     first = [{"rank": 0, "applied": 7, "refused": "per rank", "touched": wrote}]
     assert first_refusal(first, 7) == "per rank", "the first refusal stands"
+
+
+def test_survivors_in_different_generations_refuse_a_replica_alike() -> None:
+    """A drain's switch crossed the fault: rank 0 switched to the drain's groups (generation 2), rank 2
+    did not (its vote saw the plan first): their kept groups would not match, so every survivor refuses
+    alike, naming where each stands; survivors in one generation recover."""
+    split = [{"rank": 0, "generation": 2}, {"rank": 2, "generation": 1}]
+    why = generation_split(split, 3)
+    assert why.startswith(
+        "the survivors of generation 3 stand in different generations (rank: generation {0: 2, 2: 1})"
+    )
+    assert generation_split([{"rank": 0, "generation": 2}, {"rank": 2, "generation": 2}], 3) == ""
