@@ -119,8 +119,9 @@ def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_no
     gates[0].touch()
     drain(cluster, "b")
     gates[1].touch()
-    assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (c.output()[-3000:], d.output()[-3000:])
-    assert JOINED.search(c.output()) and "final" not in b.output(), "b's rank moved to c"
+    assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (b.output()[-3000:], c.output()[-3000:], d.output()[-3000:])
+    assert a.proc.poll() is not None and "final" not in a.output() + b.output()
+    assert JOINED.search(c.output()), "b's rank moved to c"
     assert "'resume_at': 25" in c.output() and "event joined" in d.output()
     assert finals(c.output() + d.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
 
