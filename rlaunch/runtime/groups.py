@@ -7,30 +7,32 @@ shape-correct results and no traffic. A migration swaps the inner communicator b
 steps; DDP keeps its buckets, so results stay bit-identical. Old communicators are released on a
 background thread: dropping a gloo group with a pending operation blocks until its timeout.
 
-Each real collective is guarded: its result reaches the caller through a future the group owns
-(or, for gloo's reduce-scatters, which have no future, through the caller's own ``wait()``).
-If the communicator fails (a peer died) or the runtime abandons the group (its agent said a peer
-is gone or hung; gloo itself would wait for its timeout), the caller's future completes with its
-own inputs and the group is marked ``failed``: later collectives return at once (torch's object
-collectives give the caller's own objects, as a sandbox does), so the step runs to
-``optimizer_step``, where the runtime recovers. From the recovery to the step's boundary a group is
-``held``: the rest of the step's collectives return at once too, since the rebuilt communicator's
-other members (a joiner waiting for its state among them) are already at that boundary. Each group
-counts the collectives that handed their caller its own inputs (:attr:`SwitchableGroup.own_results`):
-work after a step's vote, which no redone step runs again, must not go on from such values (see
-``rlaunch.lightning`` and :func:`rlaunch.runtime.recovery.after_vote_refusal`); those issued inside
-:func:`alike` are left out. An NCCL collective's future completes when it is queued on
-the GPU, so the guard sees it succeed even when it is lost later, in a communicator that is cut or
-records an error before the GPU ran it: each group also counts the collectives queued on its
-communicator's GPU since that work was last known done (:meth:`SwitchableGroup.device_done`, after the
-runtime waited for the GPU before a step's vote), and adds them to ``own_results`` when it loses them.
-Gloo cannot cancel an operation in flight (``abort()`` does not wake it), so abandoning a group also
-shuts down its communicator's connected sockets (found at build time): the inner operation then
-fails at once instead of staying in flight on the caller's tensors, where a frozen peer that resumed
-before being fenced could still complete it and write stale data into them (a DDP bucket of a later
-step). A failed communicator is cut the same way, and a cut one is destroyed without waiting for its
-timeout. An NCCL communicator (CUDA tensors of a group whose backend is NCCL) is aborted instead
-(``ncclCommAbort`` wakes its pending operations): see :mod:`rlaunch.runtime.backend`.
+Each real collective is guarded: its result reaches the caller through a future the group owns (or,
+for gloo's reduce-scatters, which have no future, through the caller's own ``wait()``). If the
+communicator fails (a peer died) or the runtime abandons the group (its agent said a peer is gone or
+hung; gloo itself would wait for its timeout), the caller's future completes with its own inputs and
+the group is marked ``failed``: later collectives return at once (torch's object collectives give
+the caller's own objects, as a sandbox does), so the step runs to ``optimizer_step``, where the
+runtime recovers. From the recovery to the step's boundary a group is ``held``: the rest of the
+step's collectives return at once too, since the rebuilt communicator's other members (a joiner
+waiting for its state among them) are already at that boundary. Each group counts the collectives
+that handed their caller its own inputs (:attr:`SwitchableGroup.own_results`): work after a step's
+vote, which no redone step runs again, must not go on from such values (see ``rlaunch.lightning``
+and :func:`rlaunch.runtime.recovery.after_vote_refusal`); those issued inside :func:`alike` are left
+out. Once the training loop has ended no vote follows, so the guard stops
+(:meth:`SwitchableGroup.stop_guarding`): a collective that cannot run then raises, as under
+torchrun. An NCCL collective's future completes when it is queued on the GPU, so the guard sees it
+succeed even when it is lost later, in a communicator that is cut or records an error before the GPU
+ran it: each group also counts the collectives queued on its communicator's GPU since that work was
+last known done (:meth:`SwitchableGroup.device_done`, after the runtime waited for the GPU before a
+step's vote), and adds them to ``own_results`` when it loses them. Gloo cannot cancel an operation
+in flight (``abort()`` does not wake it), so abandoning a group also shuts down its communicator's
+connected sockets (found at build time): the inner operation then fails at once instead of staying
+in flight on the caller's tensors, where a frozen peer that resumed before being fenced could still
+complete it and write stale data into them (a DDP bucket of a later step). A failed communicator is
+cut the same way, and a cut one is destroyed without waiting for its timeout. An NCCL communicator
+(CUDA tensors of a group whose backend is NCCL) is aborted instead (``ncclCommAbort`` wakes its
+pending operations): see :mod:`rlaunch.runtime.backend`.
 
 What the sandbox gives for each collective (object collectives included) is described in
 :mod:`rlaunch.runtime.sandbox`. The futures it and the guard hand back are CUDA-aware, so a caller
@@ -46,6 +48,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -58,6 +61,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
+from rlaunch.errors import RlaunchError
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import works
 from rlaunch.runtime.sandbox import SandboxComm, in_object_collective
@@ -96,6 +100,12 @@ def alike() -> Iterator[None]:
         yield
     finally:
         _issuing.alike = before
+
+
+class LostCollectiveError(RlaunchError, RuntimeError):
+    """A collective (a barrier included) issued after the training loop ended could not run with
+    every member, and no step is left whose vote could redo it. A ``RuntimeError``, as torch's own
+    errors of a failed collective are."""
 
 
 class _InFlight(NamedTuple):
@@ -200,6 +210,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         #: this rank's step was recovered: until the step's boundary its collectives return at once,
         #: un-issued (the rebuilt communicator's other members, a joiner among them, are at the boundary)
         self.held = False
+        #: why no recovery follows a collective that cannot run ("" while one can): see stop_guarding
+        self.unguarded_since = ""
         #: the operations in flight, by issue number
         self._pending: dict[int, _InFlight] = {}
         #: collectives that handed their caller its own inputs instead of a result (the group had failed
@@ -232,6 +244,38 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
             self._device_settled = self._device_queued  # the old one's work is not lost: it is retired, not cut
         backends.current().forget(id(old))  # from now on its fds may be reused: never cut them
         retire(old)
+
+    def stop_guarding(self, why: str) -> None:
+        """The runtime is done stepping (``why`` says so): no step's vote follows to redo what a
+        collective that could not run got wrong. From now on a communicator's failure reaches the
+        caller, as under torchrun (gloo's: NCCL's under rlaunch's settings does not raise in the
+        caller's wait), and a collective of a failed, paused (a replacement planned after the last
+        step's vote) or held group raises :class:`LostCollectiveError` instead of handing its caller
+        its own inputs: a final evaluation's sum would otherwise be this rank's alone, without a
+        word. A group the rank left in a drain still returns at once (its peers swapped it out)."""
+        with self._lock:
+            self.unguarded_since = why  # first: a collective on another thread meanwhile raises, never hands back
+            self.guarded = False
+
+    def _lost(self, name: str) -> LostCollectiveError:
+        if self.failed:
+            state = f"failed ({self.failed})"
+        elif self.held:
+            state = (
+                "is held for a replacement that never received its state (the loop ended inside a step the "
+                "recovery had just recovered, before the step's end, where the replacement is sent it)"
+            )
+        else:
+            state = "is paused for the replacement of a lost rank, planned after the last step's vote"
+        # inside a finally block while the loop unwinds on an error: that error is what to read first
+        stopping = sys.exc_info()[1]
+        after = f" The worker was already stopping on: {stopping}" if stopping is not None else ""
+        return LostCollectiveError(
+            f"A collective ({name}) on group {self.label} (rank {self.group_rank} of it) was issued after "
+            f"{self.unguarded_since}, but the group {state}; no step is left to redo it, so it is refused rather "
+            "than go on as if every member had taken part. The job restarts if --max-restarts allows: resume "
+            f"from the script's last checkpoint.{after}"
+        )
 
     @property
     def busy(self) -> bool:
@@ -362,12 +406,15 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         """A collective of a failed, paused, held or left group: it returns at once, un-issued, with the caller's
         inputs as they are (the step is rolled forward or redone; its results are not used, unless the
         caller is past the step's vote: see :attr:`own_results`, which a left group does not add to).
+        After the training loop ended it raises instead (see :meth:`stop_guarding`), but on a left group.
 
         One issued by torch's object collectives is served as a sandbox serves it (every rank's
         object is the caller's own, as if it were the source): they receive sizes and bytes that a
         peer writes, and a receiver left with unwritten buffers would read garbage (an EOFError,
         or an allocation of petabytes) before the step ever reached its recovery.
         """
+        if self.unguarded_since and not self.left:
+            raise self._lost(name)
         if not self.left and _counted(name):  # (a left group takes no lock: a signal handler may issue here)
             with self._lock:
                 self.own_results += 1
@@ -407,6 +454,8 @@ class SwitchableGroup(ProcessGroup):  # type: ignore[misc]
         communicator) fails the group as a failed collective does, and the step is recovered.
         """
         self.issued += 1
+        if self.unguarded_since and not self.left and (self.failed or self.paused or self.held):
+            raise self._lost("monitored_barrier")
         if self.failed or self.paused or self.left or self.held or self.sandboxed:
             return
         comm = self.comm

@@ -36,6 +36,8 @@ class GroupTable:
         self._timeout = timeout
         self._build = build
         self._groups: list[SwitchableGroup] = []
+        #: why no recovery follows any more ("" while steps run): see stop_guarding
+        self._unguarded = ""
 
     def __contains__(self, name: object) -> bool:
         return any(g.label == name for g in self._groups)
@@ -57,6 +59,16 @@ class GroupTable:
         if group.label in self:
             raise ValueError(f"A group named {group.label!r} already exists; give each group its own name.")
         self._groups.append(group)
+        if self._unguarded:
+            group.stop_guarding(self._unguarded)
+
+    def stop_guarding(self, why: str) -> None:
+        """The training loop ended (``why``): every group of this rank, and any made later (a final
+        evaluation's ``rt.new_group``), stops guarding its collectives (see
+        :meth:`SwitchableGroup.stop_guarding`)."""
+        self._unguarded = why
+        for group in self.mine():
+            group.stop_guarding(why)
 
     def rename(self, old: str, new: str) -> None:
         """(joiner) Group ``old`` now goes by ``new``, at the same place in the build order."""

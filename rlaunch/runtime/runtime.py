@@ -528,11 +528,13 @@ class Runtime:
         self._done_stepping()
 
     def _done_stepping(self) -> None:
-        """Take no more plans, and tell the agent that what follows (saving, teardown) is not a hang,
-        however long it takes."""
+        """Take no more plans, stop guarding the groups (a collective that cannot run from now on
+        raises: no vote is left to redo it), and tell the agent that what follows (saving, teardown)
+        is not a hang, however long it takes."""
         s = self._s
         if s.link is not None and not s.stopped.is_set():
             s.stopped.set()
+            s.groups.stop_guarding(f"rank {s.rank}'s training loop ended")
             verifier = self._voting.verifier
             s.link.call(
                 "done", rank=s.rank, steps=self._completed, step_s=self._median_step(), verify_s=verifier.spent_s,

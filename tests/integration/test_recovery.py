@@ -12,7 +12,7 @@ import re
 
 from psutil import Process as psutil_process
 
-from tests.cluster import AgentProc, Cluster, wait_for
+from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import FINAL, RESILIENT, _reference, warm
 
 ARGS = ("--steps", "200", "--step-time", "0.05")  # >= 10 s: the standby is warm before the job ends
@@ -94,3 +94,15 @@ def test_a_hung_worker_is_killed_by_its_agent_and_replaced_while_its_peer_waits(
     assert _finals(a, c) == _reference_run(), "the job must end as if uninterrupted"
     assert "event worker_hung" in b.output() and "sent no heartbeat" in b.output()
     assert "worker_hung" not in a.output() and _starts(a) == 1, "the survivor waited on its peer; it is not hung"
+
+
+def test_a_collective_after_the_loop_fails_as_under_torchrun_when_a_peer_died(cluster: Cluster) -> None:
+    """After ``rt.steps()`` no vote is left to redo a collective a fault hit: rank 0's final sum with a
+    rank that died must fail the worker (and the job, without restarts), not print its own value."""
+    a, b = cluster.agents_in_order(["a", "b"], SCRIPTS / "after_loop.py", flags=("--max-restarts", "0"))
+    assert a.wait(120) != 0, a.output()[-3000:]
+    b.wait(60)
+    out = a.output()
+    assert "rank 1 dies after the loop" in b.output()
+    assert "final metric summed over the ranks" not in out, "rank 0 went on with its own value as the sum"
+    assert any(s in out for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")), out[-3000:]

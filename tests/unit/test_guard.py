@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,3 +170,78 @@ def test_a_rank_that_left_in_a_drain_issues_no_collective_its_peers_would_never_
     assert flag == [5.0] and left == "rank 1 left the job at step 3"
     # Not a fault: a framework's teardown on the leaver (Lightning's after-vote check) must see none.
     assert failed == "" and own == 0
+
+
+def _after_the_loop(rank: int, port: int, results: Any) -> None:
+    """Rank 0's training loop has ended; then a replacement of rank 1 is planned (it came after the
+    last step's vote) and rank 1 dies. No vote is left to redo a collective that cannot run, so one
+    must fail in the caller's hands instead of giving it its own inputs, as torch does under torchrun;
+    a group made after the loop too. What each call did is reported, not asserted, in this process."""
+    from rlaunch.plans import ReplacePlan, Role
+    from rlaunch.runtime.grouptable import GroupTable
+    from rlaunch.runtime.rankstate import RankState
+    from rlaunch.runtime.recovery import Recovery
+    from rlaunch.runtime.snapshots import HostSnapshots
+    from rlaunch.runtime.vote import StepVote
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
+    world = SwitchableGroup("world", [0, 1], rank, backends.build(store, "g1/world/", rank, 2, TIMEOUT), 1)
+    both = torch.ones(2)
+    world.allreduce([both]).wait()  # the last step's gradients
+    if rank == 1:
+        return  # dies: its connections close
+    state = RankState(
+        rank=0, world_size=2, generation=1, standby=False, link=None, store=None, timeout=TIMEOUT,
+        groups=GroupTable(None, TIMEOUT), vote=StepVote(2),
+    )  # fmt: skip
+    state.groups.add(world)
+    solo = SwitchableGroup("solo", [0], 0, backends.build(store, "g1/solo/", 0, 1, TIMEOUT), 1)
+    state.groups.add(solo)
+    recovery = Recovery(
+        state, str, lambda p, a: ({}, ""), dict, lambda k: None, str, HostSnapshots(state, 0, 1, bool), str
+    )
+    state.groups.stop_guarding("rank 0's training loop ended")  # Runtime._done_stepping
+    evals = SwitchableGroup("evals", [0, 1], 0, world.comm, 1)  # made after the loop, on the same communicator
+    state.groups.add(evals)
+    time.sleep(1.0)  # rank 1 is gone
+
+    def outcome(call: Callable[[], Any]) -> str:
+        try:
+            call()
+        except RuntimeError as exc:  # torch's own error, or LostCollectiveError (a RuntimeError too)
+            return f"{type(exc).__name__}: {exc}"
+        return "returned"
+
+    loss = torch.full((1,), 3.0)
+    dead = outcome(lambda: evals.allreduce([loss]).wait())
+    recovery.on_replace(
+        ReplacePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2, sources={})
+    )
+    failed = outcome(lambda: world.allreduce([torch.ones(1)]).wait())
+    paused = outcome(lambda: solo.allreduce([torch.ones(1)]).wait())
+    barrier = outcome(lambda: solo.monitored_barrier(TIMEOUT))
+    solo.paused, solo.held = False, True
+    held = outcome(lambda: solo.allreduce([torch.ones(1)]).wait())
+    solo.held = False
+    healthy = outcome(lambda: solo.allreduce([torch.ones(1)]).wait())
+    world.left = "rank 0 left the job at step 3"
+    left = outcome(lambda: world.allreduce([torch.ones(1)]).wait())
+    results.put((both.tolist(), dead, loss.tolist(), failed, paused, barrier, held, healthy, left, world.own_results))
+
+
+def test_after_the_loop_a_collective_that_cannot_run_raises_instead_of_handing_back_own_values() -> None:
+    both, dead, loss, failed, paused, barrier, held, healthy, left, own = run_pair(_after_the_loop)
+    assert both == [2.0, 2.0], "guarded and working until the loop ended"
+    assert dead != "returned", f"a sum over a dead peer returned {loss} (this rank's own) instead of failing"
+    assert "LostCollectiveError" not in dead, "torch's own error, as under torchrun"
+    assert failed.startswith(
+        "LostCollectiveError: A collective (allreduce) on group world (rank 0 of it) was issued after rank 0's "
+        "training loop ended, but the group failed (ranks [1] are being replaced"
+    ), failed
+    assert "--max-restarts" in failed
+    assert "is paused for the replacement of a lost rank" in paused, paused
+    assert "A collective (monitored_barrier) on group solo" in barrier, barrier
+    assert "is held for a replacement that never received its state" in held, held
+    assert healthy == "returned", "a group with every member there works after the loop"
+    assert left == "returned", "a group the rank left in a drain returns at once, as before"
+    assert own == 0, "nothing was handed back as a result"
