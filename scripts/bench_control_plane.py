@@ -30,6 +30,8 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   ``fault_etcd_requests_per_node`` their sum over N-1. All the
   nodes share this one process (and the machine's cores with etcd and the controller), which
   bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs this process.
+  Python's garbage collector is paused over each fault's window, as an agent's does not run
+  during a move (see ``scripts.simnodes.pause_collector``: in one heap of N nodes it did).
   ``writes_deferred`` repeats the faults with the nodes' writes held from the fault until every
   node acted (their reads and watches pass), so that no node's writes delay another's receipt of
   the plan in this one process, as they do not when each agent has a machine of its own.
@@ -93,7 +95,7 @@ from rlaunch.store.records import Event, Generation, JobSpec, NodeRecord, NodeSt
 from rlaunch.waiting import wait_event  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 from scripts.fanout import fanout, one_node, watchers_main  # noqa: E402
-from scripts.simnodes import SIM_TTL, GatedWrites, SimNode  # noqa: E402
+from scripts.simnodes import SIM_TTL, GatedWrites, SimNode, pause_collector, resume_collector  # noqa: E402
 
 LEASE_TTL = 3
 QUIET_S = 6.0
@@ -296,6 +298,7 @@ async def simulated(
         number = gen.number + 1
         victim = next(x for x in live[n // 2 + r :] if x.node_id in gen.assignment)
         messages = await asyncio.to_thread(etcd_messages, endpoint)
+        pause_collector()  # as an agent's does not run during a move (see pause_collector)
         cpu = cpu_seconds(pids)
         if prof is not None:
             prof.enable()
@@ -318,6 +321,7 @@ async def simulated(
         if prof is not None:
             prof.disable()
         used = cpu_seconds(pids)
+        resume_collector()
         run["cpu_s"] = {k: round(used[k] - cpu[k], 2) for k in pids}
         seen = [x.seen[number] - fault_at for x in live if number in x.seen]
         published = [x.published[number] - fault_at for x in live if number in x.published]
