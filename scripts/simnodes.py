@@ -59,14 +59,14 @@ def pause_collector() -> None:
     """Collect once, then keep Python's garbage collector from running until :func:`resume_collector`
     (over a fault's window).
 
-    An agent's handling of a plan allocates about 220 more container objects than it frees (a window
-    at 4,096 nodes made 1,300 young collections of 700 each), fewer than one young collection's
-    threshold, and a full collection comes after 100 young ones: an agent's collector does not walk
-    its heap during a move. Here N nodes' objects share one heap, and the collector did, over all of
-    them: at 4,096 nodes the nodes used 21.7 CPU seconds and took 21.4 s to act in one window; with
-    the formed job's objects frozen out of its reach (:func:`gc.freeze`), 10.3 to 11.6 CPU seconds
-    and 10.8 to 11.6 s, the collector still taking 3.8 to 4.3 of them over the window's own objects;
-    with it paused, 6.5 to 7.2 and 6.4 to 7.0 s.
+    An agent's handling of a plan allocates about 200 more container objects than it frees (a window
+    at 4,096 nodes made 1,100 to 1,400 collections, each after 700 such allocations), fewer than one
+    young collection's threshold, and a full collection comes after 100 young ones: an agent's
+    collector does not walk its heap during a move. Here N nodes' objects share one heap, and the
+    collector did, over all of them: at 4,096 nodes the nodes used 21.7 CPU seconds and took 21.4 s
+    to act in one window; with the formed job's objects frozen out of its reach (:func:`gc.freeze`),
+    10.3 to 11.6 CPU seconds and 10.8 to 11.6 s, the collector still taking 3.8 to 4.3 of them over
+    the window's own objects; with it paused, 6.5 to 7.2 and 6.4 to 7.0 s.
     """
     gc.collect()
     gc.disable()
