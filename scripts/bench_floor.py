@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The floor of a drain's downtime on this machine: the same move with nothing but its own work.
 
-issue 17 asks a drain (DDP, warm standby) to cost at most the transfer bound plus a quarter step.
+issue 17 asks a drain (DDP and FSDP2, warm standby) to cost at most the transfer bound plus a quarter
+step.
 This measures what the move's unavoidable work costs here when nothing else is done: three
 processes of the benchmarks' model (``bench_train.make_model``: 25M parameters, AdamW, 1 thread
 each) in one gloo world, two active and one standby, every group built before training (what
@@ -12,10 +13,17 @@ and the standby, warmed by two steps of its own, takes the next step with the su
 a run each: ``survivor_computes``, the survivor goes straight on (its forward and backward run
 while the transfer does, as a survivor's do under rlaunch; on 2 shared cores they take CPU from
 the transfer); ``survivor_waits``, it starts its step once the joiner holds the state (a message
-from the joiner). The leaver becomes the standby for the next event. Gradients are averaged by one
-all-reduce of a flat buffer after the backward pass (no DDP: DDP's group cannot change under it
-without rlaunch's swap); steady steps are timed the same way, so the downtime is set against
-them.
+from the joiner). The leaver becomes the standby for the next event. Steady steps are timed the
+same way, so the downtime is set against them. Two layouts (``--layouts``, a JSON key each), both
+without torch's wrappers, whose groups cannot change under them without rlaunch's swap:
+
+- ``ddp``: every rank holds the whole model; gradients are averaged by one all-reduce of a flat
+  buffer after the backward pass;
+- ``fsdp``: the FSDP2 layout of ``bench_train.py --layout fsdp`` (its 8-output model), each
+  parameter's rows split in two (:class:`ShardedRank`): per layer, an all-gather of the halves
+  before the forward pass and a reduce-scatter of the gradient after the backward one, as FSDP2
+  runs them on gloo (without its prefetching, and without gathering again for the backward pass);
+  a move sends the leaver's halves and their AdamW state, half of DDP's bytes.
 
 Reported for each way (medians over the events, with their runs, least and most): ``downtime_s``,
 the time from the boundary (the end of the step before the event) to the end of the first step
@@ -29,8 +37,8 @@ the final parameters' digests are compared with that run's (the moves must not c
 floor moves the whole state before the joiner's first step; rlaunch's joiner starts once the
 parameters landed, while the optimizer state goes on landing. What this cannot show: a GPU's copy
 engines and NVLink, where the transfer would not share the cores with the steps. Prints one JSON
-object.
-Usage: scripts/bench_floor.py [--events 5] [--steady 12] [--every 6] [--width 2048]
+object, keyed by layout.
+Usage: scripts/bench_floor.py [--events 5] [--steady 12] [--every 6] [--width 2048] [--layouts ddp,fsdp]
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ from scripts.migration_figures import spread  # noqa: E402
 
 DEPTH, BATCH = 6, 64  # bench_train.py's defaults (its width: --width)
 WARM = 2  # a standby's own steps before it is needed (rlaunch's default sandbox is 3)
+#: the layouts it can move: DDP's replicas, or FSDP2's halves (:class:`ShardedRank`)
+LAYOUTS = ("ddp", "fsdp")
 #: the moved runs: whether the survivor waits for the transfer's end before its step
 VARIANTS = {"survivor_computes": False, "survivor_waits": True}
 
@@ -89,21 +99,75 @@ class Rank:
 
     def state(self) -> list[torch.Tensor]:
         """What a move sends: the parameters, then each one's AdamW step and moments (made by a step)."""
-        out = [p.data for p in self.params]
-        for p in self.params:
-            s = self.opt.state[p]
-            out += [s["step"], s["exp_avg"], s["exp_avg_sq"]]
-        return out
+        return moved_state(self.params, self.opt)
 
 
-def worker(rank: int, port: int, width: int, steps: int, events: list[int], waits: bool, out: str) -> None:
-    """Rank 0 is always active; the other active rank starts as 1, and the standby as 2. ``waits``: the
-    survivor starts its step after the joiner received the state (else at once)."""
+class ShardedRank:
+    """One process's half of the FSDP2 layout's model (``bench_train.py --layout fsdp``: the same
+    model with 8 outputs, each parameter's rows split in two), its AdamW and its steps, as FSDP2
+    runs them on gloo without FSDP: per layer, the full parameter is all-gathered from the two
+    halves before the forward pass and its gradient reduce-scattered back to the halves after the
+    backward one (FSDP2's communicators cannot change under it without rlaunch's swap)."""
+
+    def __init__(self, width: int, shard: int) -> None:
+        self.width = width
+        full = list(make_model(0, width, DEPTH, out=8).parameters())
+        self.shapes = [p.shape for p in full]
+        self.params = [p.detach().chunk(2)[shard].clone().requires_grad_() for p in full]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def step(self, step: int, data_rank: int, group: Any) -> None:
+        """One step on ``data_rank``'s batch over ``group`` (None, a standby alone: its own half stands
+        in for the other's, as in rlaunch's sandbox)."""
+        fulls = []
+        for half, shape in zip(self.params, self.shapes, strict=True):
+            if group is None:
+                full = torch.cat([half.detach()] * 2)
+            else:
+                full = torch.empty(shape)
+                dist.all_gather_into_tensor(full, half.detach(), group=group)
+            fulls.append(full.requires_grad_())
+        x, y = batch(0, step, data_rank, BATCH, self.width)
+        h = x
+        for i in range(0, len(fulls) - 2, 2):
+            h = torch.tanh(nn.functional.linear(h, fulls[i], fulls[i + 1]))
+        pred = nn.functional.linear(h, fulls[-2], fulls[-1])
+        loss = nn.functional.mse_loss(pred, y.expand_as(pred))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for half, full in zip(self.params, fulls, strict=True):
+            grad = torch.empty_like(half)
+            if group is None:
+                grad.copy_(full.grad.chunk(2)[0])  # type: ignore[union-attr]
+            else:
+                dist.reduce_scatter_tensor(grad, full.grad, group=group)
+            half.grad = grad.div_(2)
+        self.opt.step()
+
+    def state(self) -> list[torch.Tensor]:
+        """What a move sends: this rank's halves, then each one's AdamW step and moments."""
+        return moved_state(self.params, self.opt)
+
+
+def moved_state(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters, then each one's AdamW step and moments (made by a step)."""
+    out = [p.data for p in params]
+    for p in params:
+        s = opt.state[p]
+        out += [s["step"], s["exp_avg"], s["exp_avg_sq"]]
+    return out
+
+
+def worker(rank: int, port: int, layout: str, width: int, steps: int, events: list[int], waits: bool,
+           out: str) -> None:  # fmt: skip
+    """Rank 0 is always active; the other active rank starts as 1, and the standby as 2 (under FSDP2
+    both hold the second half). ``waits``: the survivor starts its step after the joiner received the
+    state (else at once)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     pairs = {frozenset(p): dist.new_group(list(p)) for p in ((0, 1), (0, 2), (1, 2))}
-    me = Rank(width)
+    me = Rank(width) if layout == "ddp" else ShardedRank(width, min(rank, 1))
     if rank == 2:  # the standby warms up on steps of its own (its optimizer's state then exists, for a receive)
         for s in range(WARM):
             me.step(s, rank, None)
@@ -144,16 +208,16 @@ def worker(rank: int, port: int, width: int, steps: int, events: list[int], wait
             me.step(step, 0 if rank == 0 else 1, pairs[frozenset((0, active))])
             record["steps"][step] = (began, time.time())
     if rank in (0, active):
-        record["digest"] = digest(me.params)
+        record["digest"] = [min(rank, 1), digest(me.params)]  # which rank's parameters, and their digest
     Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
-def run(width: int, steps: int, events: list[int], waits: bool, tmp: Path) -> list[dict[str, Any]]:
+def run(layout: str, width: int, steps: int, events: list[int], waits: bool, tmp: Path) -> list[dict[str, Any]]:
     """The three processes' records of one run (``waits``: see :func:`worker`)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    outs = [tmp / f"rank{r}-{len(events)}-{waits}.json" for r in range(3)]
+    outs = [tmp / f"{layout}-rank{r}-{len(events)}-{waits}.json" for r in range(3)]
     procs = [
         subprocess.Popen(
             [
@@ -163,6 +227,8 @@ def run(width: int, steps: int, events: list[int], waits: bool, tmp: Path) -> li
                 str(r),
                 "--port",
                 str(port),
+                "--layout",
+                layout,
                 "--width",
                 str(width),
                 "--steps",
@@ -231,8 +297,9 @@ def report(steady: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]], 
         out[name] = events_report(moved, events)
     out["floor_s"] = min(out[name]["downtime_s"]["median"] for name in runs)
     out["target_below_floor"] = out["bound_plus_quarter_step_s"] < out["floor_s"]
-    digests = {r.get("digest") for moved in (steady, *runs.values()) for r in moved} - {None}
-    out["bit_identical_to_no_event"] = len(digests) == 1
+    # one digest for each rank's parameters over every run (under DDP both ranks' are the same)
+    digests = {tuple(r["digest"]) for moved in (steady, *runs.values()) for r in moved if "digest" in r}
+    out["bit_identical_to_no_event"] = len(digests) == len({rank for rank, _ in digests})
     return out
 
 
@@ -242,7 +309,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=6, help="steps between events")
     ap.add_argument("--steady", type=int, default=12, help="steps before the first event")
     ap.add_argument("--width", type=int, default=2048, help="the model's width (bench_train.py's default)")
+    ap.add_argument("--layouts", default="ddp,fsdp", help="comma-separated: ddp, fsdp (FSDP2's halves) or both")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="ddp", choices=LAYOUTS, help=argparse.SUPPRESS)
     ap.add_argument("--survivor-waits", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -251,17 +320,23 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         at = [int(s) for s in args.at.split(",") if s]
-        worker(args.worker, args.port, args.width, args.steps, at, args.survivor_waits, args.out)
+        worker(args.worker, args.port, args.layout, args.width, args.steps, at, args.survivor_waits, args.out)
         return
     if args.events < 1 or args.every < 2 or args.steady < 4:
         ap.error("--events must be at least 1, --every at least 2 and --steady at least 4.")
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or any(x not in LAYOUTS for x in layouts):
+        ap.error(f"--layouts {args.layouts!r} must name ddp, fsdp or both, separated by commas.")
     end_on_sigterm()
     events = [args.steady + i * args.every for i in range(args.events)]
     steps = events[-1] + args.every
+    out = {}
     with tempfile.TemporaryDirectory(prefix="rlaunch-floor-") as tmp:
-        steady = run(args.width, steps, [], False, Path(tmp))
-        runs = {name: run(args.width, steps, events, waits, Path(tmp)) for name, waits in VARIANTS.items()}
-    print(json.dumps({"ddp": report(steady, runs, events)}, indent=1))
+        for layout in layouts:
+            steady = run(layout, args.width, steps, [], False, Path(tmp))
+            runs = {name: run(layout, args.width, steps, events, waits, Path(tmp)) for name, waits in VARIANTS.items()}
+            out[layout] = report(steady, runs, events)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

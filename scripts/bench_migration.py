@@ -16,9 +16,12 @@ the JSON's top level, and FSDP2 sharding the same model over both ranks, under
            a new node set (c10d rendezvous), resuming from the checkpoint (see run_torchrun);
   (c)      as (a), onto standbys with warm-up turned off (--sandbox-steps 0); then a fresh
            process's first steps, part by part (scripts/bench_warmup.py: ``warm_vs_cold``);
-  floor    DDP only: the same move with nothing but its own work, no rlaunch (scripts/bench_floor.py:
-           ``floor``, with ``target_below_floor``: whether issue 17's target is below what this
-           machine can do at all).
+  (d)      a layout with no replica (FSDP2) only: as (a), with host snapshots turned off
+           (RLAUNCH_SNAPSHOT_EVERY=0): what the snapshot every rank takes after a move, to be
+           covered again, costs the drain (``post_move_snapshot``);
+  floor    the same move with nothing but its own work, no rlaunch (scripts/bench_floor.py, the
+           layout's key: ``floor``, with ``target_below_floor``: whether issue 17's target is below
+           what this machine can do at all).
 A drain's downtime (``rlaunch_downtime_s``) is read on rank 0's timeline around its switch
 (scripts/drain_windows.py): the excess over the job's steady period of the periods from the one
 in which the plan was seen to two after the switch's. A torchrun restart's is the wall time of
@@ -448,9 +451,9 @@ def script_json(name: str, *args: str, timeout: float) -> dict[str, Any]:
     return found
 
 
-def floor_of_a_move() -> dict[str, Any]:
-    """scripts/bench_floor.py's JSON: what the DDP layout's move costs here with nothing but its own work."""
-    found: dict[str, Any] = script_json("bench_floor.py", timeout=900)["ddp"]
+def floor_of_a_move(layout: str) -> dict[str, Any]:
+    """scripts/bench_floor.py's JSON: what ``layout``'s move costs here with nothing but its own work."""
+    found: dict[str, Any] = script_json("bench_floor.py", "--layouts", layout, timeout=900)[layout]
     return found
 
 
@@ -499,6 +502,18 @@ def event_downtimes(result: dict[str, Any]) -> tuple[list[float], list[int], flo
     median = median_step(rows)
     found = [downtime(rows, e["t_event"], median) for e in result["events"]]
     return [d for d, _ in found], [s for _, s in found], median
+
+
+def post_move_snapshot(warm: dict[str, Any], bare: dict[str, Any], identical: bool) -> dict[str, Any]:
+    """The drains of (d), without host snapshots, against (a)'s: each figure's median over the drains
+    with snapshots less the one without (``cost_s``), around the event and as the ranks measured it."""
+    down, period = drain_downtimes(bare)
+    keys = ("bench_s", "downtime_s", "first_step_s", "bench_before_s", "bench_switch_s", "bench_after_s")
+    out: dict[str, Any] = {"median_step_s": round(period, 4), "bit_identical": identical}
+    with_spread(out, "rlaunch_downtime_s", down)
+    out["phases"] = {k: bare[k] for k in keys if bare.get(k) is not None}
+    out["cost_s"] = {k: round(warm[k] - bare[k], 4) for k in keys if warm.get(k) is not None and k in out["phases"]}
+    return out
 
 
 def joiner_first_steps(result: dict[str, Any], median: float) -> list[float]:
@@ -645,12 +660,15 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
     tr = run_torchrun(root, f"{layout}-torchrun-restart", args.steps, events, train_args)
     log(f"{layout}: (c) rlaunch: {len(events)} drains onto cold standbys (--sandbox-steps 0)")
     cold = run_rlaunch(root, etcd, f"{layout}-rlaunch-cold", args.steps, events, 0, train_args)
+    bare = None
+    if agent_events(warm["work"], "snapshot_committed"):  # a layout with no replica: every move is followed by one
+        log(f"{layout}: (d) rlaunch: {len(events)} drains onto warm standbys, host snapshots off")
+        bare = run_rlaunch(root, etcd, f"{layout}-rlaunch-no-snapshots", args.steps, events, 3, train_args,
+                           {**ENV, "RLAUNCH_SNAPSHOT_EVERY": "0"})  # fmt: skip
     log(f"{layout}: what the first steps of a fresh process pay here, part by part (scripts/bench_warmup.py)")
     warmup = fresh_process_steps(layout)
-    floor = None
-    if layout == "ddp":
-        log(f"{layout}: the same move with nothing but its own work (scripts/bench_floor.py)")
-        floor = floor_of_a_move()
+    log(f"{layout}: the same move with nothing but its own work (scripts/bench_floor.py)")
+    floor = floor_of_a_move(layout)
 
     median_rl = statistics.median(
         median_step(read_timeline(r["timeline"] / f"rank{k}.txt")) for r in steady_rl for k in (0, 1)
@@ -716,8 +734,9 @@ def measure_layout(root: Path, etcd: str, layout: str, train_args: tuple[str, ..
         "phases_cold": phases_cold,
         "warm_vs_cold": migration_figures.warm_vs_cold(phases_warm, phases_cold, warmup, layout),
     })  # fmt: skip
-    if floor is not None:
-        out["floor"] = floor
+    out["floor"] = floor
+    if bare is not None:
+        out["post_move_snapshot"] = post_move_snapshot(phases_warm, phase_report(bare), same(bare))
     out["targets"] = {
         "ratio_ge_10": out["ratio_torchrun_over_rlaunch"] >= 10,
         "downtime_le_2x_lower_bound_plus_step": out["rlaunch_downtime_s"] <= 2 * lower + med_warm,
