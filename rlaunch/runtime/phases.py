@@ -16,7 +16,11 @@ its groups before its transfer, the others after the boundary):
   its first step while the rest lands (see :class:`rlaunch.runtime.transfer.Landing`);
 - ``verified`` (joiner): every digest compared with the sender's, before its first vote;
 - ``groups_swapped``: the rank's groups hold the new communicators (survivors and joiner);
-- ``first_step_start``, ``first_step_end``: the rank's first step in the new generation.
+- ``first_step_start``, ``first_step_end``: the rank's first step in the new generation;
+- ``snapshot_taken`` (a layout with no replica: survivors and joiner): the host snapshot that
+  covers the new generation against faults was copied, at the first step's start (a joiner's
+  optimizer state must have landed first); its exchange with the buddy then runs beside the
+  steps (:mod:`rlaunch.runtime.snapshots`).
 
 :func:`breakdown` turns every rank's report of one move into the event's phases, in seconds.
 Phase 1 and the wait for the vote run while training goes on; the downtime is what lies between
@@ -48,6 +52,7 @@ class Phase(str, enum.Enum):
     VERIFIED = "verified"
     GROUPS_SWAPPED = "groups_swapped"
     FIRST_STEP_START = "first_step_start"
+    SNAPSHOT_TAKEN = "snapshot_taken"
     FIRST_STEP_END = "first_step_end"
 
 
@@ -102,8 +107,10 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     leaver's first byte to the last joiner's parameters landed: the part of the transfer the
     first step waits for), ``verified_s`` (to the last joiner's digests compared), ``swap_s`` (to the last
     rank's groups swapped), ``to_first_step_s`` (to the last rank's first step start),
-    ``first_step_s`` (the longest first step), ``switch_to_trained_s`` (to the last rank's first
-    step end) and ``downtime_s``, that less one ``median_step``. A phase no rank reported is None.
+    ``snapshot_s`` (the longest wait, inside a first step, from its start to the post-move host
+    snapshot copied: a joiner's landing and the copy), ``first_step_s`` (the longest first step),
+    ``switch_to_trained_s`` (to the last rank's first step end) and ``downtime_s``, that less one
+    ``median_step``. A phase no rank reported is None.
     ``boundary_at`` and ``trained_at`` are the two ends of the switch on the wall clock.
     """
     reports = list(reports)
@@ -116,11 +123,12 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     sent_from = _at(reports, Phase.TRANSFER_START, ("leaver",))
     landed = _at(reports, Phase.TRANSFER_END, ("joiner",))
     starts, ends = _at(reports, Phase.FIRST_STEP_START), _at(reports, Phase.FIRST_STEP_END)
-    firsts = [
-        r["marks"][Phase.FIRST_STEP_END.value] - r["marks"][Phase.FIRST_STEP_START.value]
-        for r in reports
-        if Phase.FIRST_STEP_END.value in r["marks"] and Phase.FIRST_STEP_START.value in r["marks"]
-    ]
+
+    def longest(start: Phase, end: Phase) -> float | None:
+        each = [r["marks"][end.value] - r["marks"][start.value] for r in reports
+                if start.value in r["marks"] and end.value in r["marks"]]  # fmt: skip
+        return round(max(each), 4) if each else None
+
     moved = max((int(r.get("bytes", 0)) for r in reports), default=0)
     transfer = span(sent_from, landed)
     trained = span(boundary, ends)
@@ -135,7 +143,8 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
         "verified_s": span(boundary, _at(reports, Phase.VERIFIED, ("joiner",))),
         "swap_s": span(boundary, _at(reports, Phase.GROUPS_SWAPPED, ("survivor",))),
         "to_first_step_s": span(boundary, starts),
-        "first_step_s": round(max(firsts), 4) if firsts else None,
+        "snapshot_s": longest(Phase.FIRST_STEP_START, Phase.SNAPSHOT_TAKEN),
+        "first_step_s": longest(Phase.FIRST_STEP_START, Phase.FIRST_STEP_END),
         "switch_to_trained_s": trained,
         "downtime_s": round(max(0.0, trained - median_step), 4) if trained is not None else None,
         "boundary_at": min(boundary) if boundary else None,

@@ -548,7 +548,9 @@ class Runtime:
             self._s.after_move.mark(Phase.FIRST_STEP_START)
         if self._host.due(step):  # before anything of the step draws from the generators
             self._joining.land()  # a snapshot copies the optimizer state: all of it
-            self._host.take(step)
+            taken = self._host.take(step)
+            if taken and self._s.after_move is not None:  # a move's first step takes one (HostSnapshots.due)
+                self._s.after_move.mark(Phase.SNAPSHOT_TAKEN)
         if self._s.seed is not None:
             self._reseed(step)
         self._s.start = self._snapshots.take(step, self._s.tracked)

@@ -298,8 +298,9 @@ class HostSnapshots:
             self._costs.append(cost)
             self.last["cost_s"] = cost
 
-    def take(self, step: int) -> None:
-        """(main thread, at ``step``'s start) Copy this rank's state, then exchange copies in the background."""
+    def take(self, step: int) -> bool:
+        """(main thread, at ``step``'s start) Copy this rank's state, then exchange copies in the
+        background; False: the previous exchange still runs, and this step takes none."""
         s = self._s
         began = time.perf_counter()
         moved = self._gen != s.generation
@@ -313,7 +314,7 @@ class HostSnapshots:
                 s.rank, s.generation, step,
             )  # fmt: skip
             self.pending, self._gen, self._measured = step, s.generation, False
-            return
+            return False
         state = rng.capture()
         self.own = hostcopy.capture(s.tracked, step, state, self.own)
         rng.restore(state)
@@ -324,6 +325,7 @@ class HostSnapshots:
             target=self._exchange, args=(self.own, s.generation), name="rlaunch-snapshot", daemon=True
         )
         self._thread.start()
+        return True
 
     def _exchange(self, own: HostCopy, gen: int) -> None:
         """(snapshot thread) Send this rank's copy to its buddy and receive its source's copy."""

@@ -17,6 +17,7 @@ gives a joiner at least one rank whose shapes differ from rank 0's.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -120,6 +121,14 @@ def test_fsdp_drain_is_live_and_a_loss_without_replica_rolls_back_live_to_host_s
     assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), "each buddy serves its lost rank"
     assert "event joined" in d.output() and "no live move" not in c.output() + d.output()
     assert "Traceback" not in c.output() + d.output()
+    # the drain's survivors and joiners copied the snapshot that covers the new generation inside their first step
+    res = cluster.cli("events", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, "--json")
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    marks = [ev["data"]["marks"] for ev in events if ev["kind"] == "move_phases" and ev["data"]["role"] != "leaver"]
+    taken = [m for m in marks if "snapshot_taken" in m]
+    assert taken, marks
+    assert all(m["first_step_start"] <= m["snapshot_taken"] <= m["first_step_end"] for m in taken), taken
 
 
 def test_fsdp_over_two_ranks_loses_a_node_and_rolls_back_live(cluster: Cluster) -> None:

@@ -28,9 +28,23 @@ def test_the_breakdown_times_each_phase_from_the_earliest_boundary() -> None:
     assert got == {
         "prepare_s": 0.1, "vote_wait_s": 0.9, "to_transfer_s": 0.01, "transfer_s": 0.22,
         "transfer_bytes": 400_000_000, "transfer_gbps": 1.818, "params_s": 0.07, "verified_s": 0.5, "swap_s": 0.02,
-        "to_first_step_s": 0.09, "first_step_s": 0.7, "switch_to_trained_s": 0.74, "downtime_s": 0.24,
+        "to_first_step_s": 0.09, "snapshot_s": None, "first_step_s": 0.7, "switch_to_trained_s": 0.74,
+        "downtime_s": 0.24,
         "boundary_at": t + 1.0, "trained_at": t + 1.74,
     }  # fmt: skip
+
+
+def test_the_snapshot_after_a_move_is_the_longest_wait_for_it_inside_a_first_step() -> None:
+    """A layout with no replica: each rank copies the snapshot that covers the new generation at its
+    first step's start, the joiner once its optimizer state landed."""
+    reports = [
+        _report("survivor", 0, boundary=5.0, groups_swapped=5.01, first_step_start=5.01, snapshot_taken=5.04,
+                first_step_end=5.9),
+        _report("joiner", 1, params_landed=5.1, first_step_start=5.1, transfer_end=5.15, verified=5.2,
+                snapshot_taken=5.22, first_step_end=5.95),
+    ]  # fmt: skip
+    got = breakdown(reports, median_step=0.6)
+    assert got["snapshot_s"] == 0.12 and got["first_step_s"] == 0.89 and got["downtime_s"] == 0.35
 
 
 def test_a_phase_no_rank_reported_is_none_and_downtime_is_never_negative() -> None:
