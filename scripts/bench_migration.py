@@ -506,10 +506,12 @@ def event_downtimes(result: dict[str, Any]) -> tuple[list[float], list[int], flo
 
 def post_move_snapshot(warm: dict[str, Any], bare: dict[str, Any], identical: bool) -> dict[str, Any]:
     """The drains of (d), without host snapshots, against (a)'s: each figure's median over the drains
-    with snapshots less the one without (``cost_s``), around the event and as the ranks measured it."""
+    with snapshots less the one without (``cost_s``), around the event and as the ranks measured it,
+    beside the part of it the ranks wait for inside their first step (``snapshot_s``, of (a))."""
     down, period = drain_downtimes(bare)
     keys = ("bench_s", "downtime_s", "first_step_s", "bench_before_s", "bench_switch_s", "bench_after_s")
-    out: dict[str, Any] = {"median_step_s": round(period, 4), "bit_identical": identical}
+    out: dict[str, Any] = {"median_step_s": round(period, 4), "bit_identical": identical,
+                           "snapshot_s": warm.get("snapshot_s")}  # fmt: skip
     with_spread(out, "rlaunch_downtime_s", down)
     out["phases"] = {k: bare[k] for k in keys if bare.get(k) is not None}
     out["cost_s"] = {k: round(warm[k] - bare[k], 4) for k in keys if warm.get(k) is not None and k in out["phases"]}

@@ -3,7 +3,8 @@
 The runtime times a move from its boundary to the last rank's first step end, less a median step
 (``rlaunch.runtime.phases.breakdown``). Work outside that span can still cost the job time: phase
 1 builds communicators while training goes on, agents and the controller run beside the workers,
-the leaver's process ends and a post-move host snapshot is taken after it. So the benchmark reads
+the leaver's process ends after it, and a layout with no replica exchanges the host snapshot its
+ranks copied at their first step (``snapshot_taken``) beside the steps that follow. So the benchmark reads
 the downtime from rank 0's timeline (rank 0 survives every drain of the benchmark), period by
 period (a period: from one step's end to the next one's, whatever the runtime did between them):
 
@@ -27,7 +28,7 @@ from typing import Any
 
 from rlaunch.runtime.phases import breakdown
 
-#: periods after the switch's that a window holds (the leaver's exit, a post-move snapshot)
+#: periods after the switch's that a window holds (the leaver's exit, a post-move snapshot's exchange)
 AFTER = 2
 #: the job's first periods, left out of the steady one (start-up)
 WARMUP = 3

@@ -19,8 +19,9 @@ its groups before its transfer, the others after the boundary):
 - ``first_step_start``, ``first_step_end``: the rank's first step in the new generation;
 - ``snapshot_taken`` (a layout with no replica: survivors and joiner): the host snapshot that
   covers the new generation against faults was copied, at the first step's start (a joiner's
-  optimizer state must have landed first); its exchange with the buddy then runs beside the
-  steps (:mod:`rlaunch.runtime.snapshots`).
+  optimizer state must have landed first, and a survivor waits up to a second for its previous
+  snapshot's exchange; if that still runs, the step takes none and this is not marked); its
+  exchange with the buddy then runs beside the steps (:mod:`rlaunch.runtime.snapshots`).
 
 :func:`breakdown` turns every rank's report of one move into the event's phases, in seconds.
 Phase 1 and the wait for the vote run while training goes on; the downtime is what lies between
@@ -108,7 +109,8 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     first step waits for), ``verified_s`` (to the last joiner's digests compared), ``swap_s`` (to the last
     rank's groups swapped), ``to_first_step_s`` (to the last rank's first step start),
     ``snapshot_s`` (the longest wait, inside a first step, from its start to the post-move host
-    snapshot copied: a joiner's landing and the copy), ``first_step_s`` (the longest first step),
+    snapshot copied: a joiner's landing, a survivor's previous exchange, the copy; not its exchange,
+    which runs beside the steps), ``first_step_s`` (the longest first step),
     ``switch_to_trained_s`` (to the last rank's first step end) and ``downtime_s``, that less one
     ``median_step``. A phase no rank reported is None.
     ``boundary_at`` and ``trained_at`` are the two ends of the switch on the wall clock.

@@ -231,6 +231,21 @@ def _vote(*keepers: snapshots.HostSnapshots) -> list[float]:
     return summed
 
 
+def test_a_step_whose_previous_exchange_still_runs_takes_no_snapshot_and_says_so() -> None:
+    """take() returns False (so a move's first step marks no snapshot) and its vote holds nothing of this step."""
+    keeper = _keeper(0, 40, 40)
+    keeper._gen = 1  # this generation took one already: no wait for the exchange
+    release = threading.Event()
+    keeper._thread = threading.Thread(target=release.wait, daemon=True)
+    keeper._thread.start()
+    try:
+        assert keeper.take(60) is False
+        assert keeper.pending == 60 and keeper.own is not None and keeper.own.step == 40 and not keeper.holds()
+    finally:
+        release.set()
+        keeper._thread.join()
+
+
 def test_a_snapshot_commits_only_when_every_rank_holds_the_same_one() -> None:
     a, b = _keeper(0, 40, 40), _keeper(1, None, 40)  # rank 1's copy of rank 0 has not landed
     _vote(a, b)
