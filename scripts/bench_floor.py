@@ -302,7 +302,7 @@ def report(layout: str, steady: list[dict[str, Any]], runs: dict[str, list[dict[
     out["target_below_floor"] = out["bound_plus_quarter_step_s"] < out["floor_s"]
     # one digest for each rank's parameters over every run; under DDP, one for both ranks
     digests = {tuple(r["digest"]) for moved in (steady, *runs.values()) for r in moved if "digest" in r}
-    alike = len({d for _, d in digests}) == 1 if layout == "ddp" else True
+    alike = layout != "ddp" or len({d for _, d in digests}) == 1
     out["bit_identical_to_no_event"] = alike and len(digests) == len({rank for rank, _ in digests})
     return out
 
