@@ -320,6 +320,22 @@ def test_a_head_carries_the_change_of_the_rank_map_not_the_map() -> None:
     assert head.follow(wrong) is None
 
 
+def test_a_long_chain_of_replacements_rebuilds_each_map_and_leaves_the_held_one_as_it_was() -> None:
+    """Each move takes one node and gives its rank to another: the maps rebuilt from the one held
+    (copied with its holes) stay equal to the planned ones, and the one held is never changed."""
+    held = generation(number=1, assignment={f"n{i}": i for i in range(64)})
+    for number in range(2, 300):
+        leaver = next(n for n, r in held.assignment.items() if r == number % 64)
+        planned = {n: r for n, r in held.assignment.items() if n != leaver} | {f"j{number}": number % 64}
+        after = generation(number=number, assignment=planned, kind="replace", leavers=[leaver],
+                           joiners=[f"j{number}"])  # fmt: skip
+        before = dict(held.assignment)
+        rebuilt = after.head(held).follow(held)
+        assert rebuilt == after, f"generation {number} rebuilt from {number - 1}"
+        assert held.assignment == before and rebuilt is not None and rebuilt.assignment is not held.assignment
+        held = rebuilt
+
+
 def test_a_first_head_gives_the_whole_map_and_one_written_again_changes_nothing() -> None:
     first = generation(number=1)
     head = first.head(None)
