@@ -47,6 +47,15 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   the one node's ``write_to_acted_s`` median (which counts one watcher's delivery a second time);
   ``target_met`` compares it with the target. The watchers share this machine's cores with etcd,
   so the fan-out, and the floor, are bounds from above.
+- ``simulation_floor`` (simulated sizes): what the simulated nodes' one process costs with no
+  rlaunch code on the nodes' side (scripts/fanout.py's ``one_process``): N-1 bare watchers in the
+  benchmark's process, on the simulated nodes' connections, take a write of the key they watch and
+  either only note it (``receipt``) or then make the two etcd requests a simulated node makes at a
+  move (``writes``: its record with events, then one event). ``all_acted_s`` is the median write
+  to last receipt with the writes, the simulation's floor of ``fault_to_all_acted_s`` less the
+  plan; ``all_acted_s_writes_deferred`` the same with no writes, the floor of ``writes_deferred``;
+  ``target_met`` and ``target_met_writes_deferred`` compare them with the target. Where a floor
+  is above the target, no agent code meets that target in this simulation on this machine.
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
@@ -94,7 +103,7 @@ from rlaunch.store.keys import JobKeys  # noqa: E402
 from rlaunch.store.records import Event, Generation, JobSpec, NodeRecord, NodeState, decode, encode  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
-from scripts.fanout import fanout, one_node, watchers_main  # noqa: E402
+from scripts.fanout import fanout, one_node, one_process, watchers_main  # noqa: E402
 from scripts.simnodes import SIM_TTL, GatedWrites, SimNode, pause_collector, resume_collector  # noqa: E402
 
 LEASE_TTL = 3
@@ -274,6 +283,7 @@ async def simulated(
     parts of the floor (see scripts/fanout.py), before anything else of this size runs."""
     spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
     alone = await one_node(endpoint, n, repeats)
+    shared = await one_process(endpoint, n - 1, repeats, per_connection)
     keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
     eps = parse_endpoints(endpoint)
     channels = [Store(eps, timeout=30) for _ in range(max(1, n // per_connection))]
@@ -393,6 +403,7 @@ async def simulated(
     }
     floor = None if None in parts.values() else round(sum(parts.values()), 3)
     met = [f["fault_to_all_acted_s"]["median"] for f in (inline, deferred_runs)]
+    shared_floor = [summary(shared[mode]["write_to_last_s"])["median"] for mode in ("writes", "receipt")]
     result = {
         "n": n, "kind": "simulated", "repeats": repeats, "form_s": round(form_s, 3), **inline,
         "writes_deferred": deferred_runs, "target_all_acted_s": target,
@@ -409,6 +420,12 @@ async def simulated(
                        "write_to_last_s": summary(spread["write_to_last_s"])},
             "one_node": {**alone, "write_to_acted_s": summary(alone["write_to_acted_s"], 5),
                          "saw_to_acted_s": summary(alone["saw_to_acted_s"], 5)},
+        },
+        "simulation_floor": {
+            "all_acted_s": shared_floor[0], "target_met": shared_floor[0] is not None and shared_floor[0] <= target,
+            "all_acted_s_writes_deferred": shared_floor[1],
+            "target_met_writes_deferred": shared_floor[1] is not None and shared_floor[1] <= target,
+            **{mode: {k: summary(v) for k, v in shared[mode].items()} for mode in ("receipt", "writes")},
         },
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
         "steady_methods": methods, "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,

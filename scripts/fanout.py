@@ -37,10 +37,14 @@ from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation, GenerationStatus
 from scripts.ending import die_with_parent
-from scripts.simnodes import SimNode
+from scripts.simnodes import SimNode, pause_collector, resume_collector
 
 #: Bytes of the value each fan-out round writes: about a generation head's at 4,096 nodes (374).
 VALUE_BYTES = 400
+#: Bytes of a simulated node's record and of one of its events, as :func:`one_process` writes them
+#: (a ``running`` record encodes to 424, a ``migration_offered`` event to 171).
+RECORD_BYTES = 430
+EVENT_BYTES = 180
 #: How long a round may take before the measurement gives up on it.
 ROUND_TIMEOUT_S = 120.0
 
@@ -149,6 +153,86 @@ async def fanout(endpoint: str, n: int, procs: int, repeats: int, per_connection
         await store.delete(key)
         store.timeout = 1.0
         await store.close()
+
+
+async def one_process(endpoint: str, n: int, repeats: int, per_connection: int = 32) -> dict[str, Any]:
+    """What ``n`` nodes sharing this one process cost with no rlaunch code on their side.
+
+    ``n`` bare watchers of one key here, on as many connections as the simulated nodes use. Each
+    round writes the key ``repeats`` times in each of two ways: ``receipt``, the watchers only note
+    the value's arrival; ``writes``, each then makes the two etcd requests a simulated node makes
+    at a live move, one after the other (its record with its events in one transaction, then one
+    more event: ``RECORD_BYTES`` and ``EVENT_BYTES`` each, under one lease). Timed from just before
+    the write to the last receipt (``write_to_last_s``; in ``writes``, receipts share the process
+    with the requests of those that received earlier, as a node's acting shares it with the others'
+    writes) and to the last request done (``write_to_last_written_s``); ``cpu_s``, this process's
+    CPU time over the round. Python's collector is paused over each round, as over a fault's.
+    """
+    eps = parse_endpoints(endpoint)
+    keys = JobKeys(f"bench-process-{uuid.uuid4().hex[:6]}")
+    stores = [Store(eps, timeout=30) for _ in range(max(1, n // per_connection))]
+    main = Store(eps, timeout=30)
+    lease = await main.grant_lease(600)
+    record, event = b"r" * RECORD_BYTES, b"e" * EVENT_BYTES
+    received: dict[int, list[float]] = {}
+    written: dict[int, list[float]] = {}
+    writing = False
+
+    async def watch(i: int, store: Store) -> None:
+        node = f"p{i:05d}"
+        async for ev in store.watch_prefix(keys.generation, exact=True):
+            number = int(ev.value.split(b":", 1)[0])
+            received.setdefault(number, []).append(time.monotonic())
+            if writing:
+                await store.put_each([(keys.node(node), record, lease), (keys.event(2 * number, node), event, lease)])
+                await store.put_each([(keys.event(2 * number + 1, node), event, lease)])
+                written.setdefault(number, []).append(time.monotonic())
+
+    tasks = [asyncio.create_task(watch(i, stores[i % len(stores)])) for i in range(n)]
+    number = 0
+
+    async def write_round(timeout: float) -> dict[str, Any]:
+        nonlocal number
+        number += 1
+        pause_collector()
+        began, cpu = time.monotonic(), time.process_time()
+        await main.put(keys.generation, f"{number}:".encode().ljust(VALUE_BYTES, b"x"))
+        try:
+            await _until(lambda: len(received.get(number, ())) == n, timeout, f"round {number}'s receipt")
+            if writing:
+                await _until(lambda: len(written.get(number, ())) == n, timeout, f"round {number}'s writes")
+        except RuntimeError:
+            return {"write_to_last_s": None, "cpu_s": None} | ({"write_to_last_written_s": None} if writing else {})
+        finally:
+            resume_collector()
+        times = {"write_to_last_s": round(max(received[number]) - began, 4)}
+        if writing:
+            times["write_to_last_written_s"] = round(max(written[number]) - began, 4)
+        return {**times, "cpu_s": round(time.process_time() - cpu, 3)}
+
+    try:
+        deadline = time.monotonic() + 600  # the watches open in their own time: until all took one round
+        while (await write_round(2.0))["write_to_last_s"] is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n} bare watchers in one process were not all watching within 600 s.")
+        out: dict[str, Any] = {"watchers": n}
+        for mode in ("receipt", "writes"):
+            writing = mode == "writes"
+            rounds = []
+            for _ in range(repeats):
+                await asyncio.sleep(1.0)
+                rounds.append(await write_round(ROUND_TIMEOUT_S))
+            out[mode] = {name: [r[name] for r in rounds] for name in rounds[0]}
+        return out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await main.revoke_lease(lease)
+        await main.delete_prefix(keys.prefix)
+        for store in (main, *stores):
+            store.timeout = 1.0
+        await asyncio.gather(*(store.close() for store in (main, *stores)), return_exceptions=True)
 
 
 async def _until(pred: Any, timeout: float, what: str) -> None:
