@@ -211,8 +211,7 @@ class SimNode:
             if decision.need is None or gen is None:
                 return
             if decision.need is st.Need.RUNTIME and uses_runtime is None:
-                self.watch.nodes_changed = False
-                snap = await read_snapshot(self.store, self.keys)
+                snap = await self.watch.read_changed_nodes(lambda: read_snapshot(self.store, self.keys))
                 uses_runtime = any(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
             else:
                 raise st.IllegalTransition(f"The decision needed {decision.need.value} again after it was read.")

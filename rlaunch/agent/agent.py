@@ -269,8 +269,8 @@ class Agent:
                 return code
             assert gen is not None
             if decision.need is st.Need.RUNTIME and uses_runtime is None:
-                self.watch.nodes_changed = False  # re-read node records only when the watch saw them change
-                snap = await read_snapshot(self.store, self.keys)
+                # (re-read only when the watch saw node records change)
+                snap = await self.watch.read_changed_nodes(lambda: read_snapshot(self.store, self.keys))
                 uses_runtime = any(snap.nodes[n].record.runtime for n in gen.assignment if n in snap.nodes)
             else:
                 raise st.IllegalTransition(f"The decision needed {decision.need.value} again after it was read.")

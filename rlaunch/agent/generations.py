@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from rlaunch.errors import RecordError, StoreError
 from rlaunch.store import generations
@@ -26,6 +27,8 @@ from rlaunch.store.records import Generation
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How long a failed watch waits before it reads and watches again.
 RETRY_S = 1.0
@@ -92,6 +95,20 @@ class GenerationWatch:
                         self._node_id, exc)  # fmt: skip
                 failing = True
                 await wait_event(stop, RETRY_S)
+
+    async def read_changed_nodes(self, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()`` the node records because they changed since last asked (:attr:`nodes_changed`).
+
+        The change is marked seen before the read, so that one during it is read again; if the read
+        fails it is marked again: otherwise the next look would decide without the records, and a
+        standby that needed them to warm up would stay cold until some record changed again.
+        """
+        self.nodes_changed = False
+        try:
+            return await read()
+        except BaseException:
+            self.nodes_changed = True
+            raise
 
     def ranges(self, leading: bool) -> tuple[tuple[str, bool], ...]:
         """The ``(key or prefix, exact)`` ranges this node acts on (never ``kv/`` or ``events/``).
