@@ -14,9 +14,10 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
 - ``kind: "simulated"``: N simulated nodes in this one process (see scripts/simnodes.py: each runs
   the agent's own generation watch and state machine, and carries the actions out as an agent
   does, with no processes), and the real :class:`~rlaunch.controller.controller.Controller` and
-  planner deciding in a process of their own woken by the leader's watch, as in a leader agent
-  (``--profile FILE`` writes its cProfile statistics; ``--profile-nodes FILE`` the simulated nodes'
-  over the fault windows). The fault is the revocation of one active node's lease, which is what
+  planner deciding in a process of their own woken by the leader's watch, which also keeps the
+  node records they plan from (rlaunch.controller.feed), as in a leader agent (``--profile FILE``
+  writes its cProfile statistics; ``--profile-nodes FILE`` the simulated nodes' over the fault
+  windows). The fault is the revocation of one active node's lease, which is what
   its expiry does, and the plan a live replacement by the standby. From the lease's end:
   ``fault_to_plan_s`` to the plan (the generation's ``created_at``: when the planner decided);
   ``fault_to_first_node_saw_plan_s`` and ``fault_to_all_saw_plan_s`` until the first and the last
@@ -93,6 +94,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlaunch.controller.controller import Controller  # noqa: E402
+from rlaunch.controller.feed import NodeFeed  # noqa: E402
 from rlaunch.controller.planner import PlannerConfig  # noqa: E402
 from rlaunch.errors import StoreError  # noqa: E402
 from rlaunch.events import EventLog  # noqa: E402
@@ -189,16 +191,21 @@ async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
     lease = await store.grant_lease(SIM_TTL)
     events = EventLog(store, keys, "ctl", None, time.time)
     events.start()
-    ctl = Controller(store, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), lease, events)
+    feed = NodeFeed()
+    ctl = Controller(store, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), lease, events, feed=feed)
 
     async def watch() -> None:  # as the agent's watch: restarted from the latest revision when it breaks
         while not stop.is_set():
             try:
                 _, revision = await store.get_at(keys.generation)
+                feed.watching()
                 wake.set()
-                async for _ in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
+                async for ev in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
+                    if ev.key.startswith(keys.nodes_prefix):
+                        feed.saw(ev)
                     wake.set()
             except StoreError:
+                feed.blind()
                 await asyncio.sleep(0.5)
 
     async def keepalive() -> None:

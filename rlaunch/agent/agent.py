@@ -49,6 +49,7 @@ from rlaunch.agent.transitions import decide
 from rlaunch.agent.worker_link import WorkerLink
 from rlaunch.agent.workers import become_subreaper
 from rlaunch.controller.controller import Controller
+from rlaunch.controller.feed import NodeFeed
 from rlaunch.controller.planner import PlannerConfig
 from rlaunch.controller.view import read_snapshot
 from rlaunch.detectors.gpu import make_gpu_health, watch_gpus
@@ -152,8 +153,9 @@ class Agent:
         self.faults = Faults(self.node_id, self.store, self.keys, self.records, self.events.emit, self._wake.set,
                              self._clock)  # fmt: skip
         self.link.on_sdc = lambda local, report: self.faults.sdc_suspected(local, report, self.node.worker_gen)
+        feed = NodeFeed()  # the node records the controller plans from, kept from the watch while leading
         self.watch = GenerationWatch(
-            self.store, self.keys, self.node_id, self._wake.set, self._ctl_wake.set, self.metrics.on_generation
+            self.store, self.keys, self.node_id, self._wake.set, self._ctl_wake.set, self.metrics.on_generation, feed
         )
         tasks: list[asyncio.Task[Any]] = []
         try:
@@ -167,7 +169,7 @@ class Agent:
             controller = Controller(
                 self.store, self.keys, self._spec,
                 PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port, self.cfg.standby_wait),
-                self._lease, self.events, self._clock, self.cfg.straggler_window,
+                self._lease, self.events, self._clock, self.cfg.straggler_window, feed,
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()

@@ -3,8 +3,10 @@
 One watch per agent, narrowed to what the node acts on (never ``kv/`` or ``events/``): the
 generation key and the leader key, plus node records where this node decides from them, and the
 acks, drain requests and marks for the leader. Every change wakes the agent's loop; changes the
-controller acts on wake the controller too. After a failed watch it reads the keys afresh and
-watches again from the revision it read, so no change is lost.
+controller acts on wake the controller too, and while this node leads, the node records' changes
+feed the controller's copy of them (:mod:`rlaunch.controller.feed`), which follows etcd only while
+one watch runs. After a failed watch it reads the keys afresh and watches again from the revision
+it read, so no change is lost.
 
 The generation key holds the generation's head, whose size is that of its change, not of the job:
 the rank map is rebuilt from the generation held, or read whole when the head does not change that
@@ -19,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from rlaunch.controller.feed import NodeFeed
 from rlaunch.errors import RecordError, StoreError
 from rlaunch.store import generations
 from rlaunch.store.client import Store
@@ -45,8 +48,11 @@ class GenerationWatch:
         wake: Callable[[], None],
         wake_controller: Callable[[], None],
         on_generation: Callable[[Generation], None],
+        feed: NodeFeed | None = None,
     ) -> None:
         self._store = store
+        #: the node records for this node's controller, kept from this watch while it leads
+        self._feed = feed
         self._keys = keys
         self._node_id = node_id
         self._wake = wake
@@ -72,6 +78,9 @@ class GenerationWatch:
                 leader, _ = await store.get_at(keys.leader)
                 leading = leader is not None and leader.value == self._node_id.encode()
                 ranges = self.ranges(leading)
+                feed = self._feed if leading else None
+                if feed is not None:
+                    feed.watching()  # (after the read of the revision the watch starts from)
                 self.nodes_changed = True  # anything may have changed while the watch was down
                 self._wake()
                 self._wake_controller()
@@ -81,6 +90,8 @@ class GenerationWatch:
                             await self.take(ev.value)
                         elif ev.key.startswith(keys.nodes_prefix):
                             self.nodes_changed = True
+                            if feed is not None:
+                                feed.saw(ev)
                         elif ev.key == keys.leader:
                             leading = not ev.deleted and ev.value == self._node_id.encode()
                         self._wake()
@@ -89,12 +100,19 @@ class GenerationWatch:
                             self._wake_controller()
                         if self.ranges(leading) != ranges:
                             break  # leadership or this node's part changed: follow other keys
+                self._blind()  # the ranges changed: a watch of others follows
             except StoreError as exc:
+                self._blind()
                 # Said once per outage: the lease keeper reports how long etcd stays away.
                 log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
                         self._node_id, exc)  # fmt: skip
                 failing = True
                 await wait_event(stop, RETRY_S)
+
+    def _blind(self) -> None:
+        """This watch ended: the controller's feed of node records no longer follows etcd."""
+        if self._feed is not None:
+            self._feed.blind()
 
     async def read_changed_nodes(self, read: Callable[[], Awaitable[T]]) -> T:
         """``read()`` the node records because they changed since last asked (:attr:`nodes_changed`).

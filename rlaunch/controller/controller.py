@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from rlaunch.addresses import host_port
 from rlaunch.controller import cutoff
+from rlaunch.controller.feed import NodeFeed
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
@@ -39,8 +40,8 @@ DEADLINE_TICK_S = 1.0
 #: Longest idle wait between checks of ``stop`` (no etcd request is made on these wake-ups).
 STOP_CHECK_S = 1.0
 #: A leader's ticks are this far apart at least: the changes that come meanwhile are planned from
-#: together. Each tick reads every node record, and after a plan every node writes its own (8,192
-#: writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
+#: together. Each tick plans from every node record, and after a plan every node writes its own
+#: (8,192 writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
 TICK_GAP_S = 0.1
 
 
@@ -55,8 +56,11 @@ class Controller:
         events: EventLog,
         clock: Callable[[], float] = time.time,
         straggler_window: float = 0.0,
+        feed: NodeFeed | None = None,
     ) -> None:
         self._store = store
+        #: the node records kept from the leading agent's watch (see rlaunch.controller.feed)
+        self._feed = feed
         self._keys = keys
         self._spec = spec
         self._cfg = cfg
@@ -214,7 +218,7 @@ class Controller:
         self._pruned_below = below
 
     async def tick(self) -> None:
-        snap = await read_snapshot(self._store, self._keys, self._nodes)
+        snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed)
         for problem in snap.problems:
             if problem not in self._reported:
                 self._reported.add(problem)
@@ -229,11 +233,13 @@ class Controller:
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
+        # After a revocation, the records it deleted are read whole: the watch may not have brought
+        # their deletion yet.
         if await self._revoke_dead(snap):
-            snap = await read_snapshot(self._store, self._keys, self._nodes)
+            snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
         cut = await self._take_out_cut_off(snap)
         if cut.out:
-            snap = await read_snapshot(self._store, self._keys, self._nodes)
+            snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
         view = ClusterView(
             spec=self._spec, nodes=snap.nodes, generation=snap.generation, drains=frozenset(snap.drains),
             stragglers=frozenset(self._find_stragglers(snap)), unreachable=cut.unreachable_standbys,

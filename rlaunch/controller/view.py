@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
+from rlaunch.controller.feed import NodeFeed
 from rlaunch.controller.planner import NodeView
 from rlaunch.errors import RecordError
 from rlaunch.store import generations
@@ -81,12 +82,22 @@ class RecordCache:
 
 
 async def read_snapshot(
-    store: Store, keys: JobKeys, cache: RecordCache | None = None, *, suspects: bool = False
+    store: Store,
+    keys: JobKeys,
+    cache: RecordCache | None = None,
+    *,
+    suspects: bool = False,
+    feed: NodeFeed | None = None,
+    whole: bool = False,
 ) -> JobSnapshot:
     """The job's state as etcd holds it now; ``cache`` spares decoding unchanged node records again.
 
     ``suspects``: also read the suspect marks (``rlaunch status`` shows them; the controller needs
     none, since a suspect's agent never rejoins, so its ticks spare the read).
+    ``feed``: the node records kept from the leader's watch, used while it follows etcd (else they
+    are read whole, and the feed takes the read); ``whole``: read them whole all the same (after a
+    write of the reader's own that changes them, such as a revoked lease, which the watch has not
+    brought yet).
     """
     cache = cache if cache is not None else RecordCache()
     problems: list[str] = []
@@ -114,7 +125,7 @@ async def read_snapshot(
     leader_rev = kv.create_revision if kv is not None else 0
     nodes: dict[str, NodeView] = {}
     leases: dict[str, int] = {}
-    kvs, _ = await store.get_prefix(keys.nodes_prefix)
+    kvs = await _node_records(store, keys, feed, whole)
     for kv in kvs:
         found = cache.view(kv, keys, problems)
         if found is not None:
@@ -127,6 +138,18 @@ async def read_snapshot(
         spec, generation, gen_rev, leader, leader_rev, nodes, leases, problems, gen_bad, drains, drained,
         {m.node_id: m for m in marks}, acked,
     )  # fmt: skip
+
+
+async def _node_records(store: Store, keys: JobKeys, feed: NodeFeed | None, whole: bool) -> list[KV]:
+    """Every node record: from ``feed`` while it follows etcd (and ``whole`` is false), else read."""
+    held = feed.records() if feed is not None and not whole else None
+    if held is not None:
+        return held
+    epoch = feed.begin_read() if feed is not None else 0
+    kvs, revision = await store.get_prefix(keys.nodes_prefix)
+    if feed is not None:
+        feed.read_whole(epoch, kvs, revision)
+    return kvs
 
 
 async def _records(store: Store, prefix: str, cls: type[R], problems: list[str]) -> list[R]:

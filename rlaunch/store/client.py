@@ -110,10 +110,18 @@ class KV:
 
 @dataclasses.dataclass(frozen=True)
 class WatchEvent:
+    """One change of a key: its value, or its deletion (``mod_revision`` is then the deletion's)."""
+
     key: str
     value: bytes
     deleted: bool
     mod_revision: int
+    create_revision: int = 0
+    lease: int = 0
+
+    def kv(self) -> KV:
+        """The key as a read would have returned it just after this change (a put)."""
+        return KV(self.key, self.value, self.create_revision, self.mod_revision, self.lease)
 
 
 def _kv(raw: Any) -> KV:
@@ -633,6 +641,8 @@ class Store:
                     value=ev.kv.value,
                     deleted=ev.kind == "DELETE",
                     mod_revision=ev.kv.mod_revision,
+                    create_revision=ev.kv.create_revision,
+                    lease=ev.kv.lease,
                 )
         except aetcd.exceptions.ClientError as exc:
             self._watch_failed(client, ep, exc)
