@@ -150,6 +150,14 @@ class SimNode:
         self.events.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in (self._keepalive(), self.watch.run(self.stop), self._loop())]
+        for task in self._tasks:
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        """Say so when one of the node's tasks ends by an error: the node would stop acting, silently."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("simulated node %s: %s ended by an error", self.node_id, task.get_coro().__qualname__,
+                      exc_info=task.exception())  # fmt: skip
 
     async def fail(self) -> int:
         """The node is lost: its tasks end (nothing more is written); returns its lease, to revoke."""
