@@ -65,6 +65,12 @@ class GenerationWatch:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the keys this node acts on until ``stop``: keep the latest generation, wake the loops."""
+        try:
+            await self._follow(stop)
+        finally:
+            self._blind()  # however the watch ended (stopped, cancelled, an error not etcd's)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
         keys, store = self._keys, self._store
         failing = False
         while not stop.is_set():

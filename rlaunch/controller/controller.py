@@ -41,7 +41,7 @@ DEADLINE_TICK_S = 1.0
 STOP_CHECK_S = 1.0
 #: A leader's ticks are this far apart at least: the changes that come meanwhile are planned from
 #: together. Each tick plans from every node record, and after a plan every node writes its own
-#: (8,192 writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
+#: (8,190 writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
 TICK_GAP_S = 0.1
 
 
@@ -101,8 +101,9 @@ class Controller:
         reads; while not, only when the leader key is deleted; and whenever the watch (re)starts.
         Between changes nothing is sent to etcd, except every ``DEADLINE_TICK_S`` while a deadline
         is pending; changes that come within ``TICK_GAP_S`` of a tick wait for the next one together.
+        A tick no change woke reads the node records whole (see rlaunch.controller.feed).
         """
-        work = True
+        work, woken = True, True
         while not stop.is_set():
             failed = False
             if work:
@@ -110,7 +111,7 @@ class Controller:
                     if not self.leading and await self.campaign():
                         self._events.emit("controller_elected", 0, controller=self.node_id)
                     if self.leading:
-                        await self.tick()
+                        await self.tick(whole=not woken)
                         await wait_event(stop, TICK_GAP_S)
                 except StoreError as exc:
                     log.warning("[%s] controller tick failed: %s", self.node_id, exc)
@@ -217,8 +218,9 @@ class Controller:
                  self._pruned_below, below - 1)  # fmt: skip
         self._pruned_below = below
 
-    async def tick(self) -> None:
-        snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed)
+    async def tick(self, whole: bool = False) -> None:
+        """Plan once from the job's state; ``whole``: read the node records from etcd, not the feed."""
+        snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=whole)
         for problem in snap.problems:
             if problem not in self._reported:
                 self._reported.add(problem)

@@ -3,9 +3,10 @@ them all from etcd.
 
 A controller plans from every node record. Read whole at every tick, they cost O(N) per tick: at
 4,096 nodes about 1.2 MB from etcd and half of each tick's CPU, about ten ticks a second while a
-move's 8,190 record writes come in. The leading agent's watch receives each of those changes
-anyway, so :class:`NodeFeed` keeps the records from it, and a tick reads them whole only when the
-feed cannot vouch for them:
+move's record writes come in (8,190 at 4,096 nodes). The leading agent's watch receives each of
+those changes anyway, so :class:`NodeFeed` keeps the records from it, and a tick reads them whole
+only when the feed cannot vouch for them, or when no change woke it (a deadline's tick: a watch
+can stay open and silent, on an etcd member cut off from the others):
 
 - ``blind``: no watch of the records runs (not leading yet, or the watch broke and is not back);
   every tick reads them whole, as before.
@@ -16,11 +17,13 @@ feed cannot vouch for them:
 No change is lost between the read and the watch. A whole read is taken only when it began under
 the watch that runs now (:meth:`NodeFeed.begin_read` hands out the watch's epoch): that watch was
 opened from a revision read before, so every change the read missed comes after R on it. Changes
-received while the read is in flight are kept aside and applied after it, those after R.
+received while the read is in flight are kept with it (:class:`WholeRead`) and applied after it,
+those after R.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from rlaunch.store.client import KV, WatchEvent
@@ -32,6 +35,15 @@ class FeedState(enum.Enum):
     FOLLOWING = "following"
 
 
+@dataclasses.dataclass(eq=False)
+class WholeRead:
+    """A whole read of the records in flight: the watch it began under, and the changes received
+    since it began (those after its revision are applied once it is taken)."""
+
+    epoch: int
+    since: list[WatchEvent] = dataclasses.field(default_factory=list)
+
+
 class NodeFeed:
     """Node records kept from a watch of their prefix (see the module's docstring)."""
 
@@ -41,49 +53,57 @@ class NodeFeed:
         self.epoch = 0
         self._records: dict[str, KV] = {}
         self._revision = 0  # the revision of the whole read the records follow from
-        self._aside: list[WatchEvent] = []  # changes received while a whole read was in flight
-        self._reading = False  # a whole read is in flight (begun under the watch of this epoch)
+        self._reads: list[WholeRead] = []  # whole reads in flight under this epoch's watch
 
     def watching(self) -> None:
         """A watch of the node records starts, from a revision read before this call: what is held
         may have missed changes, and a read begun before is refused."""
-        self.epoch += 1
-        self.state = FeedState.CATCHING_UP
-        self._records, self._aside, self._reading = {}, [], False
+        self._new_epoch(FeedState.CATCHING_UP)
 
     def blind(self) -> None:
         """The watch of the node records ended (it broke, or this node no longer leads)."""
-        self.epoch += 1
-        self.state = FeedState.BLIND
-        self._records, self._aside, self._reading = {}, [], False
+        self._new_epoch(FeedState.BLIND)
 
     def saw(self, ev: WatchEvent) -> None:
         """A change of a node record, as the watch delivered it (in revision order)."""
         if self.state is FeedState.FOLLOWING:
             self._apply(ev)
-        if self._reading:
-            self._aside.append(ev)  # (a change the read in flight may not have had: applied after it)
+        for read in self._reads:
+            read.since.append(ev)  # (a change that read may not have had: applied after it)
 
-    def begin_read(self) -> int:
-        """A whole read of the records begins now: returns the epoch to hand to :meth:`read_whole`."""
-        self._aside, self._reading = [], self.state is not FeedState.BLIND
-        return self.epoch
+    def begin_read(self) -> WholeRead:
+        """A whole read of the records begins now: hand it to :meth:`read_whole` with what it read,
+        or to :meth:`abandon` if it failed."""
+        read = WholeRead(self.epoch)
+        if self.state is not FeedState.BLIND:
+            self._reads.append(read)
+        return read
 
-    def read_whole(self, epoch: int, records: list[KV], revision: int) -> None:
-        """Take a whole read of the records at ``revision``, begun (:meth:`begin_read`) when the
-        epoch was ``epoch``; refused if a watch started or ended since."""
-        aside, self._aside, self._reading = self._aside, [], False
-        if epoch != self.epoch or self.state is FeedState.BLIND:
+    def read_whole(self, read: WholeRead, records: list[KV], revision: int) -> None:
+        """Take ``read``, which found ``records`` at ``revision``; refused if a watch started or
+        ended since it began."""
+        self.abandon(read)
+        if read.epoch != self.epoch or self.state is FeedState.BLIND:
             return
         self._records = {kv.key: kv for kv in records}
         self._revision = revision
         self.state = FeedState.FOLLOWING
-        for ev in aside:
+        for ev in read.since:
             self._apply(ev)
+
+    def abandon(self, read: WholeRead) -> None:
+        """``read`` ended without records (it failed): changes are no longer kept for it."""
+        if read in self._reads:
+            self._reads.remove(read)
 
     def records(self) -> list[KV] | None:
         """The records as etcd holds them as of the last change received; ``None`` unless following."""
         return list(self._records.values()) if self.state is FeedState.FOLLOWING else None
+
+    def _new_epoch(self, state: FeedState) -> None:
+        self.epoch += 1
+        self.state = state
+        self._records, self._reads = {}, []
 
     def _apply(self, ev: WatchEvent) -> None:
         if ev.mod_revision <= self._revision:

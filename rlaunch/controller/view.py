@@ -145,10 +145,16 @@ async def _node_records(store: Store, keys: JobKeys, feed: NodeFeed | None, whol
     held = feed.records() if feed is not None and not whole else None
     if held is not None:
         return held
-    epoch = feed.begin_read() if feed is not None else 0
-    kvs, revision = await store.get_prefix(keys.nodes_prefix)
-    if feed is not None:
-        feed.read_whole(epoch, kvs, revision)
+    if feed is None:
+        kvs, _ = await store.get_prefix(keys.nodes_prefix)
+        return kvs
+    read = feed.begin_read()
+    try:
+        kvs, revision = await store.get_prefix(keys.nodes_prefix)
+    except BaseException:
+        feed.abandon(read)
+        raise
+    feed.read_whole(read, kvs, revision)
     return kvs
 
 

@@ -116,8 +116,8 @@ class WatchEvent:
     value: bytes
     deleted: bool
     mod_revision: int
-    create_revision: int = 0
-    lease: int = 0
+    create_revision: int
+    lease: int
 
     def kv(self) -> KV:
         """The key as a read would have returned it just after this change (a put)."""
@@ -636,6 +636,15 @@ class Store:
             raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
             async for ev in watch:
+                if ev.kv.key != raw if exact else not ev.kv.key.startswith(raw):
+                    # aetcd hands each "created" answer to whichever creation waits first, so a
+                    # creation cancelled from outside can leave this watch with another key's:
+                    # watched again, on a new stream, rather than followed silently.
+                    client.reset_watcher()
+                    raise StoreUnavailableError(
+                        f"The watch on {prefix} at etcd {ep} delivered a change of {ev.kv.key.decode()!r}, which "
+                        "it does not cover (the etcd client mixed up two watches); watching again."
+                    )
                 yield WatchEvent(
                     key=ev.kv.key.decode(),
                     value=ev.kv.value,

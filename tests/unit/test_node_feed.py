@@ -16,7 +16,7 @@ def put(name: str, revision: int, value: bytes = b"{}") -> WatchEvent:
 
 
 def gone(name: str, revision: int) -> WatchEvent:
-    return WatchEvent(f"/job/nodes/{name}", b"", True, revision)
+    return WatchEvent(f"/job/nodes/{name}", b"", True, revision, create_revision=0, lease=0)
 
 
 def held(feed: NodeFeed) -> dict[str, tuple[bytes, int]] | None:
@@ -63,31 +63,53 @@ def test_changes_that_come_while_the_read_is_in_flight_are_applied_after_it() ->
     those after 10 would be lost if the read simply replaced what is held."""
     feed = NodeFeed()
     feed.watching()
-    epoch = feed.begin_read()
+    read = feed.begin_read()
     feed.saw(put("a", 9, b"in the read"))
     feed.saw(put("b", 11, b"after the read"))
     feed.saw(gone("a", 12))
-    feed.read_whole(epoch, [kv("a", 9, b"in the read"), kv("c", 3)], 10)
+    feed.read_whole(read, [kv("a", 9, b"in the read"), kv("c", 3)], 10)
     assert held(feed) == {"b": (b"after the read", 11), "c": (b"{}", 3)}
 
 
 def test_a_whole_read_again_while_following_keeps_the_changes_received_meanwhile() -> None:
     feed = following([kv("a", 1)], 1)
-    epoch = feed.begin_read()
+    read = feed.begin_read()
     feed.saw(put("b", 3))
-    feed.read_whole(epoch, [kv("a", 1)], 2)  # served before b was written
+    feed.read_whole(read, [kv("a", 1)], 2)  # served before b was written
     assert held(feed) == {"a": (b"{}", 1), "b": (b"{}", 3)}
+
+
+def test_two_reads_in_flight_each_keep_the_changes_since_they_began() -> None:
+    feed = following([kv("a", 1)], 1)
+    first = feed.begin_read()
+    feed.saw(put("b", 3))
+    second = feed.begin_read()
+    feed.saw(put("c", 5))
+    feed.read_whole(second, [kv("a", 1), kv("b", 3)], 4)
+    feed.saw(put("d", 6))
+    feed.read_whole(first, [kv("a", 1)], 2)  # the older answer comes last
+    assert held(feed) == {"a": (b"{}", 1), "b": (b"{}", 3), "c": (b"{}", 5), "d": (b"{}", 6)}
+
+
+def test_a_read_that_failed_keeps_no_changes_for_itself() -> None:
+    """A failed read is abandoned: otherwise every later change would be kept for it, for good."""
+    feed = following([kv("a", 1)], 1)
+    read = feed.begin_read()
+    feed.saw(put("b", 2))
+    feed.abandon(read)
+    feed.saw(put("c", 3))
+    assert len(read.since) == 1 and held(feed) == {"a": (b"{}", 1), "b": (b"{}", 2), "c": (b"{}", 3)}
 
 
 def test_a_read_begun_under_an_earlier_watch_is_refused() -> None:
     """The watch broke and another started while the read was in flight: the read may predate a
     change neither watch delivered."""
     feed = following([kv("a", 1)], 1)
-    epoch = feed.begin_read()
+    read = feed.begin_read()
     feed.blind()
     assert held(feed) is None
     feed.watching()
-    feed.read_whole(epoch, [kv("a", 1)], 2)
+    feed.read_whole(read, [kv("a", 1)], 2)
     assert feed.state is FeedState.CATCHING_UP and held(feed) is None
     feed.read_whole(feed.begin_read(), [kv("a", 1), kv("b", 3)], 3)
     assert held(feed) == {"a": (b"{}", 1), "b": (b"{}", 3)}
