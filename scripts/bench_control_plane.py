@@ -55,8 +55,9 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   move (``writes``: its record with events, then one event). ``all_acted_s`` is the median write
   to last receipt with the writes, the simulation's floor of ``fault_to_all_acted_s`` less the
   plan; ``all_acted_s_writes_deferred`` the same with no writes, the floor of ``writes_deferred``;
-  ``target_met`` and ``target_met_writes_deferred`` compare them with the target. Where a floor
-  is above the target, no agent code meets that target in this simulation on this machine.
+  ``target_met`` and ``target_met_writes_deferred`` compare them with the target (medians over the
+  rounds that completed; one that did not within its time is null in ``runs``). Where a floor is
+  above the target, no agent code meets that target in this simulation on this machine.
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
