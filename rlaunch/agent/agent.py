@@ -114,6 +114,8 @@ class Agent:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._ctl_wake = asyncio.Event()
+        #: the node records the controller plans from, kept from this agent's watch while it leads
+        self._feed = NodeFeed()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -153,10 +155,10 @@ class Agent:
         self.faults = Faults(self.node_id, self.store, self.keys, self.records, self.events.emit, self._wake.set,
                              self._clock)  # fmt: skip
         self.link.on_sdc = lambda local, report: self.faults.sdc_suspected(local, report, self.node.worker_gen)
-        feed = NodeFeed()  # the node records the controller plans from, kept from the watch while leading
         self.watch = GenerationWatch(
-            self.store, self.keys, self.node_id, self._wake.set, self._ctl_wake.set, self.metrics.on_generation, feed
-        )
+            self.store, self.keys, self.node_id, self._wake.set, self._ctl_wake.set, self.metrics.on_generation,
+            self._feed,
+        )  # fmt: skip
         tasks: list[asyncio.Task[Any]] = []
         try:
             if self.cfg.metrics_port:
@@ -169,7 +171,7 @@ class Agent:
             controller = Controller(
                 self.store, self.keys, self._spec,
                 PlannerConfig(self.node_id, self.cfg.rdzv_timeout, self.cfg.master_port, self.cfg.standby_wait),
-                self._lease, self.events, self._clock, self.cfg.straggler_window, feed,
+                self._lease, self.events, self._clock, self.cfg.straggler_window, self._feed,
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
@@ -440,6 +442,7 @@ class Agent:
         self.events.emit(
             "etcd_back", self.node.worker_gen, unreachable_s=round(unreachable_s, 1), lease_ttl_left=remaining
         )  # fmt: skip
+        self._feed.resync()  # its watch may have been silent meanwhile
         self._wake.set()
         self._ctl_wake.set()
 

@@ -101,17 +101,18 @@ class Controller:
         reads; while not, only when the leader key is deleted; and whenever the watch (re)starts.
         Between changes nothing is sent to etcd, except every ``DEADLINE_TICK_S`` while a deadline
         is pending; changes that come within ``TICK_GAP_S`` of a tick wait for the next one together.
-        A tick no change woke reads the node records whole (see rlaunch.controller.feed).
+        A tick no change woke, or one after a failed tick, reads the node records whole (see
+        rlaunch.controller.feed).
         """
-        work, woken = True, True
+        work, woken, failed = True, True, False
         while not stop.is_set():
-            failed = False
+            retried, failed = failed, False
             if work:
                 try:
                     if not self.leading and await self.campaign():
                         self._events.emit("controller_elected", 0, controller=self.node_id)
                     if self.leading:
-                        await self.tick(whole=not woken)
+                        await self.tick(whole=retried or not woken)
                         await wait_event(stop, TICK_GAP_S)
                 except StoreError as exc:
                     log.warning("[%s] controller tick failed: %s", self.node_id, exc)

@@ -64,6 +64,12 @@ class NodeFeed:
         """The watch of the node records ended (it broke, or this node no longer leads)."""
         self._new_epoch(FeedState.BLIND)
 
+    def resync(self) -> None:
+        """etcd was away from this agent: the watch may have been silent meanwhile (on a member cut
+        off from the others), so what is held is vouched for again only after a new whole read."""
+        if self.state is not FeedState.BLIND:
+            self._new_epoch(FeedState.CATCHING_UP)
+
     def saw(self, ev: WatchEvent) -> None:
         """A change of a node record, as the watch delivered it (in revision order)."""
         if self.state is FeedState.FOLLOWING:

@@ -636,14 +636,14 @@ class Store:
             raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
             async for ev in watch:
-                if ev.kv.key != raw if exact else not ev.kv.key.startswith(raw):
+                if (ev.kv.key != raw) if exact else (not ev.kv.key.startswith(raw)):
                     # aetcd hands each "created" answer to whichever creation waits first, so a
-                    # creation cancelled from outside can leave this watch with another key's:
-                    # watched again, on a new stream, rather than followed silently.
-                    client.reset_watcher()
+                    # creation cancelled from outside can leave this watch with another key's: it
+                    # ends (cancelling the id it holds) and is made again, not followed silently.
                     raise StoreUnavailableError(
-                        f"The watch on {prefix} at etcd {ep} delivered a change of {ev.kv.key.decode()!r}, which "
-                        "it does not cover (the etcd client mixed up two watches); watching again."
+                        f"The watch on {prefix} at etcd {ep} delivered a change of "
+                        f"{ev.kv.key.decode(errors='replace')!r}, which it does not cover (the etcd client mixed "
+                        "up two watches); watch again."
                     )
                 yield WatchEvent(
                     key=ev.kv.key.decode(),

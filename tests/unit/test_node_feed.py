@@ -120,3 +120,16 @@ def test_a_watch_that_ends_leaves_nothing_vouched_for() -> None:
     feed.blind()
     feed.saw(put("b", 2))
     assert feed.state is FeedState.BLIND and held(feed) is None
+
+
+def test_after_etcd_was_away_the_records_are_vouched_for_only_after_a_new_whole_read() -> None:
+    """The watch may have been silent meanwhile (open on a member cut off from the others)."""
+    feed = following([kv("a", 1)], 1)
+    feed.resync()
+    assert feed.state is FeedState.CATCHING_UP and held(feed) is None
+    feed.saw(put("b", 3))  # the watch goes on: the next read has this one
+    feed.read_whole(feed.begin_read(), [kv("a", 1), kv("b", 3), kv("c", 2)], 3)
+    assert held(feed) == {"a": (b"{}", 1), "b": (b"{}", 3), "c": (b"{}", 2)}
+    blind = NodeFeed()
+    blind.resync()
+    assert blind.state is FeedState.BLIND, "no watch runs: nothing to follow after a read"
