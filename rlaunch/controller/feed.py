@@ -4,21 +4,24 @@ them all from etcd.
 A controller plans from every node record. Read whole at every tick, they cost O(N) per tick: at
 4,096 nodes about 1.2 MB from etcd and half of each tick's CPU, about ten ticks a second while a
 move's record writes come in (8,190 at 4,096 nodes). The leading agent's watch receives each of
-those changes anyway, so :class:`NodeFeed` keeps the records from it, and a tick reads them whole
-only when the feed cannot vouch for them, or when no change woke it (a deadline's tick: a watch
-can stay open and silent, on an etcd member cut off from the others):
+those changes anyway, so :class:`NodeFeed` keeps the records from it. A tick reads them whole
+when the feed cannot vouch for them, and also (rlaunch.controller.controller) after a lease it
+revoked itself, at a tick no change woke (a deadline's), at the tick after a failed one; and the
+agent asks for a new whole read when etcd comes back to it (:meth:`NodeFeed.resync`). A watch can
+stay open and silent on an etcd member cut off from the others, and then only such ticks run.
 
 - ``blind``: no watch of the records runs (not leading yet, or the watch broke and is not back);
   every tick reads them whole, as before.
-- ``catching_up``: a watch runs, but no whole read was taken since it started.
-- ``following``: a whole read at revision R was taken since the watch started, and every change
-  after R is applied in order: the records are those of etcd as of the last change received.
+- ``catching_up``: a watch runs, but no whole read was taken since it started (or since etcd came
+  back).
+- ``following``: a whole read at revision R was taken since then, and every change after R is
+  applied in order: the records are those of etcd as of the last change received.
 
-No change is lost between the read and the watch. A whole read is taken only when it began under
-the watch that runs now (:meth:`NodeFeed.begin_read` hands out the watch's epoch): that watch was
-opened from a revision read before, so every change the read missed comes after R on it. Changes
-received while the read is in flight are kept with it (:class:`WholeRead`) and applied after it,
-those after R.
+No change is lost between the read and the watch. A whole read is taken only when it began in the
+feed's present epoch (:meth:`NodeFeed.begin_read` hands it out; a watch's start, its end and a
+resync each begin a new one): the watch that runs was opened from a revision read before, and
+delivers in order, so every change the read missed comes after R on it. Changes received while
+the read is in flight are kept with it (:class:`WholeRead`) and applied after it, those after R.
 """
 
 from __future__ import annotations
@@ -89,8 +92,8 @@ class NodeFeed:
         """Take ``read``, which found ``records`` at ``revision``; refused if a watch started or
         ended since it began."""
         self.abandon(read)
-        if read.epoch != self.epoch or self.state is FeedState.BLIND:
-            return
+        if read.epoch != self.epoch or self.state is FeedState.BLIND or revision <= 0:
+            return  # (revision 0: etcd's answer had no header; not a read to follow from)
         self._records = {kv.key: kv for kv in records}
         self._revision = revision
         self.state = FeedState.FOLLOWING

@@ -95,9 +95,9 @@ async def read_snapshot(
     ``suspects``: also read the suspect marks (``rlaunch status`` shows them; the controller needs
     none, since a suspect's agent never rejoins, so its ticks spare the read).
     ``feed``: the node records kept from the leader's watch, used while it follows etcd (else they
-    are read whole, and the feed takes the read); ``whole``: read them whole all the same (after a
-    write of the reader's own that changes them, such as a revoked lease, which the watch has not
-    brought yet).
+    are read whole, and the feed takes the read); ``whole``: read them whole all the same (when the
+    feed may lag: after a write of the reader's own that changes them, such as a revoked lease,
+    which the watch has not brought yet, or at a tick no change woke; see rlaunch.controller.feed).
     """
     cache = cache if cache is not None else RecordCache()
     problems: list[str] = []

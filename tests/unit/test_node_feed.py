@@ -133,3 +133,10 @@ def test_after_etcd_was_away_the_records_are_vouched_for_only_after_a_new_whole_
     blind = NodeFeed()
     blind.resync()
     assert blind.state is FeedState.BLIND, "no watch runs: nothing to follow after a read"
+
+
+def test_a_read_without_a_revision_is_not_followed_from() -> None:
+    feed = NodeFeed()
+    feed.watching()
+    feed.read_whole(feed.begin_read(), [kv("a", 1)], 0)
+    assert feed.state is FeedState.CATCHING_UP and held(feed) is None
