@@ -196,21 +196,20 @@ async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
     ctl = Controller(store, keys, spec, PlannerConfig("ctl", 120.0, 29500, 30.0), lease, events, feed=feed)
 
     async def watch() -> None:  # as the agent's watch: restarted from the latest revision when it breaks
-        try:
-            while not stop.is_set():
+        while not stop.is_set():
+            try:
+                _, revision = await store.get_at(keys.generation)
+                feed.watching()
                 try:
-                    _, revision = await store.get_at(keys.generation)
-                    feed.watching()
                     wake.set()
                     async for ev in store.watch_many(leader_ranges(keys), start_revision=revision + 1):
                         if ev.key.startswith(keys.nodes_prefix):
                             feed.saw(ev)
                         wake.set()
-                except StoreError:
-                    feed.blind()
-                    await asyncio.sleep(0.5)
-        finally:
-            feed.blind()
+                finally:
+                    feed.blind()  # however the watch ended
+            except StoreError:
+                await asyncio.sleep(0.5)
 
     async def keepalive() -> None:
         while not await wait_event(stop, SIM_TTL / 3):

@@ -65,12 +65,6 @@ class GenerationWatch:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the keys this node acts on until ``stop``: keep the latest generation, wake the loops."""
-        try:
-            await self._follow(stop)
-        finally:
-            self._blind()  # however the watch ended (stopped, cancelled, an error not etcd's)
-
-    async def _follow(self, stop: asyncio.Event) -> None:
         keys, store = self._keys, self._store
         failing = False
         while not stop.is_set():
@@ -82,43 +76,45 @@ class GenerationWatch:
                 if kv is not None:
                     await self.take(kv.value)
                 leader, _ = await store.get_at(keys.leader)
-                leading = leader is not None and leader.value == self._node_id.encode()
-                ranges = self.ranges(leading)
-                feed = self._feed if leading else None
-                if feed is not None:
-                    feed.watching()  # (after the read of the revision the watch starts from)
-                self.nodes_changed = True  # anything may have changed while the watch was down
-                self._wake()
-                self._wake_controller()
-                async with contextlib.aclosing(store.watch_many(ranges, start_revision=revision + 1)) as events:
-                    async for ev in events:
-                        if ev.key == keys.generation and not ev.deleted:
-                            await self.take(ev.value)
-                        elif ev.key.startswith(keys.nodes_prefix):
-                            self.nodes_changed = True
-                            if feed is not None:
-                                feed.saw(ev)
-                        elif ev.key == keys.leader:
-                            leading = not ev.deleted and ev.value == self._node_id.encode()
-                        self._wake()
-                        # A non-leader campaigns only when the leader key goes (with its lease).
-                        if leading or (ev.key == keys.leader and ev.deleted):
-                            self._wake_controller()
-                        if self.ranges(leading) != ranges:
-                            break  # leadership or this node's part changed: follow other keys
-                self._blind()  # the ranges changed: a watch of others follows
+                await self._watch(revision, leader is not None and leader.value == self._node_id.encode())
             except StoreError as exc:
-                self._blind()
                 # Said once per outage: the lease keeper reports how long etcd stays away.
                 log.log(logging.DEBUG if failing else logging.WARNING, "[%s] watching etcd failed, retrying: %s",
                         self._node_id, exc)  # fmt: skip
                 failing = True
                 await wait_event(stop, RETRY_S)
 
-    def _blind(self) -> None:
-        """This watch ended: the controller's feed of node records no longer follows etcd."""
-        if self._feed is not None:
-            self._feed.blind()
+    async def _watch(self, revision: int, leading: bool) -> None:
+        """One watch of the keys this node acts on, from ``revision`` + 1 (read just before), until
+        they change (leadership, or this node's part) or it breaks. While this node leads, the
+        controller's feed follows this watch, and only while it runs, however it ends."""
+        keys, ranges = self._keys, self.ranges(leading)
+        feed = self._feed if leading else None
+        if feed is not None:
+            feed.watching()  # (after the read of the revision the watch starts from)
+        try:
+            self.nodes_changed = True  # anything may have changed while the watch was down
+            self._wake()
+            self._wake_controller()
+            async with contextlib.aclosing(self._store.watch_many(ranges, start_revision=revision + 1)) as events:
+                async for ev in events:
+                    if ev.key == keys.generation and not ev.deleted:
+                        await self.take(ev.value)
+                    elif ev.key.startswith(keys.nodes_prefix):
+                        self.nodes_changed = True
+                        if feed is not None:
+                            feed.saw(ev)
+                    elif ev.key == keys.leader:
+                        leading = not ev.deleted and ev.value == self._node_id.encode()
+                    self._wake()
+                    # A non-leader campaigns only when the leader key goes (with its lease).
+                    if leading or (ev.key == keys.leader and ev.deleted):
+                        self._wake_controller()
+                    if self.ranges(leading) != ranges:
+                        return  # leadership or this node's part changed: follow other keys
+        finally:
+            if feed is not None:
+                feed.blind()
 
     async def read_changed_nodes(self, read: Callable[[], Awaitable[T]]) -> T:
         """``read()`` the node records because they changed since last asked (:attr:`nodes_changed`).
