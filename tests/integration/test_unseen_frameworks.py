@@ -25,6 +25,7 @@ from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
 
 FINAL = re.compile(r"rank (\d+) final: (params=\w+ optim=\w+ sched=\w+ steps=\d+(?: eval=[0-9.,]+)?)")
+EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
 LIGHTNING = SCRIPTS / "lightning_tutorial.py"
 ACCELERATE = SCRIPTS / "accelerate_tutorial.py"
 pytestmark = pytest.mark.timeout(900)
@@ -34,6 +35,22 @@ def finals(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in FINAL.finditer(text)}
 
 
+def aborted_in_torch_teardown(stderr: str) -> bool:
+    """Whether a rank aborted in torch's own teardown after it finished, which a run under torchrun may.
+
+    In torch 2.13 a gloo worker thread drops a finished collective (here the barrier of
+    ``wait_for_everyone`` holding the last ``gather_for_metrics``' tensors) after the rank's main
+    thread has moved on; when that is the interpreter's finalization, the worker's wait for the GIL
+    ends its thread inside C++ and the process aborts ("terminate called without an active
+    exception", seen in about one run in eight here, under torchrun with no rlaunch code at all:
+    the backtrace is ``~AsyncBarrierWork`` in ``ProcessGroupGloo::runLoop`` taking the GIL). The
+    finals are printed before, so the run's result stands; a rank that ended any other way than by
+    that abort or by torchrun's SIGTERM after it fails the run.
+    """
+    codes = {int(code) for code in EXITCODE.findall(stderr)}
+    return "terminate called without an active exception" in stderr and -6 in codes and codes <= {-6, -15}
+
+
 def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
     """Every rank's final digests from one uninterrupted 2-rank run on one node."""
     res = subprocess.run(
@@ -41,7 +58,8 @@ def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     got = finals(res.stdout)
-    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    ended = res.returncode == 0 or aborted_in_torch_teardown(res.stderr)
+    assert ended and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     assert "live moves are refused" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
     return got
 
