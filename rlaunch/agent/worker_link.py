@@ -40,7 +40,7 @@ from rlaunch.agent.control import ControlServer
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.reports import MovesReport, ReportError, SdcReport, require
 from rlaunch.detectors.hang import HangDetector
-from rlaunch.errors import StoreError
+from rlaunch.errors import StoreError, StoreUnavailableError
 from rlaunch.plans import Hello, MigratePlan, Plan, ReplacePlan, Role, StartRole, plan_to_json
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
@@ -49,6 +49,8 @@ from rlaunch.waiting import wait_event
 
 #: Longest a worker may be kept in one ``wait_plan`` call before it asks again.
 PLAN_WAIT_S = 30.0
+#: How long a worker's store read waits before it reads again after etcd broke off (see _get_when_set).
+KV_RETRY_S = 0.5
 
 
 @dataclasses.dataclass
@@ -321,13 +323,20 @@ class WorkerLink:
         return {"value": base64.b64encode(value).decode()}
 
     async def _get_when_set(self, key: str) -> bytes:
+        """The key's value once it is set: read, then watched from the revision read. When etcd
+        breaks off (the watched member lost, a request that found no member), it reads and
+        watches again, on the next member, :data:`KV_RETRY_S` later, until the caller's timeout:
+        a worker waiting on a group's rendezvous does not fail for a member etcd can do without."""
         while True:
-            kv, revision = await self._store.get_at(key)
-            if kv is not None:
-                return kv.value
-            async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
-                if not ev.deleted:
-                    return ev.value
+            try:
+                kv, revision = await self._store.get_at(key)
+                if kv is not None:
+                    return kv.value
+                async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
+                    if not ev.deleted:
+                        return ev.value
+            except StoreUnavailableError:
+                await asyncio.sleep(KV_RETRY_S)
 
     async def _kv_gather(self, req: dict[str, Any]) -> dict[str, Any]:
         """Every value under ``prefix`` once ``count`` are there, in key order, at O(1) requests per caller.

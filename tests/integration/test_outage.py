@@ -20,6 +20,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -32,6 +33,7 @@ from rlaunch.waiting import wait_event
 from tests.cluster import SCRIPTS, AgentProc, Cluster, kill_leftovers, reap_zombies, run_store, wait_for
 from tests.etcd_cluster import EtcdCluster
 from tests.integration.test_migration import RESILIENT, warm
+from tests.integration.test_store_scale import Agents
 
 #: Long enough never to end on its own: the test stops the job when it has seen everything.
 ARGS = ("--steps", "1000000", "--step-time", "0.05", "--log-every", "5")
@@ -277,3 +279,28 @@ def test_a_job_whose_etcd_is_gone_for_good_ends_with_each_nodes_own_result(
         out = agent.output()
         assert "the job's outcome could not be recorded in etcd" in out and mine in out, out[-3000:]
     assert "rank 0 final: steps=400 " in a.output() and "workers_failed" not in a.output() + b.output()
+
+
+def test_a_store_key_a_worker_waits_for_is_read_through_the_loss_of_the_member_it_watched(tmp_path: Path) -> None:
+    """A worker's store ``get`` (a group's rendezvous) waits on the agent's watch of the key; the
+    etcd member that watch runs on is SIGKILLed before the key is set (by a peer, through another
+    member): the agent reads and watches again on the next member, and the worker gets the value
+    instead of a store error."""
+    etcd = EtcdCluster(tmp_path, uuid.uuid4().hex).start()
+    agents = Agents(etcd.endpoints, 1)
+    try:
+        store = agents.worker_store(0, 1)
+        waiting = ThreadPoolExecutor(1)
+        got = waiting.submit(store.get, "g1/world/rank_1")
+        time.sleep(1.0)
+        assert not got.done(), "the key is not set yet"
+        assert agents.store is not None
+        watched = next(m for m in etcd.members if m.endpoint == str(agents.store.endpoint))
+        etcd.kill(watched)
+        peer = [m.endpoint for m in etcd.members if m is not watched]
+        run_store(",".join(peer), lambda s: s.put(agents.job.kv("g1/world/rank_1"), b"addr-of-rank-1"))
+        assert got.result(timeout=60) == b"addr-of-rank-1"
+        waiting.shutdown()
+    finally:
+        agents.close()
+        etcd.stop()
