@@ -34,6 +34,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import aetcd  # noqa: E402
 import aetcd.exceptions  # noqa: E402
 import aetcd.rpc  # noqa: E402
+import aetcd.utils  # noqa: E402
 import aetcd.watcher  # noqa: E402
 import grpc  # noqa: E402
 from prometheus_client import Histogram  # noqa: E402
@@ -41,6 +42,7 @@ from prometheus_client import Histogram  # noqa: E402
 from rlaunch.addresses import host_port
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
+from rlaunch.store.watches import WatchStreams  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,8 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         )
         self._credentials = credentials
         self._is_connecting: bool = False
-        self._watcher: aetcd.watcher.Watcher | None = None
+        #: this client's watch streams (see rlaunch.store.watches; aetcd's own watch methods are not used)
+        self.watches = WatchStreams(self._new_stream)
 
     async def connect(self) -> None:
         # aetcd's connect(), with the channel made secure when asked and auth errors translated.
@@ -178,7 +181,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
             self.leasestub = aetcd.rpc.LeaseStub(self.channel)
             self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
-            self.reset_watcher()
+            self.watches.renew()  # a new channel: watches made from now on go on a stream of it
             self._connected.set()
         except BaseException:
             if self.channel is not None:
@@ -196,14 +199,15 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         except aetcd.rpc.AioRpcError as exc:
             aetcd.exceptions._handle_exception(exc)
         self.metadata = (("token", reply.token),)
-        if self._watcher is not None:
-            self._watcher._metadata = self.metadata
+        self.watches.set_metadata(self.metadata)
 
-    def reset_watcher(self) -> None:
-        """A new watch stream for later watches (after the old one broke), on the same channel."""
-        self._watcher = aetcd.watcher.Watcher(
-            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
-        )
+    async def close(self) -> None:
+        await self.watches.close()
+        await super().close()
+
+    def _new_stream(self) -> aetcd.watcher.Watcher:
+        """A watch stream on this client's channel (opened at its first watch)."""
+        return aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
 
 
 def _credentials(security: EtcdSecurity) -> grpc.ChannelCredentials | None:
@@ -623,23 +627,21 @@ class Store:
         """
         ep = self.endpoint
         client = self._open()
+        raw = prefix.encode()
         try:
-            raw = prefix.encode()
-            opened = (
-                client.watch(raw, start_revision=start_revision)
-                if exact
-                else client.watch_prefix(raw, start_revision=start_revision)
+            await asyncio.wait_for(client.connect(), self.timeout)
+            watch = await client.watches.open(
+                raw, None if exact else aetcd.utils.prefix_range_end(raw), start_revision, self.timeout
             )
-            watch = await asyncio.wait_for(opened, self.timeout)
         except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
             self._watch_failed(client, ep, exc)
             raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
-            async for ev in watch:
+            async for ev in watch.events():
                 if (ev.kv.key != raw) if exact else (not ev.kv.key.startswith(raw)):
-                    # aetcd hands each "created" answer to whichever creation waits first, so a
-                    # creation cancelled from outside can leave this watch with another key's: it
-                    # ends (cancelling the id it holds) and is made again, not followed silently.
+                    # Watches are made so that this cannot happen (rlaunch.store.watches); were it
+                    # to, the watch ends (cancelling the id it holds) and is made again, not
+                    # followed silently.
                     raise StoreUnavailableError(
                         f"The watch on {prefix} at etcd {ep} delivered a change of "
                         f"{ev.kv.key.decode(errors='replace')!r}, which it does not cover (the etcd client mixed "
@@ -667,8 +669,8 @@ class Store:
         if problem:
             raise StoreAccessError(problem) from exc
         if client.channel is not None:
-            # aetcd's watcher may be left holding a dead stream task: later watches get a new one.
-            client.reset_watcher()
+            # aetcd's stream may be left holding a dead task: later watches get a new stream.
+            client.watches.renew()
         if isinstance(exc, (aetcd.exceptions.ConnectionFailedError, asyncio.TimeoutError)):
             self._next_endpoint(ep, exc)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -190,6 +191,81 @@ def test_losing_the_etcd_member_raises_a_store_error(tmp_path) -> None:  # type:
         server.stop()
         with pytest.raises(StoreUnavailableError, match=server.endpoint):
             await store.get("/x")
+        await store.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
+
+
+def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> None:
+    """Two ways aetcd crosses a client's watches, against a real etcd held by SIGSTOP so that a
+    creation's answer comes late (see rlaunch.store.watches):
+
+    1. a creation that timed out moves new watches to a fresh stream, whose first watch takes id
+       0 again; the cancel of an older watch (id 0 on the first stream) must not remove it;
+    2. a creation cancelled from outside leaves its answer to come: the next creation must not
+       take it (it would follow the other key).
+    """
+    server = EmbeddedEtcd().start()
+    p = prefix()
+
+    start = 0  # every watch starts from the revision read first: none misses a put made before it was set up
+
+    async def follow(store: Store, key: str, seen: list[str]) -> None:
+        async for ev in store.watch_prefix(p + key, start_revision=start, exact=True):
+            seen.append(ev.key.removeprefix(p))
+
+    async def settled(seen: list[str], want: list[str]) -> bool:
+        for _ in range(50):
+            if seen == want:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def go() -> None:
+        nonlocal start
+        store = Store(parse_endpoints(server.endpoint), timeout=1)
+        start = (await store.get_at(p + "a"))[1] + 1
+        seen_a: list[str] = []
+        a = asyncio.create_task(follow(store, "a", seen_a))
+        await store.put(p + "a", b"1")
+        assert await settled(seen_a, ["a"]), seen_a
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailableError, match="refused a watch"):
+                await follow(store, "d", [])  # no answer within the store's timeout
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        seen_b: list[str] = []
+        b = asyncio.create_task(follow(store, "b", seen_b))
+        await asyncio.sleep(0.5)  # made (id 0 of its stream, as a was of the first)
+        a.cancel()  # a's watch is cancelled as its generator closes
+        await asyncio.gather(a, return_exceptions=True)
+        await store.put(p + "b", b"1")
+        assert await settled(seen_b, ["b"]), f"the watch on b must still deliver: {seen_b}"
+
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            c = asyncio.create_task(follow(store, "c", []))
+            await asyncio.sleep(0.3)  # its creation request is out, unanswered
+            c.cancel()
+            await asyncio.gather(c, return_exceptions=True)
+            seen_e: list[str] = []
+            e = asyncio.create_task(follow(store, "e", seen_e))
+            await asyncio.sleep(0.3)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        await store.put(p + "c", b"1")
+        await store.put(p + "e", b"1")
+        assert await settled(seen_e, ["e"]), f"the watch on e must follow e alone: {seen_e}"
+        assert not e.done(), e
+        for task in (b, e):
+            task.cancel()
+        await asyncio.gather(b, e, return_exceptions=True)
         await store.close()
 
     try:
