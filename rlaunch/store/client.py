@@ -199,7 +199,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         except aetcd.rpc.AioRpcError as exc:
             aetcd.exceptions._handle_exception(exc)
         self.metadata = (("token", reply.token),)
-        self.watches.set_metadata(self.metadata)
+        self.watches.set_metadata(self._stream_metadata())
 
     async def close(self) -> None:
         await self.watches.close()
@@ -207,7 +207,15 @@ class _Client(aetcd.Client):  # type: ignore[misc]
 
     def _new_stream(self) -> aetcd.watcher.Watcher:
         """A watch stream on this client's channel (opened at its first watch)."""
-        return aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+        return aetcd.watcher.Watcher(
+            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self._stream_metadata()
+        )
+
+    def _stream_metadata(self) -> tuple[tuple[str, str], ...]:
+        """A watch stream's gRPC metadata: the token, if any, and ``hasleader``, with which etcd ends
+        the stream ("no leader") when its member has lost the leader (cut off from the others, it
+        would keep the stream open and deliver nothing more)."""
+        return (*(self.metadata or ()), ("hasleader", "true"))
 
 
 def _credentials(security: EtcdSecurity) -> grpc.ChannelCredentials | None:

@@ -17,6 +17,7 @@ from rlaunch.store.embedded import EmbeddedEtcd, free_port
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, Generation, GenerationStatus, decode
 from tests.cluster import run_store
+from tests.etcd_cluster import EtcdCluster
 
 
 def prefix() -> str:
@@ -272,3 +273,36 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> N
         asyncio.run(go())
     finally:
         server.stop()
+
+
+def test_a_watch_on_a_member_cut_off_from_the_others_ends_instead_of_going_silent(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A member without a leader (here the two others are SIGKILLed; in a partition, the minority
+    side) receives no change any more, but keeps its watch streams open: a watch there would wait
+    for ever. rlaunch's watches ask etcd to end them when their member has no leader, so the
+    watcher moves on (a read fails there too, and the next request goes to the next member)."""
+    etcd = EtcdCluster(tmp_path, uuid.uuid4().hex).start()
+    p = prefix()
+
+    async def go() -> None:
+        watched = etcd.members[0]
+        store = Store(parse_endpoints(watched.endpoint), timeout=2)
+        try:
+            start = (await store.get_at(p + "k"))[1] + 1
+
+            async def follow() -> None:
+                async for _ in store.watch_prefix(p + "k", start_revision=start, exact=True):
+                    pass
+
+            task = asyncio.create_task(follow())
+            await asyncio.sleep(1.0)
+            for member in etcd.members[1:]:
+                await asyncio.to_thread(etcd.kill, member)
+            with pytest.raises(StoreUnavailableError, match="no leader"):
+                await asyncio.wait_for(task, 30)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        etcd.stop()
