@@ -249,12 +249,13 @@ class Cluster:
             agent.close()
 
 
-def run_store(endpoint: str, coro_fn: Callable[[Any], Any], security: Any = None) -> Any:
-    """Run ``coro_fn(store)`` against the test etcd (``security``: its TLS) on a fresh event loop."""
+def run_store(endpoint: str, coro_fn: Callable[[Any], Any], security: Any = None, timeout: float = 5) -> Any:
+    """Run ``coro_fn(store)`` against the test etcd (``security``: its TLS; ``timeout``: the store's
+    request timeout) on a fresh event loop."""
     from rlaunch.store.client import Store, parse_endpoints
 
     async def go() -> Any:
-        store = Store(parse_endpoints(endpoint), timeout=5, security=security)
+        store = Store(parse_endpoints(endpoint), timeout=timeout, security=security)
         try:
             return await coro_fn(store)
         finally:

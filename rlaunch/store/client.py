@@ -202,8 +202,10 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self.watches.set_metadata(self._stream_metadata())
 
     async def close(self) -> None:
-        await self.watches.close()
-        await super().close()
+        try:
+            await self.watches.close()
+        finally:
+            await super().close()
 
     def _new_stream(self) -> aetcd.watcher.Watcher:
         """A watch stream on this client's channel (opened at its first watch)."""
@@ -664,6 +666,7 @@ class Store:
                     lease=ev.kv.lease,
                 )
         except aetcd.exceptions.ClientError as exc:
+            client.watches.retire(watch.stream)  # later watches on a new stream (a dead one may linger)
             self._watch_failed(client, ep, exc)
             raise StoreUnavailableError(f"The watch on etcd at {ep} broke: {exc!r}.") from exc
         finally:
@@ -676,10 +679,8 @@ class Store:
         problem = access_problem(ep, self.security, str(exc))
         if problem:
             raise StoreAccessError(problem) from exc
-        if client.channel is not None:
-            # aetcd's stream may be left holding a dead task: later watches get a new stream.
-            client.watches.renew()
-        if isinstance(exc, (aetcd.exceptions.ConnectionFailedError, asyncio.TimeoutError)):
+        unanswered = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.WatchTimeoutError, asyncio.TimeoutError)
+        if isinstance(exc, unanswered):
             self._next_endpoint(ep, exc)
 
     async def watch_many(

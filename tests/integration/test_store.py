@@ -201,17 +201,18 @@ def test_losing_the_etcd_member_raises_a_store_error(tmp_path) -> None:  # type:
 
 
 def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> None:
-    """Two ways aetcd crosses a client's watches, against a real etcd held by SIGSTOP so that a
+    """Three ways aetcd crosses a client's watches, against a real etcd held by SIGSTOP so that a
     creation's answer comes late (see rlaunch.store.watches):
 
     1. a creation that timed out moves new watches to a fresh stream, whose first watch takes id
        0 again; the cancel of an older watch (id 0 on the first stream) must not remove it;
     2. a creation cancelled from outside leaves its answer to come: the next creation must not
-       take it (it would follow the other key).
+       take it (it would follow the other key);
+    3. a creation queued behind one that aetcd's own timeout ended (here 1 s, the store's 1.4 s)
+       must not be sent on that stream, where the late answer still comes.
     """
     server = EmbeddedEtcd().start()
     p = prefix()
-
     start = 0  # every watch starts from the revision read first: none misses a put made before it was set up
 
     async def follow(store: Store, key: str, seen: list[str]) -> None:
@@ -225,21 +226,23 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> N
             await asyncio.sleep(0.1)
         return False
 
-    async def go() -> None:
+    def held(on: bool) -> None:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+
+    async def go(store: Store) -> None:
         nonlocal start
-        store = Store(parse_endpoints(server.endpoint), timeout=1)
         start = (await store.get_at(p + "a"))[1] + 1
         seen_a: list[str] = []
         a = asyncio.create_task(follow(store, "a", seen_a))
         await store.put(p + "a", b"1")
         assert await settled(seen_a, ["a"]), seen_a
-        assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
+        held(True)
         try:
             with pytest.raises(StoreUnavailableError, match="refused a watch"):
-                await follow(store, "d", [])  # no answer within the store's timeout
+                await follow(store, "d", [])  # no answer within the timeout
         finally:
-            server.proc.send_signal(signal.SIGCONT)
+            held(False)
         seen_b: list[str] = []
         b = asyncio.create_task(follow(store, "b", seen_b))
         await asyncio.sleep(0.5)  # made (id 0 of its stream, as a was of the first)
@@ -248,7 +251,7 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> N
         await store.put(p + "b", b"1")
         assert await settled(seen_b, ["b"]), f"the watch on b must still deliver: {seen_b}"
 
-        server.proc.send_signal(signal.SIGSTOP)
+        held(True)
         try:
             c = asyncio.create_task(follow(store, "c", []))
             await asyncio.sleep(0.3)  # its creation request is out, unanswered
@@ -258,20 +261,36 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> N
             e = asyncio.create_task(follow(store, "e", seen_e))
             await asyncio.sleep(0.3)
         finally:
-            server.proc.send_signal(signal.SIGCONT)
-        await asyncio.sleep(0.5)
+            held(False)
+        await asyncio.sleep(2.0)
         await store.put(p + "c", b"1")
         await store.put(p + "e", b"1")
         assert await settled(seen_e, ["e"]), f"the watch on e must follow e alone: {seen_e}"
-        assert not e.done(), e
-        for task in (b, e):
+
+        held(True)
+        try:
+            x = asyncio.create_task(follow(store, "x", []))
+            await asyncio.sleep(0.5)
+            seen_y: list[str] = []
+            y = asyncio.create_task(follow(store, "y", seen_y))  # queued behind x's creation
+            await asyncio.sleep(0.7)  # x's ended by aetcd's timeout; y's is still waited for
+        finally:
+            held(False)
+        with pytest.raises(StoreUnavailableError, match="refused a watch"):
+            await x
+        await asyncio.sleep(1.0)
+        await store.put(p + "x", b"1")
+        await store.put(p + "y", b"1")
+        assert await settled(seen_y, ["y"]), f"the watch on y must follow y alone: {seen_y}"
+        for task in (b, e, y):
+            assert not task.done(), task
             task.cancel()
-        await asyncio.gather(b, e, return_exceptions=True)
-        await store.close()
+        await asyncio.gather(b, e, y, return_exceptions=True)
 
     try:
-        asyncio.run(go())
+        run_store(server.endpoint, go, timeout=1.4)
     finally:
+        held(False)
         server.stop()
 
 

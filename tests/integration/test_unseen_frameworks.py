@@ -36,30 +36,34 @@ def finals(text: str) -> dict[int, str]:
 
 
 def aborted_in_torch_teardown(stderr: str) -> bool:
-    """Whether a rank aborted in torch's own teardown after it finished, which a run under torchrun may.
+    """Whether a rank aborted in torch's own teardown, as a run under torchrun sometimes does.
 
     In torch 2.13 a gloo worker thread drops a finished collective (here the barrier of
     ``wait_for_everyone`` holding the last ``gather_for_metrics``' tensors) after the rank's main
     thread has moved on; when that is the interpreter's finalization, the worker's wait for the GIL
     ends its thread inside C++ and the process aborts ("terminate called without an active
-    exception", seen in about one run in eight here, under torchrun with no rlaunch code at all:
-    the backtrace is ``~AsyncBarrierWork`` in ``ProcessGroupGloo::runLoop`` taking the GIL). The
-    finals are printed before, so the run's result stands; a rank that ended any other way than by
-    that abort or by torchrun's SIGTERM after it fails the run.
+    exception"; seen in about one run in ten here, with and without rlaunch code in the process: the
+    backtrace is ``~AsyncBarrierWork`` in ``ProcessGroupGloo::runLoop`` taking the GIL). Only that
+    abort counts, with torchrun's SIGTERM of the other rank after it.
     """
     codes = {int(code) for code in EXITCODE.findall(stderr)}
     return "terminate called without an active exception" in stderr and -6 in codes and codes <= {-6, -15}
 
 
 def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
-    """Every rank's final digests from one uninterrupted 2-rank run on one node."""
-    res = subprocess.run(
-        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    """Every rank's final digests from one uninterrupted 2-rank run on one node that ended well.
+
+    A run that aborted in torch's teardown (:func:`aborted_in_torch_teardown`) is run again, at
+    most twice: a script or rlaunch that aborts at exit every time still fails here."""
+    for _ in range(3):
+        res = subprocess.run(
+            [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
+            break
     got = finals(res.stdout)
-    ended = res.returncode == 0 or aborted_in_torch_teardown(res.stderr)
-    assert ended and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     assert "live moves are refused" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
     return got
 
