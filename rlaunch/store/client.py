@@ -42,7 +42,7 @@ from prometheus_client import Histogram  # noqa: E402
 from rlaunch.addresses import host_port
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
-from rlaunch.store.watches import WatchStreams  # noqa: E402
+from rlaunch.store.watches import WatchStream, WatchStreams  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         except aetcd.rpc.AioRpcError as exc:
             aetcd.exceptions._handle_exception(exc)
         self.metadata = (("token", reply.token),)
-        self.watches.set_metadata(self._stream_metadata())
+        self.watches.renew()  # a stream's token is the one it opened with: later watches on a new one
 
     async def close(self) -> None:
         try:
@@ -207,11 +207,9 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         finally:
             await super().close()
 
-    def _new_stream(self) -> aetcd.watcher.Watcher:
+    def _new_stream(self, on_end: Callable[[WatchStream], None]) -> WatchStream:
         """A watch stream on this client's channel (opened at its first watch)."""
-        return aetcd.watcher.Watcher(
-            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self._stream_metadata()
-        )
+        return WatchStream(aetcd.rpc.WatchStub(self.channel), self._timeout, self._stream_metadata(), on_end)
 
     def _stream_metadata(self) -> tuple[tuple[str, str], ...]:
         """A watch stream's gRPC metadata: the token, if any, and ``hasleader``, with which etcd ends
@@ -638,14 +636,24 @@ class Store:
         ep = self.endpoint
         client = self._open()
         raw = prefix.encode()
-        try:
-            await asyncio.wait_for(client.connect(), self.timeout)
-            watch = await client.watches.open(
-                raw, None if exact else aetcd.utils.prefix_range_end(raw), start_revision, self.timeout
-            )
-        except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
-            self._watch_failed(client, ep, exc)
-            raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
+        renewed = False
+        while True:
+            try:
+                await asyncio.wait_for(client.connect(), self.timeout)
+                watch = await client.watches.open(
+                    raw, None if exact else aetcd.utils.prefix_range_end(raw), start_revision, self.timeout
+                )
+                break
+            except (aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
+                if not renewed and self.security.user and (_renews_token(exc) or "permission denied" in str(exc)):
+                    # etcd restarted and forgot the token the stream opened with (a stream opened
+                    # with a stale token is refused as "permission denied"): log in again, once.
+                    renewed = True
+                    with contextlib.suppress(aetcd.exceptions.ClientError, asyncio.TimeoutError):
+                        await asyncio.wait_for(client.authenticate(), self.timeout)
+                    continue
+                self._watch_failed(client, ep, exc)
+                raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
             async for ev in watch.events():
                 if (ev.kv.key != raw) if exact else (not ev.kv.key.startswith(raw)):
@@ -670,10 +678,9 @@ class Store:
             self._watch_failed(client, ep, exc)
             raise StoreUnavailableError(f"The watch on etcd at {ep} broke: {exc!r}.") from exc
         finally:
-            try:
-                await asyncio.wait_for(watch.cancel(), 1.0)
-            except Exception:  # noqa: BLE001 - the stream may already be gone
-                pass
+            cancelling = watch.close()  # started now, even if this task is cancelled while it waits
+            with contextlib.suppress(Exception):  # the stream may already be gone
+                await asyncio.wait_for(asyncio.shield(cancelling), 1.0)
 
     def _watch_failed(self, client: _Client, ep: Endpoint, exc: BaseException) -> None:
         problem = access_problem(ep, self.security, str(exc))

@@ -325,3 +325,79 @@ def test_a_watch_on_a_member_cut_off_from_the_others_ends_instead_of_going_silen
         asyncio.run(go())
     finally:
         etcd.stop()
+
+
+def test_a_watch_made_after_its_stream_broke_is_not_silenced_by_an_older_watchs_cancel(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """etcd restarts while a watch's reader is busy: its stream broke, but the reader has not seen it
+    yet. A watch made meanwhile must go on a new stream (aetcd reopened the broken one under the same
+    object, numbering from 0 again, so the older watch's cancel removed the new one, silently)."""
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data")).start()
+    p = prefix()
+
+    async def go() -> None:
+        store = Store(parse_endpoints(server.endpoint), timeout=2.0)
+        try:
+            start = (await store.get_at(p + "a"))[1] + 1
+            older = store.watch_prefix(p + "a", start_revision=start, exact=True)
+            await store.put(p + "a", b"1")
+            assert (await asyncio.wait_for(older.__anext__(), 10)).key == p + "a"  # its reader now busy
+            assert server.proc is not None
+            server.proc.kill()
+            server.proc.wait()
+            server.start()
+            seen: list[str] = []
+
+            async def follow() -> None:
+                async for ev in store.watch_prefix(p + "b", start_revision=start, exact=True):
+                    seen.append(ev.key)
+
+            newer = asyncio.create_task(follow())
+            await asyncio.sleep(2.0)  # made
+            with pytest.raises(StoreUnavailableError, match="broke"):
+                await older.__anext__()  # the older reader comes back: the break, then its cancel
+            await store.put(p + "b", b"1")
+            for _ in range(50):
+                if seen:
+                    break
+                await asyncio.sleep(0.1)
+            assert seen == [p + "b"], "the newer watch must still deliver"
+            newer.cancel()
+            await asyncio.gather(newer, return_exceptions=True)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
+
+
+def test_closing_the_store_ends_watch_creations_under_way_with_a_store_error() -> None:
+    """Two watch creations wait on an etcd held by SIGSTOP when the store closes: each caller gets
+    the store's own error (no client internals, no stream made on the closed channel)."""
+    server = EmbeddedEtcd().start()
+    p = prefix()
+
+    async def go() -> None:
+        store = Store(parse_endpoints(server.endpoint), timeout=5.0)
+        await store.get(p + "z")
+
+        async def follow(key: str) -> None:
+            async for _ in store.watch_prefix(p + key, exact=True):
+                pass
+
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            waiting = [asyncio.create_task(follow(k)) for k in ("x", "y")]
+            await asyncio.sleep(0.5)
+            await store.close()
+            ended = await asyncio.gather(*waiting, return_exceptions=True)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert all(isinstance(e, StoreUnavailableError) for e in ended), ended
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
