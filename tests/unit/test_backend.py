@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng
 from rlaunch.runtime.backend import Backend, Communicators, choose, default_backend
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
+from tests import gloo_groups as gloo
 
 TIMEOUT = datetime.timedelta(seconds=20)
 GPU = torch.device("cuda", 3)
@@ -322,13 +322,9 @@ def test_phase_one_builds_each_affected_group_with_its_backend(fake: FakeNccl) -
         backends.current().release(comm)
 
 
-def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """NCCL completes a future when its kernel is queued: only a stream synchronize before the
     vote makes a full vote mean that every rank's gradient sync ended."""
-    import torch.distributed as dist
-
     order: list[str] = []
 
     class Stream:
@@ -336,19 +332,15 @@ def test_with_nccl_groups_the_vote_waits_for_the_steps_gpu_work_first(
             order.append("synchronize")
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
-    try:
-        rt = _nccl_runtime(world_comm=dist.distributed_c10d._get_default_group(), generation=0, store=None)
-        vote = rt.group.allreduce
-        monkeypatch.setattr(rt.group, "allreduce", lambda *a, **k: (order.append("vote"), vote(*a, **k))[1])
-        model = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        rt.track(model=model, optimizer=opt)
-        for _ in rt.steps(1):
-            model(torch.ones(1, 2)).sum().backward()
-            assert rt.optimizer_step(opt)
-    finally:
-        dist.destroy_process_group()
+    rt = _nccl_runtime(world_comm=gloo.one_rank(), generation=0, store=None)
+    vote = rt.group.allreduce
+    monkeypatch.setattr(rt.group, "allreduce", lambda *a, **k: (order.append("vote"), vote(*a, **k))[1])
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.track(model=model, optimizer=opt)
+    for _ in rt.steps(1):
+        model(torch.ones(1, 2)).sum().backward()
+        assert rt.optimizer_step(opt)
     assert order == ["synchronize", "vote"]
 
 

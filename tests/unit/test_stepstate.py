@@ -14,6 +14,7 @@ from torch import nn
 from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, broadcasts, fingerprint_value, touched
 from rlaunch.runtime.vote import RefusedError
+from tests import gloo_groups as gloo
 from tests.one_rank import plain_runtime
 
 
@@ -199,14 +200,9 @@ def test_ddps_broadcasts_of_rank_0s_buffers_are_counted_with_or_without_gradient
     """A forward after a synchronised one broadcasts rank 0's buffers: an evaluation's under no_grad (which
     clears DDP's flag) and one with gradients (which leaves it set, so the flag is no witness); a second
     forward under no_grad does not."""
-    from torch.distributed import HashStore, ProcessGroup, ProcessGroupGloo
     from torch.nn.parallel import DistributedDataParallel
 
-    store = HashStore()
-    group = ProcessGroup(store, 0, 1)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1))
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), process_group=group)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), process_group=gloo.one_rank())
     tracked = {"model": model}
     counts = [broadcasts(tracked)["model"]]
     model(torch.randn(8, 3)).sum().backward()  # the first forward broadcasts too

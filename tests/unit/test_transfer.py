@@ -19,6 +19,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from rlaunch.runtime import pending, rng, staging, transfer
 from rlaunch.runtime.staging import Staging, chunks
 from rlaunch.runtime.transfer import TransferError, recv_state, send_state
+from tests import gloo_groups as gloo
 
 
 def _pair() -> tuple[Any, Any]:
@@ -38,7 +39,7 @@ def _pair() -> tuple[Any, Any]:
         t.start()
     for t in threads:
         t.join()
-    return out[0], out[1]
+    return gloo.kept(out[0]), gloo.kept(out[1])
 
 
 def _objects(seed: int, width: int = 8) -> dict[str, Any]:

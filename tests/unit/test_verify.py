@@ -13,21 +13,17 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed import HashStore, ProcessGroup
-from torch.distributed.distributed_c10d import ProcessGroupGloo
+from torch.distributed import HashStore
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import verify
 from rlaunch.runtime.replicas import declare
 from rlaunch.runtime.verify import Verifier
+from tests import gloo_groups as gloo
 
 
 def _ddp(module: nn.Module) -> DistributedDataParallel:
-    store = HashStore()
-    pg = ProcessGroup(store, 0, 1)
-    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1))
-    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
-    return DistributedDataParallel(module, process_group=pg)
+    return DistributedDataParallel(module, process_group=gloo.one_rank())
 
 
 def _rank(seed: int = 0) -> dict[str, Any]:
