@@ -22,7 +22,8 @@ Creations on a stream take turns under a lock of rlaunch's, each holding it unti
 or its failure: one that failed retires the stream before it lets the next in, so no later
 creation is made where a late answer can still come (a waiting one moves to the new stream). A
 caller that stops waiting (its timeout, a cancel) leaves the creation to finish under the lock; a
-watch it makes after all is cancelled at once. A retired stream is shut down once no watch or
+watch it makes after all is cancelled at once, as is one registered by an answer that came just as
+aetcd's own wait for it gave up. A retired stream is shut down once no watch or
 creation uses it.
 """
 
@@ -83,9 +84,14 @@ class WatchStream(aetcd.watcher.Watcher):  # type: ignore[misc]
             return
         await super()._handle_response(response)
 
+    def watches_of(self, callback: Callable[[Any], Any]) -> list[int]:
+        """The ids of this stream's watches that deliver to ``callback``. A creation whose answer came
+        just as aetcd's own wait for it timed out failed, yet its watch is registered here."""
+        return [watch_id for watch_id, cb in self._callbacks.items() if cb.callback is callback]
+
 
 class BoundWatch:
-    """One watch, on the stream it was made on: iterate :meth:`events`, then :meth:`cancel` it."""
+    """One watch, on the stream it was made on: iterate :meth:`events`, then :meth:`close` it."""
 
     def __init__(self, streams: WatchStreams, stream: WatchStream, watch_id: int, queue: asyncio.Queue[Any]) -> None:
         self._streams = streams
@@ -111,10 +117,6 @@ class BoundWatch:
         if self._cancelling is None:
             self._cancelling = self._streams.in_background(self._streams.cancel(self.stream, self.watch_id))
         return self._cancelling
-
-    async def cancel(self) -> None:
-        """Cancel the watch on its own stream and wait for it (see :meth:`close`)."""
-        await asyncio.shield(self.close())
 
 
 class WatchStreams:
@@ -185,6 +187,10 @@ class WatchStreams:
                     )
                 except BaseException:
                     self.retire(stream)  # its answer may still come there: no creation follows it
+                    if stream in self._users:  # not shut down already (the client closed)
+                        for watch_id in stream.watches_of(deliver):  # made by an answer that came as aetcd gave up
+                            self._users[stream] += 1
+                            self.in_background(self.cancel(stream, watch_id))
                     self._release(stream)
                     raise
                 return stream, int(callback.watch_id)
