@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 #: Longest a worker may be kept in one ``wait_plan`` call before it asks again.
 PLAN_WAIT_S = 30.0
-#: How long a worker's store read waits before it reads again after etcd broke off (see _get_when_set).
+#: How long a worker's store read waits before it reads again after etcd broke off (see _value_when_set).
 KV_RETRY_S = 0.5
 
 
@@ -321,33 +321,38 @@ class WorkerLink:
 
     async def _kv_get(self, req: dict[str, Any]) -> dict[str, Any]:
         key, timeout = self._key(req["key"]), float(req["timeout"])
-        broke: list[str] = []
-        try:
-            value = await asyncio.wait_for(self._get_when_set(key, broke), timeout)
-        except asyncio.TimeoutError:
-            why = f"The store key {req['key']!r} was not set within {timeout:.0f} s{_cause(broke)}."
-            raise StoreError(why) from None
+        unset = f"The store key {req['key']!r} was not set within {timeout:.0f} s"
+        value = await self._value_when_set(key, timeout, unset)
         return {"value": base64.b64encode(value).decode()}
 
-    async def _get_when_set(self, key: str, broke: list[str]) -> bytes:
+    async def _value_when_set(self, key: str, timeout: float, unset: str) -> bytes:
         """The key's value once it is set: read, then watched from the revision read. When etcd
         breaks off (the watched member lost, a request that found no member), it reads and
-        watches again, on the next member, :data:`KV_RETRY_S` later, until the caller's timeout:
-        a worker waiting on a group's rendezvous does not fail for a member etcd can do without.
-        Each break's sentence is appended to ``broke`` (the caller names the last if it times out)."""
-        while True:
-            try:
-                kv, revision = await self._store.get_at(key)
-                if kv is not None:
-                    return kv.value
-                async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
-                    if not ev.deleted:
-                        return ev.value
-            except StoreUnavailableError as exc:
-                if not broke:
-                    log.warning("a worker's wait for the store key %s broke off (%s); reading it again", key, exc)
-                broke.append(str(exc))
-                await self._sleep(KV_RETRY_S)
+        watches again, on the next member, :data:`KV_RETRY_S` later, until ``timeout``: a worker
+        waiting on a group's rendezvous does not fail for a member etcd can do without. Past
+        ``timeout`` it raises :class:`StoreError`: ``unset`` and the last way etcd broke off, if it did."""
+        broke: list[str] = []
+
+        async def read() -> bytes:
+            while True:
+                try:
+                    kv, revision = await self._store.get_at(key)
+                    if kv is not None:
+                        return kv.value
+                    async for ev in self._store.watch_prefix(key, start_revision=revision + 1, exact=True):
+                        if not ev.deleted:
+                            return ev.value
+                except StoreUnavailableError as exc:
+                    if not broke:
+                        log.warning("a worker's wait for the store key %s broke off (%s); reading it again", key, exc)
+                    broke.append(str(exc))
+                    await self._sleep(KV_RETRY_S)
+
+        try:
+            return await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            cause = f" (etcd broke off {len(broke)} time(s) meanwhile, last: {broke[-1].rstrip('.')})" if broke else ""
+            raise StoreError(f"{unset}{cause}.") from None
 
     async def _kv_gather(self, req: dict[str, Any]) -> dict[str, Any]:
         """Every value under ``prefix`` once ``count`` are there, in key order, at O(1) requests per caller.
@@ -364,14 +369,8 @@ class WorkerLink:
             values = [base64.b64encode(kv.value).decode() for kv in sorted(kvs, key=lambda kv: kv.key)]
             await self._store.put(done, json.dumps(values).encode(), lease=self._lease())
             return {"values": values}
-        broke: list[str] = []
-        try:
-            blob = await asyncio.wait_for(self._get_when_set(done, broke), timeout)
-        except asyncio.TimeoutError:
-            raise StoreError(
-                f"Fewer than {count} store keys were set under {req['prefix']!r} within {timeout:.0f} s{_cause(broke)}."
-            ) from None
-        return {"values": json.loads(blob)}
+        unset = f"Fewer than {count} store keys were set under {req['prefix']!r} within {timeout:.0f} s"
+        return {"values": json.loads(await self._value_when_set(done, timeout, unset))}
 
     async def _kv_add(self, req: dict[str, Any]) -> dict[str, Any]:
         key, amount = self._key(req["key"]), int(req["amount"])
@@ -411,8 +410,3 @@ class WorkerLink:
     async def _kv_count(self, req: dict[str, Any]) -> dict[str, Any]:
         kvs, _ = await self._store.get_prefix(self._keys.kv(""))
         return {"value": len(kvs)}
-
-
-def _cause(broke: list[str]) -> str:
-    """The end of a store wait's timeout sentence: the last way etcd broke off meanwhile, if it did."""
-    return f" (etcd broke off {len(broke)} time(s) meanwhile, last: {broke[-1].rstrip('.')})" if broke else ""

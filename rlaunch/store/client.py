@@ -400,6 +400,11 @@ class Store:
             self._clients[self._index] = client
         return client
 
+    async def _log_in_again(self, client: _Client) -> None:
+        """Renew ``client``'s token (etcd restarted and forgot it); a failure shows in the retry."""
+        with contextlib.suppress(aetcd.exceptions.ClientError, asyncio.TimeoutError):
+            await asyncio.wait_for(client.authenticate(), self.timeout)
+
     def _next_endpoint(self, ep: Endpoint, exc: Exception) -> None:
         if len(self.endpoints) > 1 and self.endpoint == ep:
             self._index = (self._index + 1) % len(self.endpoints)
@@ -435,8 +440,7 @@ class Store:
                     # etcd restarted and forgot the token: log in again and retry once.
                     renewed = True
                     attempts += 1
-                    with contextlib.suppress(aetcd.exceptions.ClientError, asyncio.TimeoutError):
-                        await asyncio.wait_for(client.authenticate(), self.timeout)
+                    await self._log_in_again(client)
                     continue
                 problem = access_problem(ep, self.security, str(exc))
                 if problem:
@@ -649,10 +653,9 @@ class Store:
                     # etcd restarted and forgot the token the stream opened with (a stream opened
                     # with a stale token is refused as "permission denied"): log in again, once.
                     renewed = True
-                    with contextlib.suppress(aetcd.exceptions.ClientError, asyncio.TimeoutError):
-                        await asyncio.wait_for(client.authenticate(), self.timeout)
+                    await self._log_in_again(client)
                     continue
-                self._watch_failed(client, ep, exc)
+                self._watch_failed(ep, exc)
                 raise StoreUnavailableError(f"etcd at {ep} refused a watch on {prefix}: {exc!r}.") from exc
         try:
             async for ev in watch.events():
@@ -674,15 +677,14 @@ class Store:
                     lease=ev.kv.lease,
                 )
         except aetcd.exceptions.ClientError as exc:
-            client.watches.retire(watch.stream)  # later watches on a new stream (a dead one may linger)
-            self._watch_failed(client, ep, exc)
+            self._watch_failed(ep, exc)  # its stream retired itself: later watches get a new one
             raise StoreUnavailableError(f"The watch on etcd at {ep} broke: {exc!r}.") from exc
         finally:
             cancelling = watch.close()  # started now, even if this task is cancelled while it waits
             with contextlib.suppress(Exception):  # the stream may already be gone
                 await asyncio.wait_for(asyncio.shield(cancelling), 1.0)
 
-    def _watch_failed(self, client: _Client, ep: Endpoint, exc: BaseException) -> None:
+    def _watch_failed(self, ep: Endpoint, exc: BaseException) -> None:
         problem = access_problem(ep, self.security, str(exc))
         if problem:
             raise StoreAccessError(problem) from exc
