@@ -153,6 +153,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         )
         self._credentials = credentials
         self._is_connecting: bool = False
+        self._closed = False  # a closed client never connects again (its channel would never be closed)
         #: this client's watch streams (see rlaunch.store.watches; aetcd's own watch methods are not used)
         self.watches = WatchStreams(self._new_stream)
 
@@ -160,6 +161,8 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         # aetcd's connect(), with the channel made secure when asked and auth errors translated.
         if self._connected.is_set():
             return
+        if self._closed:
+            raise aetcd.exceptions.ConnectionFailedError("the etcd client was closed")
         if self._is_connecting:
             if not await wait_event(self._connected, self._connect_wait_timeout):
                 raise asyncio.TimeoutError(
@@ -202,6 +205,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self.watches.renew()  # a stream's token is the one it opened with: later watches on a new one
 
     async def close(self) -> None:
+        self._closed = True
         try:
             await self.watches.close()
         finally:
@@ -331,6 +335,7 @@ class Store:
         self._credentials = _credentials(self.security)
         self._index = 0
         self._clients: dict[int, _Client] = {}
+        self._closed = False  # see close()
 
     def sibling(self, timeout: float) -> Store:
         """A client of its own to the same etcd (endpoints, and credentials where there are any)."""
@@ -381,6 +386,9 @@ class Store:
         ) from last
 
     async def close(self) -> None:
+        """Close every connection; a request made after (a task that outlived the store) fails with
+        :class:`StoreError` instead of opening a connection nothing would close."""
+        self._closed = True
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             try:
@@ -389,6 +397,8 @@ class Store:
                 log.debug("closing the etcd client failed", exc_info=True)
 
     def _open(self) -> _Client:
+        if self._closed:
+            raise self._closed_error()
         client = self._clients.get(self._index)
         if client is None:
             ep = self.endpoint
@@ -399,6 +409,9 @@ class Store:
             )  # fmt: skip
             self._clients[self._index] = client
         return client
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"The client of etcd at {self._describe()} was closed; nothing more is sent through it.")
 
     async def _log_in_again(self, client: _Client) -> None:
         """Renew ``client``'s token (etcd restarted and forgot it); a failure shows in the retry."""
@@ -685,6 +698,8 @@ class Store:
                 await asyncio.wait_for(asyncio.shield(cancelling), 1.0)
 
     def _watch_failed(self, ep: Endpoint, exc: BaseException) -> None:
+        if self._closed:
+            raise self._closed_error() from exc  # the store closed under it: no member failed
         problem = access_problem(ep, self.security, str(exc))
         if problem:
             raise StoreAccessError(problem) from exc

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from rlaunch.errors import PlanError, StoreUnavailableError
+from rlaunch.errors import PlanError, StoreError, StoreUnavailableError
 from rlaunch.events import EVENTS_PER_REQUEST, EventLog
 from rlaunch.store import generations
 from rlaunch.store.client import Store, parse_endpoints
@@ -374,7 +374,8 @@ def test_a_watch_made_after_its_stream_broke_is_not_silenced_by_an_older_watchs_
 
 def test_closing_the_store_ends_watch_creations_under_way_with_a_store_error() -> None:
     """Two watch creations wait on an etcd held by SIGSTOP when the store closes: each caller gets
-    the store's own error (no client internals, no stream made on the closed channel)."""
+    the store's own error, which says the store was closed (no client internals, no stream made on
+    the closed channel, no member taken for failed); so does a request made after the close."""
     server = EmbeddedEtcd().start()
     p = prefix()
 
@@ -395,7 +396,14 @@ def test_closing_the_store_ends_watch_creations_under_way_with_a_store_error() -
             ended = await asyncio.gather(*waiting, return_exceptions=True)
         finally:
             server.proc.send_signal(signal.SIGCONT)
-        assert all(isinstance(e, StoreUnavailableError) for e in ended), ended
+        assert all(isinstance(e, StoreError) and "was closed" in str(e) for e in ended), ended
+        # a request after the close fails the same way, and opens no connection
+        with pytest.raises(StoreError, match="was closed; nothing more is sent"):
+            await store.get(p + "z")
+        with pytest.raises(StoreError, match="was closed"):
+            async for _ in store.watch_prefix(p + "x"):
+                pass
+        assert not store._clients
 
     try:
         asyncio.run(go())
