@@ -11,13 +11,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import pytest
 
-from rlaunch.runtime.backend import Communicators
 from rlaunch.store.embedded import EmbeddedEtcd
-from tests import gloo_groups
 from tests.cluster import TRAIN, Cluster, checksums, kill_leftovers, reap_zombies
 
 # Orphans of the processes tests start are reparented to pytest, which reaps them: a zombie
@@ -34,21 +31,6 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 # they started end with it (by default the signal killed pytest alone and left them running).
 for _sig in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(_sig, _interrupt)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kept_groups() -> Iterator[None]:
-    """Every communicator built in this process, by a test or through the runtime, lives until the
-    session ends (see tests.gloo_groups: a gloo group dropped right after its last work can hang)."""
-    build = Communicators.build
-
-    def keeping(self: Communicators, *args: Any, **kwargs: Any) -> Any:
-        return gloo_groups.kept(build(self, *args, **kwargs))
-
-    Communicators.build = keeping  # type: ignore[method-assign]
-    yield
-    Communicators.build = build  # type: ignore[method-assign]
-    gloo_groups.drop_kept()
 
 
 @pytest.fixture(scope="session")

@@ -690,7 +690,7 @@ class Store:
                     lease=ev.kv.lease,
                 )
         except aetcd.exceptions.ClientError as exc:
-            self._watch_failed(ep, exc)  # its stream retired itself: later watches get a new one
+            self._watch_failed(ep, exc)  # a broken stream retired itself (a compaction leaves it in use)
             raise StoreUnavailableError(f"The watch on etcd at {ep} broke: {exc!r}.") from exc
         finally:
             cancelling = watch.close()  # started now, even if this task is cancelled while it waits

@@ -33,7 +33,6 @@ from rlaunch.store import generations
 from rlaunch.store.client import REQUEST_SECONDS, Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation, GenerationStatus, JobSpec, NodeRecord, NodeState, encode
-from tests import gloo_groups
 from tests.cluster import run_store
 
 TIMEOUT = datetime.timedelta(seconds=120)
@@ -142,7 +141,7 @@ def test_gloo_world_group_builds_through_the_agent_store(agents_factory: Callabl
 
     def rank_main(rank: int) -> float:
         store = agents.worker_store(rank, per_agent)  # kept referenced: torch calls back into it
-        pg = gloo_groups.kept(ProcessGroupGloo(dist.PrefixStore("g1/world/", store), rank, world, timeout=TIMEOUT))
+        pg = ProcessGroupGloo(dist.PrefixStore("g1/world/", store), rank, world, timeout=TIMEOUT)
         t = torch.tensor([float(rank)])
         pg.allreduce([t]).wait()
         return float(t.item())

@@ -26,7 +26,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import rng
 from rlaunch.runtime.backend import Backend, Communicators, choose, default_backend
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
-from tests import gloo_groups as gloo
+from tests.unit import gloo_groups as gloo
 
 TIMEOUT = datetime.timedelta(seconds=20)
 GPU = torch.device("cuda", 3)

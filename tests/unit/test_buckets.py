@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlaunch.runtime import buckets
-from tests import gloo_groups as gloo
+from tests.unit import gloo_groups as gloo
 
 
 def _step(*models: nn.Module) -> None:

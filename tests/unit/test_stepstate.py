@@ -14,8 +14,8 @@ from torch import nn
 from rlaunch.runtime import rng
 from rlaunch.runtime.stepstate import DiscardedParams, StepSnapshots, broadcasts, fingerprint_value, touched
 from rlaunch.runtime.vote import RefusedError
-from tests import gloo_groups as gloo
 from tests.one_rank import plain_runtime
+from tests.unit import gloo_groups as gloo
 
 
 def _objects() -> dict[str, Any]:

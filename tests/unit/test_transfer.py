@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from rlaunch.runtime import pending, rng, staging, transfer
 from rlaunch.runtime.staging import Staging, chunks
 from rlaunch.runtime.transfer import TransferError, recv_state, send_state
-from tests import gloo_groups as gloo
+from tests.unit import gloo_groups as gloo
 
 
 def _pair() -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rlaunch.runtime import verify
 from rlaunch.runtime.replicas import declare
 from rlaunch.runtime.verify import Verifier
-from tests import gloo_groups as gloo
+from tests.unit import gloo_groups as gloo
 
 
 def _ddp(module: nn.Module) -> DistributedDataParallel:

@@ -1,13 +1,13 @@
-"""Gloo process groups made in the test process, kept until the session ends.
+"""Gloo process groups of the unit tests, kept until the session ends.
 
-A gloo group's destructor joins its worker threads while the thread that drops the group holds
-the GIL. A worker may still be freeing the last work it ran, whose captured thread-local state
-holds Python objects: that needs the GIL, and the process hangs for good (torch 2.13; it hung a
-CI run in tests/unit/test_verify.py). A test's locals are dropped right after its last
-collective, so the groups tests make are kept here (those built through the runtime's
-``Communicators.build`` too: tests/conftest.py) and dropped as the session ends, when every
-worker has long been idle. The runtime drops the groups it replaced late, on a thread of its own
-(``rlaunch.runtime.groups.retire``).
+A gloo group's destructor joins its worker threads. Dropped from Python it runs without the GIL
+(torch's holder releases it), but dropped by C++ code that holds the GIL, such as DDP's Reducer as
+its module goes, it joins them with the GIL held. A worker may still be freeing the last work it
+ran, whose captured thread-local state holds Python objects: that needs the GIL, and the process
+hangs for good (torch 2.13; it hung a CI run in test_verify.py). A test's models are dropped right
+after their last collective, so the groups the unit tests make are kept here (those built through
+the runtime's ``Communicators.build`` too: conftest.py) and dropped as the session ends. The
+runtime drops the groups it replaced late, on a thread of its own (``rlaunch.runtime.groups.retire``).
 """
 
 from __future__ import annotations
