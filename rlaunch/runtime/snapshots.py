@@ -18,7 +18,8 @@ snapshots from the vote after any rank said so (a joiner learns it with the stat
 
 The interval is a value every rank holds alike (``RankState.snapshot_every``; a joiner learns it
 with its state), and the vote carries it, so that ranks that disagree are seen. With ``auto`` it
-is chosen at each commit by :func:`choose`, a pure function of the vote's sums: what the ranks
+is chosen at each commit (but a generation's first: see :meth:`HostSnapshots.commit`) by
+:func:`choose`, a pure function of the vote's sums: what the ranks
 measured a snapshot to cost (the excess of the steps it overlapped over the steps no snapshot
 overlapped, :meth:`HostSnapshots.stepped`), their median step, and how many steps the snapshot
 took to commit.
@@ -476,8 +477,12 @@ class HostSnapshots:
         if total == s.world_size * mine and s.world_size * squares == total * total and self.pending > self.committed:
             self.committed = self.pending
             self._closing = True
-            if self.auto:  # a generation's first snapshot also built its pairs: its window says nothing of later ones
-                self._choose(round(summed[4]), round(summed[5]), s.step - self.pending + 1 if self._measured else 0)
+            # A generation's first snapshot chooses nothing: it also built the pairs, so its window says
+            # nothing of later ones, and it may be committed here alone (after a rollback, the survivors
+            # retake the snapshot they had committed already; the joiner, or a survivor that had not read
+            # that commit yet, commits it alone, and would move alone to another interval).
+            if self.auto and self._measured:
+                self._choose(round(summed[4]), round(summed[5]), s.step - self.pending + 1)
             if s.link is not None:
                 try:
                     s.link.call(

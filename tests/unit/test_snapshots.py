@@ -380,3 +380,24 @@ def test_a_joiner_learns_the_interval_the_job_follows_with_its_state() -> None:
     off = moves(0)  # snapshots off on this rank: it stays off
     off.learn(survivor.knowledge())
     assert off._s.snapshot_every == 0
+
+
+def test_a_generations_first_snapshot_moves_no_rank_to_another_interval() -> None:
+    """After a rollback, the survivors retake the snapshot they rolled back to, which they had
+    committed already; the joiner (and a survivor that had not yet read that commit) commits it
+    alone. Were that lone commit to choose auto's interval, from a window of 0 steps, that rank
+    alone would move to another interval, and the next vote would stop every rank's snapshots."""
+    survivor, joiner = _keeper(0, 40, 40, auto=True, every=40), _keeper(1, 40, 40, auto=True, every=40)
+    survivor.committed = 40  # it committed 40 before the fault; the joiner knows of no commit
+    for k in (survivor, joiner):
+        k._s.snapshots_wanted = True
+        k._s.step = 40
+        k._s.snapshot_every = 40  # what the job follows: set by a window of 4 steps at 40's commit
+        k._costs.append(0.01)  # cheap snapshots: a window of 0 steps would want 20 steps
+        k._gen, k._measured = 1, False  # this generation's first snapshot (it built the pairs)
+    _vote(survivor, joiner)
+    assert survivor.committed == joiner.committed == 40
+    assert survivor.every == joiner.every == 40, "no rank chose alone"
+    survivor._s.step = joiner._s.step = 41
+    _vote(survivor, joiner)  # the next vote: every rank still follows the same interval
+    assert survivor.due(80) and joiner.due(80) and not survivor.due(60) and not joiner.due(60)
