@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,12 @@ import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
+from tests.torch_teardown import aborted_in_torch_teardown
 
 pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tests need 'rlaunch[lightning]'")
 
 SCRIPT = SCRIPTS / "lightning_train.py"
+TORCHRUN = "torch.distributed.run"
 PATTERNS = ("--accum-schedule", "0:2,1:4", "--precision", "16-mixed", "--loader", "stateful")
 NUMBER = r"None|[-+0-9.e]+"  # not \S+: two ranks' lines may reach the output unseparated
 FINAL = re.compile(
@@ -41,13 +44,26 @@ def finals(text: str) -> dict[int, tuple[str, ...]]:
     return {int(m.group(1)): m.groups()[1:] for m in FINAL.finditer(text)}
 
 
-def run(launcher: list[str], *args: str, root: Path) -> dict[int, tuple[str, ...]]:
-    """Every rank's final digests from one uninterrupted 2-rank run on one node."""
-    res = subprocess.run(
-        [sys.executable, "-m", *launcher, "--nproc-per-node", "2", str(SCRIPT), "--devices", "2", "--root", str(root),
-         *PATTERNS, *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+def launch(launcher: str, *args: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """One uninterrupted 2-rank run of the script on one node under ``launcher`` (a module: torchrun's
+    ``torch.distributed.run`` or ``rlaunch``), writing under ``root``. A torchrun run that aborted in
+    torch's teardown is run again, at most twice (never accepted: see tests.torch_teardown); an
+    rlaunch run never is."""
+    for _ in range(3 if launcher == TORCHRUN else 1):
+        shutil.rmtree(root, ignore_errors=True)
+        res = subprocess.run(
+            [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
+             "--root", str(root), *args],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
+            break
+    return res
+
+
+def run(*args: str, root: Path, launcher: str = TORCHRUN) -> dict[int, tuple[str, ...]]:
+    """Every rank's final digests from one uninterrupted 2-rank run on one node, with the patterns."""
+    res = launch(launcher, *PATTERNS, *args, root=root)
     got = finals(res.stdout)
     assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     return got
@@ -60,7 +76,7 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     and d takes a's loop position (the window of 4 included: its sandbox ran epoch 0's 2), data
     position and callbacks from c. Both must end as Lightning's DDP does under torchrun, and as an
     uninterrupted run."""
-    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", root=tmp_path / "ddp")
+    ddp = run("--strategy", "ddp", root=tmp_path / "ddp")
     assert ddp[0] == ddp[1], "Lightning's DDP keeps its replicas equal"
     gates = cluster.tmp / "gate", cluster.tmp / "drained"
     root = tmp_path / "job"
@@ -89,9 +105,9 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     # saved the others, and removed the one before it as a would have (save_top_k=1).
     kept = sorted(p.name for p in root.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
     assert kept == ["epoch=2-step=20.ckpt"], kept
-    assert run(["rlaunch", "--standalone"], root=tmp_path / "uninterrupted") == ddp
+    assert run(root=tmp_path / "uninterrupted", launcher="rlaunch") == ddp
     # The same script, rlaunch's strategy and all, under plain torchrun: it trains as Lightning's DDP.
-    assert run(["torch.distributed.run", "--standalone"], root=tmp_path / "torchrun") == ddp
+    assert run(root=tmp_path / "torchrun") == ddp
 
 
 def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_node(
@@ -102,11 +118,7 @@ def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_no
     (mid-epoch 1) and d takes rank 0 live, c reruns the discarded training_step whole. Both end as
     Lightning's DDP does."""
     manual = ("--manual", "--loader", "plain")
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-         "--devices", "2", "--root", str(tmp_path / "ddp"), "--strategy", "ddp", *manual],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    res = launch(TORCHRUN, "--strategy", "ddp", *manual, root=tmp_path / "ddp")
     ddp = finals(res.stdout)
     assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     gates = cluster.tmp / "gate", cluster.tmp / "drained"
@@ -135,7 +147,7 @@ def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp
     sentence, and the job restarts (the script keeps no checkpoint: from the start; each refused
     replacement counts as a restart too), ending as Lightning's DDP does."""
     args = ("--plateau", "--step-plateau", "--epochs", "2")
-    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
+    ddp = run("--strategy", "ddp", *args, root=tmp_path / "ddp")
     a, b = cluster.agents_in_order(
         ["a", "b"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *PATTERNS, *args,
         "--crash-in-validation", "0:0", "--crash-after-vote", "0:4:1", flags=("--max-restarts", "4"),
@@ -153,12 +165,8 @@ def test_what_cannot_move_is_named_at_start_and_the_job_trains_as_lightnings_ddp
     """limit_train_batches cuts epochs short, which the data position does not follow: the worker and its
     agent say so at start (live moves refused: the job would take the restart path), and it trains on."""
     args = ("--limit", "0.5", "--epochs", "2")
-    ddp = run(["torch.distributed.run", "--standalone"], "--strategy", "ddp", *args, root=tmp_path / "ddp")
-    res = subprocess.run(
-        [sys.executable, "-m", "rlaunch", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
-         "--root", str(tmp_path / "rl"), *PATTERNS, *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    ddp = run("--strategy", "ddp", *args, root=tmp_path / "ddp")
+    res = launch("rlaunch", *PATTERNS, *args, root=tmp_path / "rl")
     out = res.stdout + res.stderr
     assert res.returncode == 0 and finals(out) == ddp, out[-3000:]
     why = "rlaunch.lightning: Trainer(limit_train_batches=0.5) ends epochs before their loader does"

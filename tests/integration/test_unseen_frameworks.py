@@ -23,9 +23,9 @@ import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
+from tests.torch_teardown import aborted_in_torch_teardown
 
 FINAL = re.compile(r"rank (\d+) final: (params=\w+ optim=\w+ sched=\w+ steps=\d+(?: eval=[0-9.,]+)?)")
-EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
 LIGHTNING = SCRIPTS / "lightning_tutorial.py"
 ACCELERATE = SCRIPTS / "accelerate_tutorial.py"
 pytestmark = pytest.mark.timeout(900)
@@ -33,21 +33,6 @@ pytestmark = pytest.mark.timeout(900)
 
 def finals(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in FINAL.finditer(text)}
-
-
-def aborted_in_torch_teardown(stderr: str) -> bool:
-    """Whether a rank aborted in torch's own teardown, as a run under torchrun sometimes does.
-
-    In torch 2.13 a gloo worker thread drops a finished collective (here the barrier of
-    ``wait_for_everyone`` holding the last ``gather_for_metrics``' tensors) after the rank's main
-    thread has moved on; when that is the interpreter's finalization, the worker's wait for the GIL
-    ends its thread inside C++ and the process aborts ("terminate called without an active
-    exception"; seen in about one run in ten here, with and without rlaunch code in the process: the
-    backtrace is ``~AsyncBarrierWork`` in ``ProcessGroupGloo::runLoop`` taking the GIL). Only that
-    abort counts, with torchrun's SIGTERM of the other rank after it.
-    """
-    codes = {int(code) for code in EXITCODE.findall(stderr)}
-    return "terminate called without an active exception" in stderr and -6 in codes and codes <= {-6, -15}
 
 
 def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
