@@ -301,6 +301,8 @@ class AgentMetrics:
             self.snapshot_seconds.labels(node, rank, "exchange").set(float(data["exchange_s"]))
             self.snapshot_step.labels(node, rank).set(float(data["step"]))
             self.snapshot_committed.labels(node, rank).set(time.time())  # wall clock: Prometheus computes the age
+        elif kind == "snapshot_handed_over":  # a drain's joiner holds the kept snapshot (committed before it joined)
+            self.snapshot_step.labels(node, str(data["rank"])).set(float(data["step"]))
         elif kind == "joined" and self._offered.get(gen) == "replace":
             # The joiner's rank was down from its own workers' failure (restarted in place), or
             # else (a standby) from the plan until it had its state.

@@ -22,6 +22,9 @@
 - ``snapshot``: a host snapshot every rank holds was committed (layouts without a replica; see
   :mod:`rlaunch.runtime.snapshots`): this rank's bytes and what copying and exchanging it took
   (a ``snapshot_committed`` event, local: the log, events.jsonl and the metrics, not etcd).
+- ``snapshot_handover``: a drain's joiner holds the leaver's two copies of the host snapshot the
+  job kept across the drain (see :mod:`rlaunch.runtime.handover`): a local ``snapshot_handed_over``
+  event with the step, the bytes and the seconds it took.
 - ``done``: the worker's ``rt.steps()`` ended; it says what comparing replicas cost it over the
   job (a ``verification`` event: seconds spent, comparisons, steps and the median step).
 """
@@ -126,7 +129,8 @@ class WorkerLink:
         ops = (
             "hello", "wait_plan", "warm", "prepared", "joined", "left", "switched", "phases", "recovering", "recovered",
             "heartbeat", "replica_sent", "unrecoverable", "done", "moves", "sdc_suspected", "snapshot",
-            "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count", "kv_gather",
+            "snapshot_handover", "kv_set", "kv_get", "kv_add", "kv_compare_set", "kv_check", "kv_delete", "kv_count",
+            "kv_gather",
         )  # fmt: skip
         for op in ops:
             server.register(op, getattr(self, "_" + op))
@@ -301,6 +305,15 @@ class WorkerLink:
                    exchange_s=round(require(req, "snapshot", "exchange_s", float), 4),
                    every=require(req, "snapshot", "every", int),
                    cost_s=round(require(req, "snapshot", "cost_s", float), 4))  # fmt: skip
+        return {}
+
+    async def _snapshot_handover(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A drain's joiner holds the leaver's copies of the kept host snapshot (a local event, as ``snapshot``)."""
+        self._note("snapshot_handed_over", self.generation.number if self.generation else 0,
+                   rank=require(req, "snapshot_handover", "rank", int),
+                   step=require(req, "snapshot_handover", "step", int),
+                   bytes=require(req, "snapshot_handover", "bytes", int),
+                   seconds=round(require(req, "snapshot_handover", "seconds", float), 4))  # fmt: skip
         return {}
 
     async def _phases(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -74,18 +74,22 @@ class StepContract:
     generation: int
     step: int
     applied: int
+    #: the host snapshot a drain kept while its joiner waits for the leaver's copies (-1: none; see
+    #: rlaunch.runtime.handover): a joiner that missed it would leave the job unprotected unseen
+    kept: int
     layout: int  # the vote layout's digest
 
     def digest(self) -> int:
         """The 64-bit value every rank's vote carries (its limbs and their squares)."""
-        return _digest(self.generation, self.step, self.applied, self.layout)
+        return _digest(self.generation, self.step, self.applied, self.kept, self.layout)
 
     def row(self) -> list[float]:
         """This rank's values, for the gather that names the ranks that disagree (:func:`explain`)."""
-        return [float(self.generation), float(self.step), float(self.applied), *map(float, limbs(self.layout))]
+        values = (self.generation, self.step, self.applied, self.kept)
+        return [*map(float, values), *map(float, limbs(self.layout))]
 
 
-ROW = 3 + LIMBS
+ROW = 4 + LIMBS
 
 
 def rows(group: Any, mine: Sequence[float], rank: int, world: int) -> torch.Tensor:
@@ -99,10 +103,13 @@ def rows(group: Any, mine: Sequence[float], rank: int, world: int) -> torch.Tens
 def explain(table: torch.Tensor) -> str:
     """Name the ranks that differ, component by component, from every rank's :meth:`StepContract.row`."""
     parts = []
-    names = ("the generation being applied", "the step being voted", "the last applied step (the commit point)")
+    names = (
+        "the generation being applied", "the step being voted", "the last applied step (the commit point)",
+        "the host snapshot a drain kept (-1: none)",
+    )  # fmt: skip
     for col, what in enumerate(names):
         parts += _split(what, [int(round(v)) for v in table[:, col].tolist()])
-    layouts = [from_limbs(r[3:ROW]) for r in table.tolist()]
+    layouts = [from_limbs(r[len(names) : ROW]) for r in table.tolist()]
     parts += _split("the layout of the vote", [f"0x{v:016x}" for v in layouts])
     return "; ".join(parts) if parts else "their votes' digests differ"
 

@@ -5,7 +5,9 @@ the rest of it (the optimizer's) while its first step runs.
 lines of its new rank, builds the move's communicators (phase 1 of :mod:`rlaunch.runtime.migration`),
 leaves the sandbox and receives the parameters. The optimizer state lands in the background; a hold
 on the optimizers (:mod:`rlaunch.runtime.pending`) makes whatever reads it first wait for
-:meth:`Joining.land`, which verifies all of it once, before the first vote.
+:meth:`Joining.land`, which verifies all of it once, before the first vote. Where the job keeps its
+host snapshot across the drain, the transfer header names it, and once the state landed the same
+channel brings the leaver's copies of it (:mod:`rlaunch.runtime.handover`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from rlaunch.errors import RlaunchError, TransferBrokenError
 from rlaunch.plans import Role
-from rlaunch.runtime import pending, reshard, sandboxgroups
+from rlaunch.runtime import handover, pending, reshard, sandboxgroups
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import WORLD
@@ -30,6 +32,7 @@ from rlaunch.runtime.moves import Moves
 from rlaunch.runtime.phases import MovePhases, Phase
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.registry import register, unregister
+from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.transfer import Landing, TransferError, receive_state
 from rlaunch.runtime.voting import Voting
 
@@ -40,16 +43,24 @@ class Joining:
     """A standby's way into the job, and the landing of the state it received (see the module docstring)."""
 
     def __init__(
-        self, s: RankState, migration: Migration, moves: Moves, voting: Voting, start_listener: Callable[[], None]
+        self,
+        s: RankState,
+        migration: Migration,
+        moves: Moves,
+        voting: Voting,
+        host: HostSnapshots,
+        start_listener: Callable[[], None],
     ) -> None:
         self._s = s
         self._migration = migration
+        self._host = host
         self._moves = moves
         self._voting = voting
         self._start_listener = start_listener
         #: the transfer whose optimizer state still lands during the first step: the landing, its
         #: channel and the hold on the optimizers' state (see land)
         self._held: tuple[Landing, Any, pending.Held] | None = None
+        self._kept = -1  # the host snapshot the leaver hands over on the same channel (-1: none)
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread inside land (a signal handler may re-enter it)
         #: a landing that failed: every later land raises it again, so no step applies on partial state
@@ -104,7 +115,7 @@ class Joining:
                 log.warning("rank %d: the agent did not hear that the state landed: %s", s.rank, exc)
 
         with self._broken_transfer():
-            landing = receive_state(comms["channel"], s.tracked, rank=s.rank, learn=self._moves.learn, on_landed=joined)
+            landing = receive_state(comms["channel"], s.tracked, rank=s.rank, learn=self._learn, on_landed=joined)
         phases.mark(Phase.PARAMS_LANDED)
         s.after_move = phases
         # The first step runs while the optimizer state lands: whatever reads it first waits for it.
@@ -113,6 +124,8 @@ class Joining:
         self._held = (landing, comms["channel"], hold)
         s.applied = landing.step - 1
         s.generation = plan.generation
+        if self._kept >= 0:
+            self._host.expect(plan.generation, self._kept, landing.step)
         s.verify_due = True  # the first vote after joining compares the replicas
         if not hold.whole:
             self.land()  # an optimizer whose state nothing could guard: it is whole before the step
@@ -160,11 +173,13 @@ class Joining:
             # The hold stays: every later read of the partial state (a checkpoint a script saves after
             # catching this) raises too.
             self._failed = exc
-            raise
-        else:
-            hold.release()
-        finally:
             retire(channel)  # one use only (an NCCL channel is aborted when retired)
+            raise
+        hold.release()
+        if self._kept >= 0:  # the leaver's snapshot copies follow on the channel, which retires after them
+            self._host.receive(channel)
+        else:
+            retire(channel)
         s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
         s.after_move.mark(Phase.VERIFIED)
         # The first vote compares what landed, as digested: no second pass over it. (The other
@@ -173,6 +188,17 @@ class Joining:
         # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
         # optimizer state: not before it is whole, or the first step would wait for it.)
         self._moves.report()
+
+    def _learn(self, known: dict[str, Any]) -> None:
+        """(joiner) What the leaver knows, and the host snapshot it hands over after the state (if any)."""
+        self._moves.learn(known)
+        kept = known.get(handover.KEY, -1)
+        if not isinstance(kept, int) or isinstance(kept, bool) or kept < -1:
+            raise TransferError(
+                f"rank {self._s.rank}: the transfer header names the host snapshot {kept!r} to hand over, not a step; "
+                "is the sender another rlaunch version? This standby does not take the rank."
+            )
+        self._kept = kept
 
     @contextlib.contextmanager
     def _broken_transfer(self) -> Iterator[None]:

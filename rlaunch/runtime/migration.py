@@ -10,8 +10,11 @@ instead. A preparation that fails (etcd unreachable in the middle of it, say) is
 listener goes on: the move stalls and the controller takes the restart path, but the rank still
 receives every later plan. Phase 2 comes at the boundary after the step whose vote found every
 rank ready for the same generation (:meth:`Migration.switch`): the leaver sends its state to the
-joiner and exits 0, the others swap their affected groups in place. A standby joins through the
-same plans (:meth:`rlaunch.runtime.joining.Joining.join` uses :meth:`wait_plan` and :meth:`prepare`).
+joiner and exits 0, the others swap their affected groups in place. Where the job keeps its host
+snapshot across a drain (:meth:`HostSnapshots.keeps <rlaunch.runtime.snapshots.HostSnapshots.keeps>`),
+the leaver then hands its copies to the joiner before it exits (:mod:`rlaunch.runtime.handover`).
+A standby joins through the same plans (:meth:`rlaunch.runtime.joining.Joining.join` uses
+:meth:`wait_plan` and :meth:`prepare`).
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from typing import Any
 
 from rlaunch.plans import Plan, ReplacePlan, Role, plan_from_json
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import buckets, rng
+from rlaunch.runtime import buckets, handover, rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.phases import MovePhases, Phase, report
 from rlaunch.runtime.rankstate import RankState
+from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.transfer import send_state
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,8 @@ class Migration:
 
     ``on_replace`` takes a replacement plan (the listener thread hands it over); ``refusal`` says
     why this rank cannot be drained live ("" when it can); ``knowledge`` is what a joiner must learn
-    from the leaver besides the tracked state (see ``Runtime._knowledge``).
+    from the leaver besides the tracked state (see ``Runtime._knowledge``); ``host``: this rank's host
+    snapshots, which a drain may keep.
     """
 
     def __init__(
@@ -61,8 +66,10 @@ class Migration:
         on_replace: Callable[[ReplacePlan], None],
         refusal: Callable[[], str],
         knowledge: Callable[[], dict[str, Any]],
+        host: HostSnapshots,
     ) -> None:
         self._s = state
+        self._host = host
         self._on_replace = on_replace
         self._refusal = refusal
         self._knowledge = knowledge
@@ -199,22 +206,27 @@ class Migration:
                 self._prepared = None
         gen, comms, phases = agreed.plan.generation, agreed.comms, agreed.phases
         phases.mark(Phase.BOUNDARY)
+        keep = self._host.keeps(next_step)  # alike on every rank: the agree vote's sums decide
         if agreed.plan.role is Role.LEAVER:
             began = time.perf_counter()
             phases.mark(Phase.TRANSFER_START)
+            known = {**self._knowledge(), **({handover.KEY: self._host.committed} if keep else {})}
             # Once the joiner can start its first step, the rest of the state (the optimizer's) and this
             # process's end take what CPU the job leaves them: on a machine short of cores, the joiner's
             # and the survivors' steps come first.
-            sent = send_state(
-                comms["channel"], s.tracked, next_step, rng.capture(), self._knowledge(), first_sent=_yield_cpu
-            )
+            sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), known, first_sent=_yield_cpu)
             phases.mark(Phase.TRANSFER_END)
             phases.transfer_bytes = sent
+            seconds = time.perf_counter() - began
             report(s.link, s.rank, phases)  # before "left": the agent may stop this worker as soon as it hears that
             for group in self._groups:  # before "left": the agent's SIGTERM may come right after it
                 group.leave(f"rank {s.rank} left the job at step {next_step}")
-            s.link.call("left", generation=gen, bytes=sent, seconds=time.perf_counter() - began)
+            if keep:  # on this thread, before "left": the agent stops this worker once it heard that
+                handover.send(comms["channel"], *self._host.copies(), s.rank)
+            s.link.call("left", generation=gen, bytes=sent, seconds=seconds)
             raise SystemExit(0)
+        if keep:
+            self._host.keep(gen, next_step)
         self._groups.swap(comms, gen)
         phases.mark(Phase.GROUPS_SWAPPED)
         s.generation = gen

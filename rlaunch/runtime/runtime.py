@@ -140,7 +140,7 @@ class Runtime:
         )  # fmt: skip
         # planned moves: phase 1 in the background, then the switch
         self._migration = Migration(
-            self._s, self._recovery.on_replace, self._moves.drain_refusal, self._moves.knowledge
+            self._s, self._recovery.on_replace, self._moves.drain_refusal, self._moves.knowledge, self._host
         )
         self._durations: deque[float] = deque(maxlen=50)
         self._snapshots = StepSnapshots()
@@ -158,7 +158,7 @@ class Runtime:
         #: without the time spent waiting for slower peers (the straggler detector compares it)
         self._compute: deque[float] = deque(maxlen=50)
         #: (a standby) its join, and the landing of the state it receives
-        self._joining = Joining(self._s, self._migration, self._moves, self._voting, self._start_listener)
+        self._joining = Joining(self._s, self._migration, self._moves, self._voting, self._host, self._start_listener)
         if link is not None:
             register(self.group, store, {i: i for i in range(world_size)}, default=True)
             atexit.register(self._shutdown)

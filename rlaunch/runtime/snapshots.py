@@ -42,7 +42,6 @@ import collections
 import dataclasses
 import datetime
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -53,6 +52,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import hostcopy, rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
+from rlaunch.runtime.handover import Receiving, yield_to_training
 from rlaunch.runtime.hostcopy import HostCopy
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import TransferError
@@ -94,6 +94,10 @@ JOIN_WAIT_S = 1.0
 #: the snapshot pairs' gloo timeout, for their rendezvous and every operation: a pair whose peer is
 #: gone holds this process's communicator builds (they are serialized) until it ends
 PAIR_TIMEOUT = datetime.timedelta(seconds=60)
+#: after a drain that kept the committed snapshot (see HostSnapshots.keep), the steps within which
+#: the joiner must hold the leaver's copies; past them, every rank takes a new snapshot, as after
+#: any other move
+HANDOVER_STEPS = 5
 
 
 def interval(value: str) -> tuple[int, bool]:
@@ -173,6 +177,11 @@ def rollback(
     if committed < 0:
         return "no host snapshot had been committed yet"
     for rank, snap in sorted(by_rank.items()):
+        if int(snap["own"]) != committed and snap.get("handover"):
+            return (
+                f"rank {rank} did not hold its copies of snapshot {committed} from the drained rank it replaced "
+                f"({snap['handover']})"
+            )
         if int(snap["own"]) != committed:
             return (
                 f"rank {rank} had begun the snapshot of step {snap['own']} when the fault came, so it no longer holds "
@@ -248,6 +257,12 @@ class HostSnapshots:
         self._costs: collections.deque[float] = collections.deque(maxlen=COSTS_KEPT)
         self._quiet: collections.deque[float] = collections.deque(maxlen=QUIET_KEPT)
         self._warned_max = False
+        #: the step whose vote found every rank holding the committed snapshot whole (-1: the last vote did not)
+        self.whole_at = -1
+        #: after a drain that kept the committed snapshot: the step from whose vote on, if the joiner does
+        #: not hold its copies yet, every rank takes a new one (None: no such drain waits)
+        self._kept_until: int | None = None
+        self._handover: Receiving | None = None  # (a drain's joiner) the leaver's copies, arriving
 
     def turn_off(self) -> None:
         """Take no snapshots in this job: every rank calls it alike, before its first step (a loop
@@ -269,11 +284,67 @@ class HostSnapshots:
     def due(self, step: int) -> bool:
         """Whether ``step``'s start takes a snapshot: when the job takes them (a vote said some rank
         needs them), every ``every`` steps and at the first step of a new generation (a move changed
-        who holds what)."""
+        who holds what), unless a drain kept the committed one (:meth:`keep`)."""
         s = self._s
         if not self.enabled or s.standby or not s.snapshots_wanted or self._broken == s.generation:
             return False
         return step % self.every == 0 or self._gen != s.generation
+
+    def keeps(self, next_step: int) -> bool:
+        """(at a drain's switch, on every rank alike) Whether the job keeps its committed snapshot across
+        the move: the vote that agreed on it found every rank holding it whole, and ``next_step`` is
+        not a scheduled snapshot's. The leaver then hands its copies to the joiner (see
+        :mod:`rlaunch.runtime.handover`), and nobody takes a new snapshot at the first step."""
+        s = self._s
+        every = self.every
+        return every > 0 and s.snapshots_wanted and self.whole_at == s.step and next_step % every != 0
+
+    def keep(self, generation: int, next_step: int) -> None:
+        """(a survivor, at a drain's switch to ``generation``, when :meth:`keeps`) Keep the committed
+        snapshot: its own copy and the one it holds stay valid (the ranks keep their numbers). The old
+        pairs are cut (the leaver is in them); the next scheduled snapshot builds the new ones."""
+        self._cut(self._s.generation)
+        self._gen, self._window = generation, None
+        self._kept_until = next_step + HANDOVER_STEPS
+
+    def expect(self, generation: int, step: int, next_step: int) -> None:
+        """(a drain's joiner, before its first step) The job keeps snapshot ``step`` (:meth:`keep`): this
+        rank's copies come from the leaver (:meth:`receive`); until then it holds none."""
+        self.pending = self.committed = step
+        self._gen, self._window = generation, None
+        self._kept_until = next_step + HANDOVER_STEPS
+
+    def receive(self, channel: Any) -> None:
+        """(a drain's joiner, once its state landed) Receive the leaver's two copies of the kept
+        snapshot on ``channel`` (the move's), on a thread of its own; :meth:`holds` once both landed."""
+        s = self._s
+        link = s.link
+
+        def landed(own: HostCopy, held: HostCopy, seconds: float) -> None:
+            self.own, self.held = own, held
+            if link is not None:
+                try:
+                    link.call("snapshot_handover", rank=s.rank, step=own.step, bytes=own.nbytes + held.nbytes,
+                              seconds=seconds)  # fmt: skip
+                except AgentLinkError as exc:
+                    log.warning("rank %d: the agent was not told that snapshot %d arrived: %s", s.rank, own.step, exc)
+
+        receiving = Receiving(channel, self.committed, s.rank, landed)
+        with self._lock:
+            self._handover = receiving
+        self._thread = receiving.thread
+        receiving.start()
+
+    def copies(self) -> tuple[HostCopy, HostCopy]:
+        """(a drain's leaver, when :meth:`keeps`) Its own copy and the one it holds, of the kept snapshot."""
+        own, held = self.own, self.held
+        assert own is not None and held is not None, "keeps() found every rank holding both"
+        return own, held
+
+    @property
+    def kept(self) -> int:
+        """The snapshot a drain kept while its joiner waits for its copies (-1: none; the contract compares it)."""
+        return self.committed if self._kept_until is not None else -1
 
     def stepped(self, seconds: float) -> None:
         """(main thread, after each step) Measure what a snapshot costs the steps it overlaps.
@@ -307,6 +378,8 @@ class HostSnapshots:
         moved = self._gen != s.generation
         if moved:
             self._cut(s.generation - 1)  # the old generations' pairs: a moved rank may be in them
+        with self._lock:  # this snapshot builds the generation's pairs (not measured: see stepped)
+            fresh = self._pairs is None or self._pairs[0] != s.generation
         self._window = None
         if not self._join(JOIN_WAIT_S if moved else 0.0):
             # Not this turn: this rank holds no copy of ``step``, so its vote keeps it from committing.
@@ -321,7 +394,7 @@ class HostSnapshots:
         rng.restore(state)
         self.pending, self._gen = step, s.generation
         self.last = {"copy_s": time.perf_counter() - began, "bytes": float(self.own.nbytes)}
-        self._window, self._measured, self._closing = [], not moved, False
+        self._window, self._measured, self._closing = [], not fresh, False
         self._thread = threading.Thread(
             target=self._exchange, args=(self.own, s.generation), name="rlaunch-snapshot", daemon=True
         )
@@ -332,12 +405,12 @@ class HostSnapshots:
         """(snapshot thread) Send this rank's copy to its buddy and receive its source's copy."""
         s = self._s
         began = time.perf_counter()
-        _yield_to_training()
+        yield_to_training()
         hostcopy.seal(own)  # first: a rollback to this copy needs its digests, pairs or not
         failed: list[BaseException] = []
 
         def send(pair: Any) -> None:
-            _yield_to_training()
+            yield_to_training()
             try:
                 hostcopy.send(pair, own, None, self._rate)
             except Exception as exc:  # noqa: BLE001 - reported by the exchange below
@@ -401,6 +474,9 @@ class HostSnapshots:
         with self._lock:
             pairs, self._pairs = self._pairs, None
             self._cut_below = max(self._cut_below, upto)
+            handover = self._handover  # kept: report() says why its copies are missing
+        if handover is not None:
+            handover.cut()
         if pairs is not None:
             for pair in pairs[1:]:
                 backends.cut(id(pair))
@@ -412,6 +488,9 @@ class HostSnapshots:
         with self._lock:
             pairs, self._pairs = self._pairs, None
             self._cut_below = max(self._cut_below, self._s.generation)
+            handover = self._handover  # kept: report() says why its copies are missing
+        if handover is not None:
+            handover.cut()
         for pair in pairs[1:] if pairs is not None else ():
             backends.cut(id(pair))
         self._join(5.0)
@@ -462,6 +541,7 @@ class HostSnapshots:
         on. Ranks following other intervals (another ``RLAUNCH_SNAPSHOT_EVERY``) take none."""
         s = self._s
         s.snapshots_wanted = round(summed[2]) > 0
+        self.whole_at = -1
         intervals, squares = round(summed[3]), round(summed[6])
         if s.world_size * squares != intervals * intervals:  # equal only when every rank's interval is the same
             if self._broken != s.generation:
@@ -474,7 +554,9 @@ class HostSnapshots:
             return
         total, squares = round(summed[0]), round(summed[1])
         mine = self.pending % VOTE_MOD + 1
-        if total == s.world_size * mine and s.world_size * squares == total * total and self.pending > self.committed:
+        all_hold = total == s.world_size * mine and s.world_size * squares == total * total
+        self._kept(all_hold)
+        if all_hold and self.pending > self.committed:
             self.committed = self.pending
             self._closing = True
             # A generation's first snapshot chooses nothing: it also built the pairs, so its window says
@@ -492,6 +574,23 @@ class HostSnapshots:
                     )  # fmt: skip
                 except AgentLinkError as exc:
                     log.warning("rank %d: the agent was not told of snapshot %d: %s", s.rank, self.committed, exc)
+        if all_hold and self.pending == self.committed:
+            self.whole_at = s.step
+
+    def _kept(self, all_hold: bool) -> None:
+        """(at each vote, from its sums: alike on every rank) End the wait for a drain's handover: met
+        when every rank holds the kept snapshot; past :data:`HANDOVER_STEPS`, every rank takes a new one
+        at its next step, as after any other move."""
+        s = self._s
+        if self._kept_until is None or not (all_hold or s.step >= self._kept_until):
+            return
+        self._kept_until = None
+        if not all_hold:
+            log.warning(
+                "rank %d: the drained rank's host snapshot of step %d did not reach its joiner within %d steps; every "
+                "rank takes a new one", s.rank, self.committed, HANDOVER_STEPS,
+            )  # fmt: skip
+            self._gen = None
 
     def _choose(self, cost_ms: int, step_ms: int, window: int) -> None:
         """(at a commit, from the vote's sums: alike on every rank) ``auto``'s next interval."""
@@ -516,6 +615,7 @@ class HostSnapshots:
     def stop(self) -> None:
         """(recovery) End the exchange in flight, before this rank reports what it holds."""
         self._window = None  # the steps around a fault say nothing of what a snapshot costs
+        self._kept_until = None  # the recovery's generation takes a new snapshot: nothing waits
         self._cut(self._s.generation)
         if not self._join(2.0):  # one still building a pair with a lost peer: it reports no copy held
             log.warning("rank %d: the snapshot exchange did not end after its pairs were cut", self._s.rank)
@@ -536,9 +636,20 @@ class HostSnapshots:
             except TransferError as exc:
                 refused = str(exc)
                 log.error("rank %d: %s", s.rank, refused)
+        handover = ""
+        if own is not None and own.digests and not own.checked:  # handed over by a drain's leaver: checked here
+            try:
+                hostcopy.verify(own, f"rank {s.rank}'s own snapshot, handed over by the rank it replaced,")
+            except TransferError as exc:
+                own, handover = None, str(exc)
+                log.error("rank %d: %s", s.rank, handover)
+        receiving = self._handover
+        if own is None and receiving is not None and not handover:
+            handover = receiving.failed or "they were still arriving"
         return {
             "committed": self.committed,
             "own": own.step if own is not None and own.digests else -1,
+            "handover": handover,
             "held": held.step if held is not None and not exchanging else -1,
             "held_refused": refused,
             "source": mine,
@@ -574,15 +685,6 @@ def _median(values: Collection[float]) -> float:
     """The upper median of ``values`` (0 when empty); not ``statistics``, which costs every worker 0.5 MB."""
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else 0.0
-
-
-def _yield_to_training() -> None:
-    """Lower this thread's priority (Linux nice values are per thread): where training keeps every
-    core busy, the snapshot's digests and copies take what it leaves."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
 
 
 def _release(pairs: Any) -> None:

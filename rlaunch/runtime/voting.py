@@ -173,7 +173,7 @@ class Voting:
 
     def _contract(self, layout: Layout) -> StepContract:
         s = self._s
-        return StepContract(s.generation, s.step, s.applied, layout.digest())
+        return StepContract(s.generation, s.step, s.applied, self._host.kept, layout.digest())
 
     def _lines(self) -> list[tuple[str, list[int]]]:
         return self._s.mesh.every_line() if self._s.mesh is not None else []

@@ -64,13 +64,20 @@ def _reference(layout: str, extra: tuple[str, ...] = (), nproc: int = 4) -> dict
 
 def _start(
     cluster: Cluster, layout: str, names: list[str], flags: tuple[str, ...] = (), extra: tuple[str, ...] = (),
-    nnodes: int = 2,
+    nnodes: int = 2, env: dict[str, str] | None = None,
 ) -> list[AgentProc]:  # fmt: skip
     """Start the job; its active ranks wait at step 10 until its standbys are warm, so that its faults
     come early in its 200 steps however long the standbys take."""
     gate = cluster.tmp / "standbys-warm"
     agents = cluster.agents_in_order(
-        names, SHARDED, *_args(layout, extra=extra), "--gate", f"{gate}:10", flags=(*FLAGS, *flags), nnodes=nnodes
+        names,
+        SHARDED,
+        *_args(layout, extra=extra),
+        "--gate",
+        f"{gate}:10",
+        flags=(*FLAGS, *flags),
+        nnodes=nnodes,
+        env=env,
     )
     for standby in names[nnodes:]:
         wait_for(lambda s=standby: warm(cluster, s), 180, f"standby {standby} to be warm")
@@ -102,36 +109,38 @@ def test_tensor_x_data_parallel_drain_onto_a_cold_standby_then_a_loss_rolls_back
     assert rolls_back in a.output(), "no replica of a tensor-parallel shard: a fault rolls back"
 
 
-def test_fsdp_drain_is_live_and_a_loss_without_replica_rolls_back_live_to_host_snapshots(cluster: Cluster) -> None:
-    """After the drain of a, c holds ranks 0 and 1 and takes snapshots at once (a new generation);
-    b's ranks 2 and 3 snapshot onto them. b is SIGKILLed: c rolls back to its own copies and sends
-    b's copies to d, and the steps since the snapshot are redone. Over 4 shards only rank 0 holds
-    the head's row and rank 3 holds 3 embedding rows fewer: both joiners (laid out as rank 0)
+def test_fsdp_drain_hands_the_host_snapshot_over_and_a_loss_rolls_back_across_the_drain(cluster: Cluster) -> None:
+    """Snapshots every 50 steps. a is drained after one committed: every rank held it whole when the
+    drain was agreed, so the job keeps it, nobody takes a new one at the first step, and a hands its
+    copies of ranks 0 and 1 (and those it held of ranks 2 and 3) to c. b is SIGKILLed before the next
+    snapshot: c rolls back to the copies a handed over, to a step before the drain, which other
+    processes ran, and sends b's copies to d; the steps since are redone. Over 4 shards only rank 0
+    holds the head's row and rank 3 holds 3 embedding rows fewer: both joiners (laid out as rank 0)
     re-lay out the shards of ranks 1, 2 and 3."""
-    a, b, c, d = _start(cluster, "fsdp", ["a", "b", "c", "d"])
+    every = {"RLAUNCH_SNAPSHOT_EVERY": "50"}
+    a, b, c, d = _start(cluster, "fsdp", ["a", "b", "c", "d"], env=every)
+    kept = after_a_scheduled_snapshot(a, every=50)  # the drain comes well before the next one
     assert "drained" in drain(cluster, "a")
-    wait_for(lambda: "event joined" in c.output(), 60, "c to take a's ranks")
-    after_a_scheduled_snapshot(c)  # c's, after the drain: the fault comes outside a snapshot's window
-    assert "rank 0 final" not in a.output()
+    wait_for(lambda: "event snapshot_handed_over" in c.output(), 60, "c to hold a's snapshot copies")
+    assert "rank 0 final" not in a.output() and "event snapshot_committed" not in c.output()
     b.kill_with_workers()
     for agent in (c, d):
         assert agent.wait(300) == 0, agent.output()[-3000:]
     assert _finals(c, d) == _reference("fsdp"), "every shard must end as in an uninterrupted run"
-    assert "'rolled_back_to': " in c.output() and "'steps_redone': " in c.output(), c.output()[-3000:]
+    assert f"'rolled_back_to': {kept}," in c.output() and "'steps_redone': " in c.output(), c.output()[-3000:]
     assert "'sends_to': [2]" in c.output() and "'sends_to': [3]" in c.output(), "each buddy serves its lost rank"
+    handed = re.findall(r"event snapshot_handed_over \(generation \d+\) \{'rank': (\d+), 'step': (\d+),", c.output())
+    assert sorted(handed) == [("0", str(kept)), ("1", str(kept))], c.output()[-3000:]
     assert "event joined" in d.output() and "no live move" not in c.output() + d.output()
-    assert "Traceback" not in c.output() + d.output()
-    # The drain's joiner copied the snapshot that covers the new generation inside its first step (so did
-    # the survivors, unless their previous exchange still ran: then that step takes none).
+    assert "Traceback" not in a.output() + c.output() + d.output()
+    # No rank of the drain took a snapshot in its first step: the kept one covered the new generation.
     res = cluster.cli("events", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", cluster.job_id, "--json")
     assert res.returncode == 0, res.stderr
     moves = [ev for ev in map(json.loads, res.stdout.splitlines()) if ev["kind"] == "move_phases"]
     drained = {ev["generation"] for ev in moves if ev["data"]["role"] == "leaver"}
     assert len(drained) == 1, moves
     ranks = [ev["data"] for ev in moves if ev["generation"] in drained and ev["data"]["role"] != "leaver"]
-    assert all("snapshot_taken" in r["marks"] for r in ranks if r["role"] == "joiner"), ranks
-    taken = [r["marks"] for r in ranks if "snapshot_taken" in r["marks"]]
-    assert taken and all(m["first_step_start"] <= m["snapshot_taken"] <= m["first_step_end"] for m in taken), ranks
+    assert len(ranks) == 4 and not any("snapshot_taken" in r["marks"] for r in ranks), ranks
 
 
 def test_fsdp_over_two_ranks_loses_a_node_and_rolls_back_live(cluster: Cluster) -> None:

@@ -30,11 +30,21 @@ def test_64_bit_values_agree_exactly_when_all_are_equal(values: list[int]) -> No
 
 
 def test_a_broken_step_contract_names_the_ranks_and_what_differs() -> None:
-    rows = [StepContract(3, 40, 39, 7).row(), StepContract(3, 40, 39, 7).row(), StepContract(4, 40, 38, 7).row()]
+    rows = [StepContract(3, 40, 39, -1, 7).row(), StepContract(3, 40, 39, -1, 7).row()]
+    rows.append(StepContract(4, 40, 38, -1, 7).row())
     text = contract.explain(torch.tensor(rows, dtype=torch.float64))
     assert "the generation being applied differs (ranks [0, 1] have 3, ranks [2] have 4)" in text
     assert "the last applied step (the commit point) differs (ranks [0, 1] have 39, ranks [2] have 38)" in text
-    assert "the step being voted" not in text and "layout" not in text
+    assert "the step being voted" not in text and "layout" not in text and "kept" not in text
+
+
+def test_a_joiner_that_missed_a_kept_snapshot_is_named() -> None:
+    """A drain kept snapshot 20 on the survivors; a joiner that did not hear of it takes its own: the
+    contract's digest differs, and the gathered rows name the rank and the snapshot."""
+    survivor, joiner = StepContract(2, 41, 40, 20, 7), StepContract(2, 41, 40, -1, 7)
+    assert survivor.digest() != joiner.digest()
+    text = contract.explain(torch.tensor([survivor.row(), joiner.row()], dtype=torch.float64))
+    assert text == "the host snapshot a drain kept (-1: none) differs (ranks [0] have 20, ranks [1] have -1)"
 
 
 def _table(order: list[tuple[str, list[int]]], rank: int) -> GroupTable:

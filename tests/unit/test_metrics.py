@@ -124,6 +124,8 @@ def test_events_count_migrations_recoveries_and_findings() -> None:
     assert value(m, "rlaunch_rank_snapshot_seconds", node="b", rank="1", phase="exchange") == 0.2
     assert value(m, "rlaunch_rank_snapshot_step", node="b", rank="1") == 40
     assert time.time() - value(m, "rlaunch_rank_snapshot_committed_timestamp_seconds", node="b", rank="1") < 60
+    m.on_event(event("snapshot_handed_over", 4, rank=2, step=40, bytes=2 << 20, seconds=0.3))
+    assert value(m, "rlaunch_rank_snapshot_step", node="b", rank="2") == 40, "a drain's joiner holds the kept one"
 
 
 def test_a_restart_counts_and_its_downtime_runs_until_the_new_workers_step() -> None:

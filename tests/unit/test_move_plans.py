@@ -65,7 +65,8 @@ def test_a_failed_preparation_leaves_the_listener_taking_later_plans() -> None:
         MigratePlan(generation=3, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2),
     ]
     link = _Link(plans)
-    migration = Migration(_state(link, build), lambda plan: None, lambda: "", dict)
+    state = _state(link, build)
+    migration = Migration(state, lambda plan: None, lambda: "", dict, HostSnapshots(state, 0, 1, lambda: False))
     migration.listen()  # returns once the agent is gone
     assert ("prepared", {"generation": 3}) in link.calls and built == ["g3/world/"]
     assert migration.ready == 3
@@ -73,7 +74,9 @@ def test_a_failed_preparation_leaves_the_listener_taking_later_plans() -> None:
 
 def test_a_drain_this_rank_cannot_make_is_never_prepared() -> None:
     link = _Link([MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2)])
-    migration = Migration(_state(link, lambda *a: SandboxComm(0, 2)), lambda plan: None, lambda: "no state", dict)
+    state = _state(link, lambda *a: SandboxComm(0, 2))
+    host = HostSnapshots(state, 0, 1, lambda: False)
+    migration = Migration(state, lambda plan: None, lambda: "no state", dict, host)
     migration.listen()
     assert not any(op == "prepared" for op, _ in link.calls) and migration.ready == 0
 

@@ -1,0 +1,114 @@
+"""A drain's handover of host snapshots: the leaver gives its joiner the two copies it held.
+
+After a drain the ranks keep their numbers, so every survivor's own copy and the copy it holds
+for its source stay what they were: the committed snapshot S (see :mod:`rlaunch.runtime.snapshots`).
+Only the joiner has none, and the leaver holds exactly the two it needs: its own copy of the rank
+(sealed, with its digests) and its copy of that rank's source. So, where every rank held S whole at
+the vote that agreed on the drain, the job keeps S across the move instead of taking a new snapshot
+in the joiner's first step, and the leaver sends the joiner both copies over the state transfer's
+channel, after the state itself (:func:`send`; the joiner's :class:`Receiving`).
+
+The leaver sends on its main thread, after it left its groups and before it tells its agent it
+left (the agent stops it right after that: a thread of its own would die with it); a timer cuts
+the channel if the joiner takes longer than :data:`WAIT_S`, and a handover that fails is logged,
+never raised: the leaver leaves as before. The joiner receives on a thread of its own, at the
+lowest priority, once its state landed whole (gloo matches the operations of a channel in the
+order they were posted: the landing's last receive is done by then), so its first steps do not
+wait for it. Until both copies landed it holds no snapshot, and its vote says so: if a fault came
+then that needs the joiner's copies, the survivors refuse the rollback and the job restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlaunch.runtime import backend as backends
+from rlaunch.runtime import hostcopy
+from rlaunch.runtime.groups import retire
+from rlaunch.runtime.hostcopy import HostCopy
+from rlaunch.runtime.transfer import TransferError
+
+log = logging.getLogger(__name__)
+
+#: the knowledge key of the transfer header that names the snapshot the leaver hands over (absent: none)
+KEY = "snapshot_handover"
+#: how long the leaver waits for its joiner to take both copies before it cuts the channel and leaves
+WAIT_S = 30.0
+
+
+def send(channel: Any, own: HostCopy, held: HostCopy, rank: int) -> None:
+    """(the leaver, main thread) Send ``own`` then ``held`` to the joiner on ``channel``; never raises."""
+    timer = threading.Timer(WAIT_S, backends.cut, (id(channel),))
+    timer.daemon = True
+    timer.start()
+    began = time.perf_counter()
+    try:
+        sent = hostcopy.send(channel, own) + hostcopy.send(channel, held)
+    except Exception as exc:  # noqa: BLE001 - the joiner went away or was too slow: the leaver still leaves
+        log.warning(
+            "rank %d: the host snapshot of step %d was not handed to the joiner (%s); the job takes a new one",
+            rank, own.step, (str(exc) or type(exc).__name__).splitlines()[0],
+        )  # fmt: skip
+        return
+    finally:
+        timer.cancel()
+    log.info("rank %d: handed the host snapshot of step %d to the joiner (%d bytes, %.3f s)",
+             rank, own.step, sent, time.perf_counter() - began)  # fmt: skip
+
+
+class Receiving:
+    """(the joiner) The two copies of snapshot ``step`` arriving from the leaver on ``channel``.
+
+    ``landed(own, held, seconds)`` is called on the receiving thread once both landed whole; a
+    handover that fails or is cut leaves :attr:`failed` saying why, and calls nothing.
+    """
+
+    def __init__(self, channel: Any, step: int, rank: int, landed: Callable[[HostCopy, HostCopy, float], None]) -> None:
+        self.step = step
+        self.failed = ""
+        self._channel = channel
+        self._rank = rank
+        self._landed = landed
+        self.thread = threading.Thread(target=self._receive, name="rlaunch-snapshot-handover", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def cut(self) -> None:
+        """Make the receive fail now (a fault, a new snapshot, the process's end)."""
+        backends.cut(id(self._channel))
+
+    def _receive(self) -> None:
+        yield_to_training()
+        began = time.perf_counter()
+        try:
+            own = hostcopy.receive(self._channel)
+            held = hostcopy.receive(self._channel)
+            if own.step != self.step or held.step != self.step:
+                raise TransferError(
+                    f"the leaver handed over copies of steps {own.step} and {held.step}, not of step {self.step}"
+                )
+        except Exception as exc:  # noqa: BLE001 - a leaver gone, a cut channel: this rank holds no copy
+            self.failed = (str(exc) or type(exc).__name__).splitlines()[0]
+            log.warning(
+                "rank %d: the host snapshot of step %d did not arrive from the drained rank (%s); the job takes a "
+                "new one", self._rank, self.step, self.failed,
+            )  # fmt: skip
+            return
+        finally:
+            retire(self._channel)  # one use only, as every transfer channel
+        self._landed(own, held, time.perf_counter() - began)
+
+
+def yield_to_training() -> None:
+    """Lower this thread's priority (Linux nice values are per thread): where training keeps every
+    core busy, a snapshot's digests and copies take what it leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
