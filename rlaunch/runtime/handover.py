@@ -62,33 +62,49 @@ def send(channel: Any, own: HostCopy, held: HostCopy, rank: int) -> None:
 
 
 class Receiving:
-    """(the joiner) The two copies of snapshot ``step`` arriving from the leaver on ``channel``.
+    """(the joiner) The two copies of snapshot ``step``, arriving from the leaver once :meth:`start`ed.
 
     ``landed(own, held, seconds)`` is called on the receiving thread once both landed whole; a
     handover that fails or is cut leaves :attr:`failed` saying why, and calls nothing.
     """
 
-    def __init__(self, channel: Any, step: int, rank: int, landed: Callable[[HostCopy, HostCopy, float], None]) -> None:
+    def __init__(self, step: int, rank: int, landed: Callable[[HostCopy, HostCopy, float], None]) -> None:
         self.step = step
         self.failed = ""
-        self._channel = channel
+        self._channel: Any = None  # while the receive may use it: retired (and let go of) after
+        self._ended = False  # cut: a receive not yet started never starts
+        self._lock = threading.Lock()  # start and cut, each whole
         self._rank = rank
         self._landed = landed
         self.thread = threading.Thread(target=self._receive, name="rlaunch-snapshot-handover", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
+    def start(self, channel: Any) -> bool:
+        """Receive on ``channel`` (the move's, once the state landed), on :attr:`thread`; False (and the
+        channel retired) where the handover was cut before it began."""
+        with self._lock:
+            if not self._ended:
+                self._channel = channel
+                self.thread.start()
+                return True
+        self.failed = self.failed or "it was cut before it began"
+        retire(channel)
+        return False
 
     def cut(self) -> None:
-        """Make the receive fail now (a fault, a new snapshot, the process's end)."""
-        backends.cut(id(self._channel))
+        """Make the receive fail now, or never start (a fault, a new snapshot, the process's end)."""
+        with self._lock:
+            self._ended = True
+            channel = self._channel
+        if channel is not None:
+            backends.cut(id(channel))
 
     def _receive(self) -> None:
         yield_to_training()
         began = time.perf_counter()
+        channel = self._channel
         try:
-            own = hostcopy.receive(self._channel)
-            held = hostcopy.receive(self._channel)
+            own = hostcopy.receive(channel)
+            held = hostcopy.receive(channel)
             if own.step != self.step or held.step != self.step:
                 raise TransferError(
                     f"the leaver handed over copies of steps {own.step} and {held.step}, not of step {self.step}"
@@ -101,7 +117,8 @@ class Receiving:
             )  # fmt: skip
             return
         finally:
-            retire(self._channel)  # one use only, as every transfer channel
+            self._channel = None
+            retire(channel)  # one use only, as every transfer channel
         self._landed(own, held, time.perf_counter() - began)
 
 

@@ -225,8 +225,7 @@ class Migration:
                 handover.send(comms["channel"], *self._host.copies(), s.rank)
             s.link.call("left", generation=gen, bytes=sent, seconds=seconds)
             raise SystemExit(0)
-        if keep:
-            self._host.keep(gen, next_step)
+        self._host.switched(gen, next_step, keep)
         self._groups.swap(comms, gen)
         phases.mark(Phase.GROUPS_SWAPPED)
         s.generation = gen

@@ -292,33 +292,36 @@ class HostSnapshots:
 
     def keeps(self, next_step: int) -> bool:
         """(at a drain's switch, on every rank alike) Whether the job keeps its committed snapshot across
-        the move: the vote that agreed on it found every rank holding it whole, and ``next_step`` is
-        not a scheduled snapshot's. The leaver then hands its copies to the joiner (see
-        :mod:`rlaunch.runtime.handover`), and nobody takes a new snapshot at the first step."""
+        the move: the vote that agreed on it found every rank holding it whole, and no scheduled
+        snapshot falls in the steps the joiner has to receive its copies (from ``next_step`` to
+        :data:`HANDOVER_STEPS` later: its copies would still be arriving when it must take that one).
+        The leaver then hands its copies to the joiner (see :mod:`rlaunch.runtime.handover`), and
+        nobody takes a new snapshot at the first step."""
         s = self._s
         every = self.every
-        return every > 0 and s.snapshots_wanted and self.whole_at == s.step and next_step % every != 0
+        if every <= 0 or not s.snapshots_wanted or self.whole_at != s.step:
+            return False
+        return (next_step - 1) // every == (next_step + HANDOVER_STEPS) // every
 
-    def keep(self, generation: int, next_step: int) -> None:
-        """(a survivor, at a drain's switch to ``generation``, when :meth:`keeps`) Keep the committed
-        snapshot: its own copy and the one it holds stay valid (the ranks keep their numbers). The old
-        pairs are cut (the leaver is in them); the next scheduled snapshot builds the new ones."""
-        self._cut(self._s.generation)
-        self._gen, self._window = generation, None
-        self._kept_until = next_step + HANDOVER_STEPS
+    def switched(self, generation: int, next_step: int, keep: bool) -> None:
+        """(a survivor, at a drain's switch to ``generation``, before the rank's generation is set) With
+        ``keep`` (:meth:`keeps`), keep the committed snapshot: its own copy and the one it holds stay
+        valid (the ranks keep their numbers); the old pairs are cut (the leaver is in them), and the
+        next snapshot builds the new ones. Without it, the first step takes a new one, as after any
+        move (a drain kept earlier and still waiting for its joiner's copies waits no more)."""
+        self._kept_until = next_step + HANDOVER_STEPS if keep else None
+        if keep:
+            self._cut(self._s.generation)
+            self._gen, self._window = generation, None
 
     def expect(self, generation: int, step: int, next_step: int) -> None:
-        """(a drain's joiner, before its first step) The job keeps snapshot ``step`` (:meth:`keep`): this
-        rank's copies come from the leaver (:meth:`receive`); until then it holds none."""
+        """(a drain's joiner, before its first step) The job keeps snapshot ``step`` (:meth:`switched`):
+        this rank's copies come from the leaver (:meth:`receive`); until then it holds none."""
+        s = self._s
+        link = s.link
         self.pending = self.committed = step
         self._gen, self._window = generation, None
         self._kept_until = next_step + HANDOVER_STEPS
-
-    def receive(self, channel: Any) -> None:
-        """(a drain's joiner, once its state landed) Receive the leaver's two copies of the kept
-        snapshot on ``channel`` (the move's), on a thread of its own; :meth:`holds` once both landed."""
-        s = self._s
-        link = s.link
 
         def landed(own: HostCopy, held: HostCopy, seconds: float) -> None:
             self.own, self.held = own, held
@@ -329,11 +332,16 @@ class HostSnapshots:
                 except AgentLinkError as exc:
                     log.warning("rank %d: the agent was not told that snapshot %d arrived: %s", s.rank, own.step, exc)
 
-        receiving = Receiving(channel, self.committed, s.rank, landed)
         with self._lock:
-            self._handover = receiving
-        self._thread = receiving.thread
-        receiving.start()
+            self._handover = Receiving(step, s.rank, landed)
+
+    def receive(self, channel: Any) -> None:
+        """(a drain's joiner, once its state landed) Receive the leaver's two copies of the kept
+        snapshot on ``channel`` (the move's), on a thread of its own; :meth:`holds` once both landed."""
+        receiving = self._handover
+        assert receiving is not None, "expect() came first"
+        if receiving.start(channel):
+            self._thread = receiving.thread
 
     def copies(self) -> tuple[HostCopy, HostCopy]:
         """(a drain's leaver, when :meth:`keeps`) Its own copy and the one it holds, of the kept snapshot."""
@@ -537,8 +545,11 @@ class HostSnapshots:
     def commit(self, summed: Sequence[float]) -> None:
         """Read the vote's sums of every rank's :meth:`terms`: when every rank holds the snapshot this
         rank is taking (all values equal, and not 0), it is committed, and ``auto`` chooses the
-        interval from then on; when some rank needs snapshots, the job takes them from the next step
-        on. Ranks following other intervals (another ``RLAUNCH_SNAPSHOT_EVERY``) take none."""
+        interval from then on (not at a generation's first snapshot, nor at the first after a drain
+        kept one: those also build the pairs); when some rank needs snapshots, the job takes them
+        from the next step on. Ranks following other intervals (another ``RLAUNCH_SNAPSHOT_EVERY``)
+        take none. :attr:`whole_at` says whether every rank held the committed snapshot whole (what
+        a drain agreed in this vote needs to keep it: :meth:`keeps`)."""
         s = self._s
         s.snapshots_wanted = round(summed[2]) > 0
         self.whole_at = -1

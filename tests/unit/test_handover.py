@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy as copy_module
 import datetime
 import threading
+import time
 import types
 from typing import Any
 
@@ -25,14 +26,14 @@ from tests.unit.test_transfer import _objects, _state
 TIMEOUT = datetime.timedelta(seconds=20)
 
 
-def _pair(cuttable: int) -> tuple[Any, Any]:
+def _pair(cuttable: int, timeout: datetime.timedelta = TIMEOUT) -> tuple[Any, Any]:
     """A move's channel, both sides in this process; side ``cuttable`` is built by the process's layer
     (what ``backends.cut`` reaches), the other by a layer of its own (gloo builds are serialized)."""
     layers = {cuttable: backends.current(), 1 - cuttable: Communicators()}
     store, out = HashStore(), {}
 
     def build(side: int) -> None:
-        out[side] = layers[side].build(store, "g2/transfer/1/", side, 2, TIMEOUT)
+        out[side] = layers[side].build(store, "g2/transfer/1/", side, 2, timeout)
 
     threads = [threading.Thread(target=build, args=(side,)) for side in (0, 1)]
     for t in threads:
@@ -62,6 +63,7 @@ def test_every_rank_keeps_the_committed_snapshot_only_when_the_agree_vote_found_
     assert a.committed == b.committed == 40 and a.whole_at == b.whole_at == 45
     assert a.keeps(46) and b.keeps(46), "every rank holds 40 whole: the drain at 46 keeps it"
     assert not a.keeps(60), "a scheduled snapshot's step takes it as usual"
+    assert not a.keeps(56) and a.keeps(54), "the joiner's copies would still arrive at 60's start: not at 56"
     a._s.step = b._s.step = 46  # a later vote: the drain agreed at 45 switches at 46 only
     assert not a.keeps(47)
     # one rank's exchange still runs (it holds nothing whole): no rank keeps
@@ -75,7 +77,7 @@ def test_a_kept_snapshot_is_not_retaken_and_the_joiner_votes_nothing_until_its_c
     survivor = _keeper(0, 40, 40, auto=True)
     survivor.committed, survivor._s.snapshots_wanted = 40, True
     survivor._s.generation, survivor._gen = 2, 1
-    survivor.keep(3, 46)  # the switch to generation 3, before the rank's generation is set
+    survivor.switched(3, 46, keep=True)  # the switch to generation 3, before the rank's generation is set
     survivor._s.generation = 3
     joiner = _joiner(generation=3)
     joiner.auto = True
@@ -97,11 +99,26 @@ def test_a_kept_snapshot_is_not_retaken_and_the_joiner_votes_nothing_until_its_c
     assert survivor.committed == joiner.committed == 40 and not survivor.due(48) and not joiner.due(48)
 
 
+def test_a_drain_that_does_not_keep_ends_the_wait_of_an_earlier_one() -> None:
+    """A second drain agreed before the first one's joiner held its copies keeps nothing: every rank
+    of it (the first joiner too) stops waiting, so the contract's kept is -1 on all, as on its joiner."""
+    survivor, first = _keeper(0, 40, 40), _joiner(generation=3)
+    survivor.committed, survivor._s.snapshots_wanted = 40, True
+    survivor._s.generation = 2
+    survivor.switched(3, 46, keep=True)
+    first.expect(3, 40, 46)
+    for k in (survivor, first):
+        k._s.generation = 3
+        k.switched(4, 48, keep=False)
+        k._s.generation = 4
+        assert k.kept == -1 and k.due(48), "the second drain's first step takes a new snapshot"
+
+
 def test_a_handover_that_does_not_end_within_its_steps_makes_every_rank_take_a_new_snapshot() -> None:
     survivor = _keeper(0, 40, 40)
     survivor.committed = 40
     survivor._s.generation = 2
-    survivor.keep(3, 46)
+    survivor.switched(3, 46, keep=True)
     survivor._s.generation = 3
     joiner = _joiner(generation=3)
     joiner.expect(3, 40, 46)
@@ -190,7 +207,7 @@ def test_a_fault_during_the_handover_restarts_the_job_unless_the_joiner_itself_i
 
 
 def test_the_leaver_leaves_when_its_joiner_never_takes_the_copies() -> None:
-    ch0, _ = _pair(cuttable=0)
+    ch0, _ = _pair(cuttable=0, timeout=datetime.timedelta(seconds=300))  # gloo's own timeout ends nothing here
     big = hostcopy.HostCopy({"step": 40}, torch.empty(0, dtype=torch.uint8), [torch.zeros(16 << 20)])
     previous, handover.WAIT_S = handover.WAIT_S, 0.5
     try:
@@ -200,7 +217,21 @@ def test_the_leaver_leaves_when_its_joiner_never_takes_the_copies() -> None:
             handover.send(ch0, big, big, rank=1)
             done.set()
 
+        began = time.monotonic()
         threading.Thread(target=leave, daemon=True).start()
-        assert done.wait(30), "the timer cut the channel: the leaver goes on to leave"
+        assert done.wait(10), "the timer cut the channel: the leaver goes on to leave"
+        assert time.monotonic() - began >= 0.5, "it waited for the joiner first"
     finally:
         handover.WAIT_S = previous
+
+
+def test_a_handover_cut_before_its_state_landed_never_starts_and_says_so() -> None:
+    """A fault before the joiner's state landed: recovery cuts the handover first, and the landing
+    that comes after it does not start the receive."""
+    _, ch1 = _pair(cuttable=1)
+    keeper = _joiner()
+    keeper.expect(2, 40, 43)
+    assert keeper.report()["handover"] == "they were still arriving"
+    keeper.stop()
+    keeper.receive(ch1)
+    assert keeper._thread is None and keeper.report()["handover"] == "it was cut before it began"
