@@ -11,6 +11,7 @@ from the file after a restart, as torchrun users do today.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import time
@@ -54,7 +55,9 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(make_model(args.seed, args.width))
+    # DDP gets a group of its own, which the end of main() can free; see there.
+    group = dist.new_group()
+    model = DDP(make_model(args.seed, args.width), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
     if args.ckpt and os.path.exists(args.ckpt):
@@ -81,7 +84,17 @@ def main() -> None:
                 os.replace(tmp, args.ckpt)
             dist.barrier()
     print(f"rank {rank}/{world} done: steps={args.steps} checksum={checksum(model.module)}", flush=True)
+    # Free DDP's group now, not in the interpreter's finalization. A gloo worker thread drops each
+    # finished collective after this thread has moved on, and one launched in backward() holds a
+    # Python object: were that drop to wait for the GIL while Python finalizes, the thread would be
+    # ended inside C++ and the process abort ("terminate called without an active exception"). The
+    # last reference, dropped from Python, joins gloo's worker threads with the GIL released, so they
+    # finish first. DDP's reducer holds the group too, so it goes before; the default group cannot be
+    # freed (torch.distributed.nn.functional's defaults hold it), which is why DDP does not use it.
     dist.destroy_process_group()
+    del model, opt
+    gc.collect()
+    del group
 
 
 if __name__ == "__main__":
