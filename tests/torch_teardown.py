@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+from collections.abc import Callable, Sequence
 
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
 
@@ -21,3 +24,19 @@ def aborted_in_torch_teardown(stderr: str) -> bool:
     """
     codes = {int(code) for code in EXITCODE.findall(stderr)}
     return "terminate called without an active exception" in stderr and -6 in codes and codes <= {-6, -15}
+
+
+def run_2_ranks(
+    argv: Sequence[str], attempts: int = 3, fresh: Callable[[], None] = lambda: None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (a launcher and its script, 1 thread per rank) and return how it ended; a run that
+    aborted in torch's teardown is run again, up to ``attempts`` runs in all (1: an rlaunch run, which
+    is never run again), each after ``fresh()`` (clear what the previous run wrote)."""
+    for _ in range(attempts):
+        fresh()
+        res = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
+            break
+    return res

@@ -14,7 +14,6 @@ a value synced in on_train_batch_end) takes the restart path.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
-from tests.torch_teardown import aborted_in_torch_teardown
+from tests.torch_teardown import run_2_ranks
 
 pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tests need 'rlaunch[lightning]'")
 
@@ -49,16 +48,11 @@ def launch(launcher: str, *args: str, root: Path) -> subprocess.CompletedProcess
     ``torch.distributed.run`` or ``rlaunch``), writing under ``root``. A torchrun run that aborted in
     torch's teardown is run again, at most twice (never accepted: see tests.torch_teardown); an
     rlaunch run never is."""
-    for _ in range(3 if launcher == TORCHRUN else 1):
-        shutil.rmtree(root, ignore_errors=True)
-        res = subprocess.run(
-            [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
-             "--root", str(root), *args],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
-            break
-    return res
+    return run_2_ranks(
+        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
+         "--root", str(root), *args],
+        attempts=3 if launcher == TORCHRUN else 1, fresh=lambda: shutil.rmtree(root, ignore_errors=True),
+    )  # fmt: skip
 
 
 def run(*args: str, root: Path, launcher: str = TORCHRUN) -> dict[int, tuple[str, ...]]:

@@ -13,9 +13,7 @@ an accumulation window).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
-from tests.torch_teardown import aborted_in_torch_teardown
+from tests.torch_teardown import run_2_ranks
 
 FINAL = re.compile(r"rank (\d+) final: (params=\w+ optim=\w+ sched=\w+ steps=\d+(?: eval=[0-9.,]+)?)")
 LIGHTNING = SCRIPTS / "lightning_tutorial.py"
@@ -40,13 +38,7 @@ def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
 
     A run that aborted in torch's teardown (:func:`aborted_in_torch_teardown`) is run again, at
     most twice: a script or rlaunch that aborts at exit every time still fails here."""
-    for _ in range(3):
-        res = subprocess.run(
-            [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
-            break
+    res = run_2_ranks([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args])
     got = finals(res.stdout)
     assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     assert "live moves are refused" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr[-3000:]

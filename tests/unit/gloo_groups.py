@@ -12,11 +12,12 @@ runtime drops the groups it replaced late, on a thread of its own (``rlaunch.run
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, TypeVar
 
-import torch
 from torch.distributed import HashStore, ProcessGroup
-from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from rlaunch.runtime import backend as backends
 
 G = TypeVar("G")
 
@@ -30,12 +31,9 @@ def kept(group: G) -> G:
 
 
 def one_rank() -> ProcessGroup:
-    """A one-rank gloo group over a store of its own, kept until the session ends."""
-    store = HashStore()
-    group = ProcessGroup(store, 0, 1)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1))
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    return kept(group)
+    """A one-rank gloo group over a store of its own, built as the runtime builds its groups, kept
+    until the session ends."""
+    return kept(backends.build(HashStore(), "one/", 0, 1, datetime.timedelta(seconds=30)))
 
 
 def drop_kept() -> None:

@@ -3,7 +3,10 @@
 aetcd's ``add_callback`` waits for etcd's "created" answer under its own timeout; an answer handled
 just as that wait gives up registers the watch although the creation raised. The stream stands in
 for aetcd's watcher (the client library's boundary: the timing cannot be forced on a real etcd);
-``watches_of`` is the real one.
+``watches_of`` is the real one. In aetcd 1.0.0's ``aetcd/watcher.py``: ``_handle_response`` (lines
+116-132) stores the callback under the answer's watch id and sets its ``watch_id`` while it holds
+the watcher's lock, and ``add_callback`` (lines 312-322) raises ``WatchTimeoutError`` when its
+``wait_for`` gives up, so a creation can raise after its watch was registered.
 """
 
 from __future__ import annotations
