@@ -37,13 +37,17 @@ log = logging.getLogger(__name__)
 
 #: the knowledge key of the transfer header that names the snapshot the leaver hands over (absent: none)
 KEY = "snapshot_handover"
-#: how long the leaver waits for its joiner to take both copies before it cuts the channel and leaves
+#: how long the leaver waits for its joiner to take both copies before it cuts the channel and leaves,
+#: besides their bytes at :data:`SLOWEST_BYTES_PER_S` (the joiner begins once its own state landed)
 WAIT_S = 30.0
+#: the slowest handover the leaver waits for (bytes per second): a slower one is cut, and the job
+#: takes a new snapshot instead
+SLOWEST_BYTES_PER_S = 100e6
 
 
 def send(channel: Any, own: HostCopy, held: HostCopy, rank: int) -> None:
     """(the leaver, main thread) Send ``own`` then ``held`` to the joiner on ``channel``; never raises."""
-    timer = threading.Timer(WAIT_S, backends.cut, (id(channel),))
+    timer = threading.Timer(WAIT_S + (own.nbytes + held.nbytes) / SLOWEST_BYTES_PER_S, backends.cut, (id(channel),))
     timer.daemon = True
     timer.start()
     began = time.perf_counter()
@@ -117,7 +121,8 @@ class Receiving:
             )  # fmt: skip
             return
         finally:
-            self._channel = None
+            with self._lock:
+                self._channel = None
             retire(channel)  # one use only, as every transfer channel
         self._landed(own, held, time.perf_counter() - began)
 

@@ -94,7 +94,7 @@ JOIN_WAIT_S = 1.0
 #: the snapshot pairs' gloo timeout, for their rendezvous and every operation: a pair whose peer is
 #: gone holds this process's communicator builds (they are serialized) until it ends
 PAIR_TIMEOUT = datetime.timedelta(seconds=60)
-#: after a drain that kept the committed snapshot (see HostSnapshots.keep), the steps within which
+#: after a drain that kept the committed snapshot (see HostSnapshots.keeps), the steps within which
 #: the joiner must hold the leaver's copies; past them, every rank takes a new snapshot, as after
 #: any other move
 HANDOVER_STEPS = 5
@@ -284,7 +284,7 @@ class HostSnapshots:
     def due(self, step: int) -> bool:
         """Whether ``step``'s start takes a snapshot: when the job takes them (a vote said some rank
         needs them), every ``every`` steps and at the first step of a new generation (a move changed
-        who holds what), unless a drain kept the committed one (:meth:`keep`)."""
+        who holds what), unless a drain kept the committed one (:meth:`keeps`)."""
         s = self._s
         if not self.enabled or s.standby or not s.snapshots_wanted or self._broken == s.generation:
             return False

@@ -7,13 +7,16 @@ import datetime
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.distributed import HashStore
 
 from rlaunch.plans import MigratePlan, ReplacePlan, Role, plan_to_json
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from rlaunch.runtime.grouptable import GroupTable
-from rlaunch.runtime.migration import Migration
+from rlaunch.runtime.hostcopy import HostCopy
+from rlaunch.runtime.migration import Migration, Prepared
+from rlaunch.runtime.phases import MovePhases
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.recovery import Recovery
 from rlaunch.runtime.snapshots import HostSnapshots
@@ -104,3 +107,29 @@ def test_a_survivor_recovers_to_the_newest_plan_it_holds() -> None:
     recovery.on_replace(_replace(7, (1, 2)))
     newer = recovery._newer_than(_replace(6, (1, 2)))
     assert newer is not None and newer.generation == 7 and recovery._newer_than(newer) is None
+
+
+def test_a_survivors_switch_keeps_the_host_snapshot_only_after_a_vote_that_found_it_whole() -> None:
+    """The survivor's side of a drain that keeps the committed snapshot (rlaunch.runtime.handover):
+    the agree vote's sums decide, the switch keeps it (no snapshot at the first step), and a later
+    drain whose vote did not find it whole ends the wait, so its first step takes a new one."""
+    state = _state(_Link([]), lambda *a: SandboxComm(0, 2))
+    host = HostSnapshots(state, 20, 1, lambda: True)
+    migration = Migration(state, lambda plan: None, lambda: "", dict, host)
+    blob = torch.empty(0, dtype=torch.uint8)
+    host.pending = 40
+    host.own, host.held = HostCopy({"step": 40}, blob, []), HostCopy({"step": 40}, blob, [])
+
+    def switch_after_vote(generation: int, step: int, mine: list[float], theirs: list[float]) -> None:
+        state.step = step
+        host.commit([a + b for a, b in zip(mine, theirs, strict=True)])  # the agree vote, both ranks' terms
+        plan = MigratePlan(generation=generation, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2)
+        migration._agreed = Prepared(plan, {"world": SandboxComm(0, 2)}, MovePhases(generation, "survivor"))
+        migration.switch(step + 1)
+
+    switch_after_vote(2, 45, host.terms(), host.terms())
+    assert state.generation == 2 and host.committed == 40 and host.kept == 40
+    assert not host.due(46) and host.due(60), "no snapshot at the first step; the schedule stays"
+    joiner = [0.0, 0.0, *host.terms()[2:]]  # the first drain's joiner: its copies still arriving
+    switch_after_vote(3, 47, host.terms(), joiner)
+    assert state.generation == 3 and host.kept == -1 and host.due(48), "the second drain keeps nothing"
