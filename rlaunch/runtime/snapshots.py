@@ -292,16 +292,13 @@ class HostSnapshots:
 
     def keeps(self, next_step: int) -> bool:
         """(at a drain's switch, on every rank alike) Whether the job keeps its committed snapshot across
-        the move: the vote that agreed on it found every rank holding it whole, and no scheduled
-        snapshot falls in the steps the joiner has to receive its copies (from ``next_step`` to
-        :data:`HANDOVER_STEPS` later: its copies would still be arriving when it must take that one).
-        The leaver then hands its copies to the joiner (see :mod:`rlaunch.runtime.handover`), and
-        nobody takes a new snapshot at the first step."""
+        the move: the vote that agreed on it found every rank holding it whole, and ``next_step`` is
+        not a scheduled snapshot's. The leaver then hands its copies to the joiner (see
+        :mod:`rlaunch.runtime.handover`), and nobody takes a new snapshot at the first step; a scheduled
+        one while the joiner's copies still arrive ends the wait (:meth:`take`)."""
         s = self._s
         every = self.every
-        if every <= 0 or not s.snapshots_wanted or self.whole_at != s.step:
-            return False
-        return (next_step - 1) // every == (next_step + HANDOVER_STEPS) // every
+        return every > 0 and s.snapshots_wanted and self.whole_at == s.step and next_step % every != 0
 
     def switched(self, generation: int, next_step: int, keep: bool) -> None:
         """(a survivor, at a drain's switch to ``generation``, before the rank's generation is set) With
@@ -386,10 +383,20 @@ class HostSnapshots:
         moved = self._gen != s.generation
         if moved:
             self._cut(s.generation - 1)  # the old generations' pairs: a moved rank may be in them
+        superseded = self._kept_until is not None
+        if superseded:
+            # A scheduled snapshot while a drain's joiner waits for its copies (every rank takes it: due()
+            # is alike, no exchange runs meanwhile): it covers the new generation instead, so the wait ends
+            # here on every rank, and the joiner's receive is cut (its own copy is overwritten anyway).
+            self._kept_until = None
+            with self._lock:
+                handover = self._handover
+            if handover is not None:
+                handover.cut()
         with self._lock:  # this snapshot builds the generation's pairs (not measured: see stepped)
             fresh = self._pairs is None or self._pairs[0] != s.generation
         self._window = None
-        if not self._join(JOIN_WAIT_S if moved else 0.0):
+        if not self._join(JOIN_WAIT_S if moved or superseded else 0.0):
             # Not this turn: this rank holds no copy of ``step``, so its vote keeps it from committing.
             log.warning(
                 "rank %d (generation %d): the previous snapshot's exchange still runs; step %d takes none",
