@@ -27,6 +27,7 @@ import pytest
 
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
+from tests.torch_teardown import run_2_ranks
 
 FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)(?: eval=([-+0-9.e,]+))?")
 pytestmark = pytest.mark.timeout(600)
@@ -37,11 +38,13 @@ def finals(text: str) -> dict[int, tuple[str, ...]]:
 
 
 def run(launcher: str, script: Path, *args: str) -> dict[int, tuple[str, ...]]:
-    """Every rank's final digests from one uninterrupted 2-rank run on one node."""
-    res = subprocess.run(
+    """Every rank's final digests from one uninterrupted 2-rank run on one node. A plain torchrun run that
+    aborted in torch's teardown is run again, at most twice (never accepted: see tests.torch_teardown); an
+    rlaunch run never is."""
+    res = run_2_ranks(
         [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        attempts=3 if launcher == "torch.distributed.run" else 1,
+    )
     got = finals(res.stdout)
     assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
     return got
