@@ -1,12 +1,15 @@
-"""torch 2.13's teardown abort, which a plain run of a test's reference script sometimes ends with."""
+"""Uninterrupted 2-rank runs of a test's script on one node, and torch 2.13's teardown abort, which a
+plain torchrun run of such a script sometimes ends with."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
+TORCHRUN = "torch.distributed.run"
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
 
 
@@ -40,3 +43,27 @@ def run_2_ranks(
         if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
             break
     return res
+
+
+def launch(
+    launcher: str, args: Sequence[str], fresh: Callable[[], None] = lambda: None
+) -> subprocess.CompletedProcess[str]:
+    """One uninterrupted 2-rank run of ``args`` (a script and its options) under ``launcher`` (a module:
+    :data:`TORCHRUN` or ``rlaunch``). A torchrun run that aborted in torch's teardown is run again, at
+    most twice (never accepted); an rlaunch run never is."""
+    return run_2_ranks(
+        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", *args],
+        attempts=3 if launcher == TORCHRUN else 1, fresh=fresh,
+    )  # fmt: skip
+
+
+def finals(final: re.Pattern[str], text: str) -> dict[int, tuple[str, ...]]:
+    """Every rank's final digests in ``text``: ``final``'s first group is the rank, the others the digests."""
+    return {int(m.group(1)): m.groups()[1:] for m in final.finditer(text)}
+
+
+def both_finals(res: subprocess.CompletedProcess[str], final: re.Pattern[str]) -> dict[int, tuple[str, ...]]:
+    """Both ranks' final digests from a run (:func:`launch`'s) that must have ended well on both."""
+    got = finals(final, res.stdout)
+    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    return got

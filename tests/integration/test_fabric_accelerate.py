@@ -27,27 +27,16 @@ import pytest
 
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
-from tests.torch_teardown import run_2_ranks
+from tests.torch_teardown import both_finals, finals, launch
 
 FINAL = re.compile(r"rank (\d+) final: params=(\w+) optim=(\w+) steps=(\d+)(?: eval=([-+0-9.e,]+))?")
 pytestmark = pytest.mark.timeout(600)
 
 
-def finals(text: str) -> dict[int, tuple[str, ...]]:
-    return {int(m.group(1)): m.groups()[1:] for m in FINAL.finditer(text)}
-
-
 def run(launcher: str, script: Path, *args: str) -> dict[int, tuple[str, ...]]:
-    """Every rank's final digests from one uninterrupted 2-rank run on one node. A plain torchrun run that
-    aborted in torch's teardown is run again, at most twice (never accepted: see tests.torch_teardown); an
-    rlaunch run never is."""
-    res = run_2_ranks(
-        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
-        attempts=3 if launcher == "torch.distributed.run" else 1,
-    )
-    got = finals(res.stdout)
-    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
-    return got
+    """Every rank's final digests from one uninterrupted 2-rank run on one node that ended well (a plain
+    torchrun run that aborted in torch's teardown is run again, at most twice: see tests.torch_teardown)."""
+    return both_finals(launch(launcher, [str(script), *args]), FINAL)
 
 
 def drain_then_lose_a(cluster: Cluster, script: Path, *args: str, gate_at: int, die_at: int) -> list[AgentProc]:
@@ -106,7 +95,9 @@ def test_a_fabric_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
         cluster, FABRIC, "--devices", "1", "--nodes", "2", *FABRIC_ARGS, "--loop", "steps", "--package", "lightning",
         gate_at=2, die_at=65,
     )  # fmt: skip
-    assert finals(c.output() + d.output()) == fabric_reference, "the port ends as Fabric's own loop under torchrun"
+    assert finals(FINAL, c.output() + d.output()) == fabric_reference, (
+        "the port ends as Fabric's own loop under torchrun"
+    )
     assert run("rlaunch", FABRIC, "--devices", "2", *FABRIC_ARGS, "--loop", "steps") == fabric_reference
 
 
@@ -114,7 +105,9 @@ def test_an_accelerate_loop_on_rt_steps_survives_a_drain_and_a_lost_node(
     cluster: Cluster, accelerate_reference: dict[int, tuple[str, ...]]
 ) -> None:
     _, _, c, d = drain_then_lose_a(cluster, ACCELERATE, *ACCELERATE_ARGS, "--loop", "steps", gate_at=2, die_at=32)
-    assert finals(c.output() + d.output()) == accelerate_reference, "the port ends as the tutorial loop under torchrun"
+    assert finals(FINAL, c.output() + d.output()) == accelerate_reference, (
+        "the port ends as the tutorial loop under torchrun"
+    )
     assert run("rlaunch", ACCELERATE, *ACCELERATE_ARGS, "--loop", "steps") == accelerate_reference
 
 
@@ -136,7 +129,7 @@ def test_a_loop_over_the_loaders_epochs_trains_as_the_framework_does_and_refuses
             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         out = res.stdout + res.stderr
-        assert res.returncode == 0 and finals(out) == reference, out[-3000:]
+        assert res.returncode == 0 and finals(FINAL, out) == reference, out[-3000:]
         why = f"{name}: The training loop iterates the loader's epochs itself (for batch in loader)"
         assert f"live moves are refused: {why}" in out and f"live moves: none: {why}" in out, out[-3000:]
         done = re.findall(r"event verification \(generation 1\) \{'rank': (\d+)", out)

@@ -17,19 +17,18 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
-from tests.torch_teardown import run_2_ranks
+from tests.torch_teardown import TORCHRUN, both_finals, finals
+from tests.torch_teardown import launch as launch_2_ranks
 
 pytest.importorskip("pytorch_lightning", reason="the Lightning integration's tests need 'rlaunch[lightning]'")
 
 SCRIPT = SCRIPTS / "lightning_train.py"
-TORCHRUN = "torch.distributed.run"
 PATTERNS = ("--accum-schedule", "0:2,1:4", "--precision", "16-mixed", "--loader", "stateful")
 NUMBER = r"None|[-+0-9.e]+"  # not \S+: two ranks' lines may reach the output unseparated
 FINAL = re.compile(
@@ -39,28 +38,18 @@ JOINED = re.compile(r"rank \d+ joined at epoch (\d+) batch (\d+)")
 pytestmark = pytest.mark.timeout(600)
 
 
-def finals(text: str) -> dict[int, tuple[str, ...]]:
-    return {int(m.group(1)): m.groups()[1:] for m in FINAL.finditer(text)}
-
-
 def launch(launcher: str, *args: str, root: Path) -> subprocess.CompletedProcess[str]:
-    """One uninterrupted 2-rank run of the script on one node under ``launcher`` (a module: torchrun's
-    ``torch.distributed.run`` or ``rlaunch``), writing under ``root``. A torchrun run that aborted in
-    torch's teardown is run again, at most twice (never accepted: see tests.torch_teardown); an
-    rlaunch run never is."""
-    return run_2_ranks(
-        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--devices", "2",
-         "--root", str(root), *args],
-        attempts=3 if launcher == TORCHRUN else 1, fresh=lambda: shutil.rmtree(root, ignore_errors=True),
+    """One uninterrupted 2-rank run of the script on one node under ``launcher``, writing under ``root``
+    (a torchrun run that aborted in torch's teardown is run again: see tests.torch_teardown)."""
+    return launch_2_ranks(
+        launcher, [str(SCRIPT), "--devices", "2", "--root", str(root), *args],
+        fresh=lambda: shutil.rmtree(root, ignore_errors=True),
     )  # fmt: skip
 
 
 def run(*args: str, root: Path, launcher: str = TORCHRUN) -> dict[int, tuple[str, ...]]:
     """Every rank's final digests from one uninterrupted 2-rank run on one node, with the patterns."""
-    res = launch(launcher, *PATTERNS, *args, root=root)
-    got = finals(res.stdout)
-    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
-    return got
+    return both_finals(launch(launcher, *PATTERNS, *args, root=root), FINAL)
 
 
 def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluster: Cluster, tmp_path: Path) -> None:
@@ -86,7 +75,7 @@ def test_a_drain_and_a_lost_node_mid_epoch_end_as_lightnings_own_ddp_does(cluste
     gates[1].touch()
     assert [x.wait(240) for x in (b, c, d)] == [0, 0, 0], (c.output()[-3000:], d.output()[-3000:])
     assert a.proc.poll() is not None and "final" not in a.output() + b.output()
-    got = finals(c.output() + d.output())
+    got = finals(FINAL, c.output() + d.output())
     assert got == ddp, "the job must end as Lightning's DDP does, on every rank"
     assert "[d/0] rank 0 final" in d.output() and "[c/1] rank 1 final" in c.output()
     assert JOINED.search(c.output()), "c joined where the drain switched (the test does not choose where)"
@@ -112,9 +101,7 @@ def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_no
     (mid-epoch 1) and d takes rank 0 live, c reruns the discarded training_step whole. Both end as
     Lightning's DDP does."""
     manual = ("--manual", "--loader", "plain")
-    res = launch(TORCHRUN, "--strategy", "ddp", *manual, root=tmp_path / "ddp")
-    ddp = finals(res.stdout)
-    assert res.returncode == 0 and sorted(ddp) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
+    ddp = both_finals(launch(TORCHRUN, "--strategy", "ddp", *manual, root=tmp_path / "ddp"), FINAL)
     gates = cluster.tmp / "gate", cluster.tmp / "drained"
     a, b, c, d = cluster.agents_in_order(
         ["a", "b", "c", "d"], SCRIPT, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *manual,
@@ -129,7 +116,7 @@ def test_manual_optimization_drains_and_reruns_the_training_step_after_a_lost_no
     assert a.proc.poll() is not None and "final" not in a.output() + b.output()
     assert JOINED.search(c.output()), "b's rank moved to c"
     assert "'resume_at': 25" in c.output() and "event joined" in d.output()
-    assert finals(c.output() + d.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
+    assert finals(FINAL, c.output() + d.output()) == ddp, "the job must end as Lightning's DDP does, on every rank"
 
 
 def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp_path: Path) -> None:
@@ -152,7 +139,7 @@ def test_a_fault_after_a_steps_vote_takes_the_restart_path(cluster: Cluster, tmp
     why = "rlaunch.lightning: A fault was seen after step 4's vote, and a collective issued since"
     assert f"live moves are refused: {why}" in b.output(), b.output()[-3000:]
     assert b.output().count("event replacement_refused") == 2 and "event recovered" not in b.output()
-    assert finals(a.output() + b.output()) == ddp, "the restarted job ends as Lightning's DDP does"
+    assert finals(FINAL, a.output() + b.output()) == ddp, "the restarted job ends as Lightning's DDP does"
 
 
 def test_what_cannot_move_is_named_at_start_and_the_job_trains_as_lightnings_ddp(tmp_path: Path) -> None:
@@ -162,7 +149,7 @@ def test_what_cannot_move_is_named_at_start_and_the_job_trains_as_lightnings_ddp
     ddp = run("--strategy", "ddp", *args, root=tmp_path / "ddp")
     res = launch("rlaunch", *PATTERNS, *args, root=tmp_path / "rl")
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and finals(out) == ddp, out[-3000:]
+    assert res.returncode == 0 and finals(FINAL, out) == ddp, out[-3000:]
     why = "rlaunch.lightning: Trainer(limit_train_batches=0.5) ends epochs before their loader does"
     assert f"live moves are refused: {why}" in out, out[-3000:]
     assert f"live moves: none: {why}" in out, "the agent publishes it: rlaunch status shows it"

@@ -14,14 +14,13 @@ an accumulation window).
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import SCRIPTS, Cluster, wait_for
 from tests.integration.test_migration import drain, warm
-from tests.torch_teardown import run_2_ranks
+from tests.torch_teardown import TORCHRUN, both_finals, finals, launch
 
 FINAL = re.compile(r"rank (\d+) final: (params=\w+ optim=\w+ sched=\w+ steps=\d+(?: eval=[0-9.,]+)?)")
 LIGHTNING = SCRIPTS / "lightning_tutorial.py"
@@ -29,23 +28,13 @@ ACCELERATE = SCRIPTS / "accelerate_tutorial.py"
 pytestmark = pytest.mark.timeout(900)
 
 
-def finals(text: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in FINAL.finditer(text)}
+def run(script: Path, *args: str) -> dict[int, tuple[str, ...]]:
+    """Every rank's final digests from one uninterrupted 2-rank run under plain torchrun that ended well
+    (one that aborted in torch's teardown is run again, at most twice: see tests.torch_teardown)."""
+    return both_finals(launch(TORCHRUN, [str(script), *args]), FINAL)
 
 
-def run(launcher: str, script: Path, *args: str) -> dict[int, str]:
-    """Every rank's final digests from one uninterrupted 2-rank run on one node that ended well.
-
-    A run that aborted in torch's teardown (:func:`aborted_in_torch_teardown`) is run again, at
-    most twice: a script or rlaunch that aborts at exit every time still fails here."""
-    res = run_2_ranks([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), *args])
-    got = finals(res.stdout)
-    assert res.returncode == 0 and sorted(got) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
-    assert "live moves are refused" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
-    return got
-
-
-def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, str]:
+def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, tuple[str, ...]]:
     """a and b active, c and d warm standbys: b is drained at the start, a's node is SIGKILLed in epoch 2."""
     hold = cluster.tmp / "hold"
     a, b, c, d = cluster.agents_in_order(
@@ -61,7 +50,7 @@ def drain_then_kill(cluster: Cluster, script: Path, *args: str) -> dict[int, str
     assert "final" not in a.output() + b.output()
     assert "[c/1] rank 1 final" in c.output() and "[d/0] rank 0 final" in d.output()
     assert "event joined" in d.output() and "live moves are refused" not in c.output() + d.output()
-    return finals(c.output() + d.output())
+    return finals(FINAL, c.output() + d.output())
 
 
 def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: Cluster, tmp_path: Path) -> None:
@@ -76,9 +65,9 @@ def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: C
     loader's position, the node lost mid-epoch left its replacement's batches jittered differently:
     params fe99c79f... against 82fc36f5...)."""
     options = ("--workers", "2", "--augment", "--ema")
-    ddp = run("torch.distributed.run", LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *options)
+    ddp = run(LIGHTNING, "--strategy", "ddp", "--root", str(tmp_path / "ddp"), *options)
     assert ddp[0] == ddp[1]
-    tr = run("torch.distributed.run", LIGHTNING, "--root", str(tmp_path / "tr"), *options)
+    tr = run(LIGHTNING, "--root", str(tmp_path / "tr"), *options)
     assert tr == ddp, "rlaunch's strategy"
     job = drain_then_kill(
         cluster, LIGHTNING, "--devices", "1", "--nodes", "2", "--root", str(tmp_path / "job"), *options
@@ -87,7 +76,7 @@ def test_a_lightning_tutorial_script_survives_a_drain_and_a_lost_node(cluster: C
 
 
 def test_an_accelerate_tutorial_port_survives_a_drain_and_a_lost_node(cluster: Cluster) -> None:
-    tutorial = run("torch.distributed.run", ACCELERATE, "--loop", "tutorial")
+    tutorial = run(ACCELERATE, "--loop", "tutorial")
     assert tutorial[0] == tutorial[1]
-    assert run("torch.distributed.run", ACCELERATE) == tutorial, "the port trains as the tutorial's loop"
+    assert run(ACCELERATE) == tutorial, "the port trains as the tutorial's loop"
     assert drain_then_kill(cluster, ACCELERATE) == tutorial, "the job must end as the tutorial's loop does"
