@@ -46,7 +46,6 @@ import contextlib
 import datetime
 import itertools
 import logging
-import os
 import queue
 import sys
 import threading
@@ -64,6 +63,7 @@ from torch.futures import Future
 from rlaunch.errors import RlaunchError
 from rlaunch.runtime import backend as backends
 from rlaunch.runtime import works
+from rlaunch.runtime.priority import yield_thread
 from rlaunch.runtime.sandbox import SandboxComm, in_object_collective
 
 log = logging.getLogger(__name__)
@@ -137,10 +137,7 @@ class _Retirer:
         self._queue.put((time.monotonic() + RETIRE_AFTER_S, comm))
 
     def _run(self) -> None:
-        try:  # Linux nice values are per thread: lower only this one
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
+        yield_thread()
         while True:
             due, comm = self._queue.get()
             self._now.wait(max(0.0, due - time.monotonic()))

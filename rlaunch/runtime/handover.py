@@ -21,7 +21,6 @@ then that needs the joiner's copies, the survivors refuse the rollback and the j
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import hostcopy
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.hostcopy import HostCopy
+from rlaunch.runtime.priority import yield_thread
 from rlaunch.runtime.transfer import TransferError
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Receiving:
             backends.cut(id(channel))
 
     def _receive(self) -> None:
-        yield_to_training()
+        yield_thread()
         began = time.perf_counter()
         channel = self._channel
         try:
@@ -125,12 +125,3 @@ class Receiving:
                 self._channel = None
             retire(channel)  # one use only, as every transfer channel
         self._landed(own, held, time.perf_counter() - began)
-
-
-def yield_to_training() -> None:
-    """Lower this thread's priority (Linux nice values are per thread): where training keeps every
-    core busy, a snapshot's digests and copies take what it leaves."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass

@@ -19,10 +19,8 @@ A standby joins through the same plans (:meth:`rlaunch.runtime.joining.Joining.j
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.grouptable import GroupTable
 from rlaunch.runtime.phases import MovePhases, Phase, report
+from rlaunch.runtime.priority import yield_process
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.snapshots import HostSnapshots
 from rlaunch.runtime.transfer import send_state
@@ -214,7 +213,7 @@ class Migration:
             # Once the joiner can start its first step, the rest of the state (the optimizer's) and this
             # process's end take what CPU the job leaves them: on a machine short of cores, the joiner's
             # and the survivors' steps come first.
-            sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), known, first_sent=_yield_cpu)
+            sent = send_state(comms["channel"], s.tracked, next_step, rng.capture(), known, first_sent=yield_process)
             phases.mark(Phase.TRANSFER_END)
             phases.transfer_bytes = sent
             seconds = time.perf_counter() - began
@@ -231,15 +230,3 @@ class Migration:
         s.generation = gen
         s.after_move = phases
         s.verify_due = True  # the first vote of the new generation compares the replicas
-
-
-def _yield_cpu() -> None:
-    """Lower every thread of this process (gloo's included: Linux nice values are per thread) to the
-    lowest priority."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        tasks = []
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError):
-            os.setpriority(os.PRIO_PROCESS, int(tid), 19)

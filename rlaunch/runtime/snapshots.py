@@ -52,8 +52,9 @@ from rlaunch.runtime import backend as backends
 from rlaunch.runtime import hostcopy, rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
-from rlaunch.runtime.handover import Receiving, yield_to_training
+from rlaunch.runtime.handover import Receiving
 from rlaunch.runtime.hostcopy import HostCopy
+from rlaunch.runtime.priority import yield_thread
 from rlaunch.runtime.rankstate import RankState
 from rlaunch.runtime.transfer import TransferError
 
@@ -420,12 +421,12 @@ class HostSnapshots:
         """(snapshot thread) Send this rank's copy to its buddy and receive its source's copy."""
         s = self._s
         began = time.perf_counter()
-        yield_to_training()
+        yield_thread()
         hostcopy.seal(own)  # first: a rollback to this copy needs its digests, pairs or not
         failed: list[BaseException] = []
 
         def send(pair: Any) -> None:
-            yield_to_training()
+            yield_thread()
             try:
                 hostcopy.send(pair, own, None, self._rate)
             except Exception as exc:  # noqa: BLE001 - reported by the exchange below
@@ -486,30 +487,29 @@ class HostSnapshots:
     def _cut(self, upto: int) -> None:
         """End an exchange in flight: its pairs' connections are shut down, so its operations fail; a
         pair of generation ``upto`` or an older one still being built is released once built."""
+        for pair in self._shut(upto):
+            retire(pair)
+
+    def close(self) -> None:
+        """At exit: end an exchange in flight and release the pairs now (a gloo group left to
+        interpreter teardown can abort the process)."""
+        pairs = self._shut(self._s.generation)
+        self._join(5.0)
+        _release(pairs)
+
+    def _shut(self, upto: int) -> list[Any]:
+        """Let go of the pairs (returned, their connections shut down) and of a handover in flight;
+        pairs of generation ``upto`` or older still being built are released once built."""
         with self._lock:
             pairs, self._pairs = self._pairs, None
             self._cut_below = max(self._cut_below, upto)
             handover = self._handover  # kept: report() says why its copies are missing
         if handover is not None:
             handover.cut()
-        if pairs is not None:
-            for pair in pairs[1:]:
-                backends.cut(id(pair))
-                retire(pair)
-
-    def close(self) -> None:
-        """At exit: end an exchange in flight and release the pairs now (a gloo group left to
-        interpreter teardown can abort the process)."""
-        with self._lock:
-            pairs, self._pairs = self._pairs, None
-            self._cut_below = max(self._cut_below, self._s.generation)
-            handover = self._handover  # kept: report() says why its copies are missing
-        if handover is not None:
-            handover.cut()
-        for pair in pairs[1:] if pairs is not None else ():
+        shut = list(pairs[1:]) if pairs is not None else []
+        for pair in shut:
             backends.cut(id(pair))
-        self._join(5.0)
-        _release(pairs[1:] if pairs is not None else ())
+        return shut
 
     def _join(self, timeout: float) -> bool:
         thread = self._thread
