@@ -43,6 +43,7 @@ from torch.distributed import PrefixStore, ProcessGroup, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from rlaunch.errors import UsageError
+from rlaunch.runtime import priority
 from rlaunch.runtime.nccl import NcclApi, NcclSetupError, TorchNccl
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ def _gloo_device(addr: str) -> Any:
 
 #: the advertised address gloo could not bind (tried once, then torch's default device is used)
 _unbindable = ""
+#: the names gloo (torch 2.13) gives the threads it starts for a communicator: its TCP transport's
+#: event loop (the reads and writes of every pair) and its process group's workers
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
 def _connected_inet_fds() -> set[int]:
@@ -194,6 +198,7 @@ class Communicators:
         self._clock = clock
         self._lock = threading.Lock()  # gloo builds are serialized: see _gloo
         self._sockets: dict[int, set[int]] = {}
+        self._threads: dict[int, set[int]] = {}  # gloo's threads of each communicator (see yield_cpu)
         self._nccl_comms: dict[int, Any] = {}
         self._failed_setups: set[int] = set()  # NCCL communicators whose failed setup was logged
 
@@ -204,11 +209,13 @@ class Communicators:
             self._nccl = TorchNccl()
         return self._nccl
 
-    def _gloo(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> tuple[Any, set[int]]:
-        """A gloo backend and its connected sockets. Gloo connects every pair while it is built, so
-        the sockets that appear meanwhile are its own (builds are serialized)."""
+    def _gloo(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> tuple[Any, set[int], set[int]]:
+        """A gloo backend, its connected sockets and its threads. Gloo connects every pair and starts
+        its threads while it is built, so the sockets and gloo-named threads that appear meanwhile are
+        its own (builds are serialized)."""
         with self._lock:
             before = _connected_inet_fds()
+            threads_before = priority.threads(GLOO_THREADS)
             addr = gloo_bind_addr(os.environ)
             if addr is None:
                 gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
@@ -217,7 +224,7 @@ class Communicators:
                 options._devices = [_gloo_device(addr)]
                 options._timeout = timeout
                 gloo = ProcessGroupGloo(store, rank, size, options)
-            return gloo, _connected_inet_fds() - before
+            return gloo, _connected_inet_fds() - before, priority.threads(GLOO_THREADS) - threads_before
 
     def build(
         self,
@@ -236,7 +243,7 @@ class Communicators:
         """
         pstore = PrefixStore(prefix, store)
         name = prefix.strip("/").replace("/", ".")
-        gloo, sockets = self._gloo(pstore, rank, size, timeout)
+        gloo, sockets, threads = self._gloo(pstore, rank, size, timeout)
         pg = ProcessGroup(pstore, rank, size)
         pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
         if backend is Backend.NCCL:
@@ -255,7 +262,13 @@ class Communicators:
             pg._set_default_backend(ProcessGroup.BackendType.GLOO)
         pg._set_group_name(name)
         self._sockets[id(pg)] = sockets
+        self._threads[id(pg)] = threads
         return pg
+
+    def yield_cpu(self, comm: Any) -> None:
+        """Lower the threads gloo made for ``comm`` (its transport's loop, its workers) to the lowest
+        priority: what it carries from now on is background work beside training."""
+        priority.yield_threads(self._threads.get(id(comm), ()))
 
     def carries(self, comm: Any, device_type: str) -> bool:
         """Whether ``comm`` moves tensors of ``device_type`` itself (else they are staged on the CPU)."""
@@ -351,11 +364,13 @@ class Communicators:
     def forget(self, comm_id: int) -> None:
         """``id(comm)`` may be reused from now on: never cut its sockets (see :meth:`release`)."""
         self._sockets.pop(comm_id, None)
+        self._threads.pop(comm_id, None)
 
     def release(self, comm: Any) -> None:
         """(retire thread) A replaced communicator is about to be dropped: abort its NCCL
         communicator first (non-collective, unlike ``ncclCommDestroy``, which waits for peers)."""
         self._sockets.pop(id(comm), None)
+        self._threads.pop(id(comm), None)
         nccl = self._nccl_comms.pop(id(comm), None)
         if nccl is not None:
             try:
@@ -387,3 +402,7 @@ def build(
 
 def cut(comm_id: int, *, wait: float = ABORT_WAIT_S) -> None:
     _current.cut(comm_id, wait=wait)
+
+
+def yield_cpu(comm: Any) -> None:
+    _current.yield_cpu(comm)

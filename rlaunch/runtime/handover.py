@@ -11,11 +11,14 @@ channel, after the state itself (:func:`send`; the joiner's :class:`Receiving`).
 The leaver sends on its main thread, after it left its groups and before it tells its agent it
 left (the agent stops it right after that: a thread of its own would die with it); a timer cuts
 the channel if the joiner takes longer than :data:`WAIT_S`, and a handover that fails is logged,
-never raised: the leaver leaves as before. The joiner receives on a thread of its own, at the
-lowest priority, once its state landed whole (gloo matches the operations of a channel in the
-order they were posted: the landing's last receive is done by then), so its first steps do not
-wait for it. Until both copies landed it holds no snapshot, and its vote says so: if a fault came
-then that needs the joiner's copies, the survivors refuse the rollback and the job restarts.
+never raised: the leaver leaves as before. The joiner receives on a thread of its own, once its
+state landed whole (gloo matches the operations of a channel in the order they were posted: the
+landing's last receive is done by then) and its first step ended: the first step is the move's
+critical path (every survivor waits for the joiner in its first collective), so nothing the step
+does not need runs beside it, and no step waits for the copies. The receive, and gloo's threads
+of the channel that read the copies, run at the lowest priority. Until both copies landed the
+joiner holds no snapshot, and its vote says so: if a fault came then that needs the joiner's
+copies, the survivors refuse the rollback and the job restarts.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def send(channel: Any, own: HostCopy, held: HostCopy, rank: int) -> None:
 class Receiving:
     """(the joiner) The two copies of snapshot ``step``, arriving from the leaver once :meth:`start`ed.
 
-    ``landed(own, held, seconds)`` is called on the receiving thread once both landed whole; a
-    handover that fails or is cut leaves :attr:`failed` saying why, and calls nothing.
+    The receive begins once both :meth:`start` (the channel) and :meth:`go` (the joiner's first step
+    ended) came, in either order. ``landed(own, held, seconds)`` is called on the receiving thread
+    once both copies landed whole; a handover that fails or is cut leaves :attr:`failed` saying why,
+    and calls nothing.
     """
 
     def __init__(self, step: int, rank: int, landed: Callable[[HostCopy, HostCopy, float], None]) -> None:
@@ -80,6 +85,7 @@ class Receiving:
         self._lock = threading.Lock()  # start and cut, each whole
         self._rank = rank
         self._landed = landed
+        self._go = threading.Event()  # the first step ended (or the handover was cut: it fails at once)
         self.thread = threading.Thread(target=self._receive, name="rlaunch-snapshot-handover", daemon=True)
 
     def start(self, channel: Any) -> bool:
@@ -94,6 +100,10 @@ class Receiving:
         retire(channel)
         return False
 
+    def go(self) -> None:
+        """The joiner's first step ended: the receive may begin (at once, if the channel came)."""
+        self._go.set()
+
     def cut(self) -> None:
         """Make the receive fail now, or never start (a fault, a new snapshot, the process's end)."""
         with self._lock:
@@ -101,12 +111,16 @@ class Receiving:
             channel = self._channel
         if channel is not None:
             backends.cut(id(channel))
+        self._go.set()
 
     def _receive(self) -> None:
         yield_thread()
-        began = time.perf_counter()
         channel = self._channel
         try:
+            if not self._go.wait(WAIT_S):  # the leaver cuts the channel about then
+                raise TransferError(f"the first step after the move did not end within {WAIT_S:g} s")
+            backends.yield_cpu(channel)  # gloo's threads of the channel read the copies: beside training too
+            began = time.perf_counter()
             own = hostcopy.receive(channel)
             held = hostcopy.receive(channel)
             if own.step != self.step or held.step != self.step:

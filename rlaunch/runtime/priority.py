@@ -1,8 +1,12 @@
 """Where training keeps every core busy, the runtime's own background work takes what it leaves.
 
-Linux nice values are per thread, so a thread lowers itself (:func:`yield_thread`: snapshot
-exchanges, the handover's receive, the retirer of old groups), and a leaving rank lowers every
-thread of its process once the joiner can start (:func:`yield_process`, gloo's threads included).
+Linux nice values are per thread, and a thread starts at the value of the thread that made it. So a
+thread lowers itself (:func:`yield_thread`: snapshot exchanges, whose pairs gloo then builds with
+threads as low, the handover's receive, the retirer of old groups); a leaving rank lowers every
+thread of its process once the joiner can start (:func:`yield_process`, gloo's threads included);
+and a joiner lowers the threads gloo made for the move's channel once the state landed and only
+the snapshot handover follows on it (:func:`yield_threads`, given what the communicator layer
+noted when it built the channel).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Collection
 
 #: the lowest priority Linux gives a thread
 LOWEST = 19
@@ -23,10 +28,30 @@ def yield_thread() -> None:
 
 def yield_process() -> None:
     """Lower every thread of this process to the lowest priority (best effort, as above)."""
+    yield_threads(threads())
+
+
+def yield_threads(tids: Collection[int]) -> None:
+    """Lower the threads ``tids`` of this process to the lowest priority (best effort: one that ended is skipped)."""
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, LOWEST)
+
+
+def threads(named: Collection[str] = ()) -> set[int]:
+    """The ids of this process's threads (only those whose name is one of ``named``, if given)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        tasks = []
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError):
-            os.setpriority(os.PRIO_PROCESS, int(tid), LOWEST)
+        return set()
+    found = set()
+    for task in tasks:
+        if named:
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    if f.read().strip() not in named:
+                        continue
+            except OSError:
+                continue  # ended meanwhile
+        found.add(int(task))
+    return found

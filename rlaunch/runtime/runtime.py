@@ -792,6 +792,7 @@ class Runtime:
         moved, s.after_move = s.after_move, None
         if moved is not None:
             moved.mark(Phase.FIRST_STEP_END)
+            self._host.first_step_ended()
             survivor = moved.role != Role.JOINER.value  # a joiner's own time is in its "joined" report
             if s.link is not None and survivor:  # this step's excess over the median step is its downtime
                 median = _median(self._durations) if self._durations else 0.0

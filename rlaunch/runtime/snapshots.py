@@ -335,11 +335,18 @@ class HostSnapshots:
 
     def receive(self, channel: Any) -> None:
         """(a drain's joiner, once its state landed) Receive the leaver's two copies of the kept
-        snapshot on ``channel`` (the move's), on a thread of its own; :meth:`holds` once both landed."""
+        snapshot on ``channel`` (the move's), on a thread of its own, once the first step ended
+        (:meth:`first_step_ended`); :meth:`holds` once both landed."""
         receiving = self._handover
         assert receiving is not None, "expect() came first"
         if receiving.start(channel):
             self._thread = receiving.thread
+
+    def first_step_ended(self) -> None:
+        """(main thread, after a move's first step) A joiner's handover may begin (:class:`Receiving`)."""
+        receiving = self._handover
+        if receiving is not None:
+            receiving.go()
 
     def copies(self) -> tuple[HostCopy, HostCopy]:
         """(a drain's leaver, when :meth:`keeps`) Its own copy and the one it holds, of the kept snapshot."""

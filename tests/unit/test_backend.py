@@ -12,6 +12,7 @@ registered for CUDA tensors as a real ``ProcessGroupNCCL`` would be. It stands i
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -436,3 +437,28 @@ def test_an_advertised_address_gloo_cannot_bind_falls_back_to_torchs_choice_said
         assert backends._gloo_device("203.0.113.7") is not None
     said = [r for r in caplog.records if "cannot bind the advertised address 203.0.113.7" in r.message]
     assert len(said) == 1 and "GLOO_SOCKET_IFNAME" in said[0].message
+
+
+def test_yield_cpu_lowers_the_threads_gloo_made_for_that_communicator_and_no_others() -> None:
+    """A joiner's channel carries the snapshot handover beside training once the state landed: its
+    gloo threads (transport loop, workers), found by name as it was built, go to nice 19; another
+    communicator's and the caller's stay as they were."""
+    layer = Communicators()
+    channel = gloo.kept(layer.build(HashStore(), "channel/", 0, 1, TIMEOUT))
+    other = gloo.kept(layer.build(HashStore(), "other/", 0, 1, TIMEOUT))
+    mine, theirs = layer._threads[id(channel)], layer._threads[id(other)]
+
+    def names(tids: set[int]) -> list[str]:
+        return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tids)
+
+    def nice(tids: set[int]) -> set[int]:
+        return {os.getpriority(os.PRIO_PROCESS, t) for t in tids}
+
+    assert names(mine) == names(theirs) == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert caller < 19 and nice(mine) == nice(theirs) == {caller}, "gloo's threads start at their maker's value"
+    layer.yield_cpu(channel)
+    assert nice(mine) == {19} and nice(theirs) == {caller}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    layer.release(channel)
+    assert id(channel) not in layer._threads

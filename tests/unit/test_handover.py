@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import datetime
+import os
 import threading
 import time
 import types
@@ -176,8 +177,15 @@ def test_the_leaver_hands_its_copies_to_the_joiner_after_the_state_and_the_joine
     keeper.expect(2, 40, 43)
     keeper.receive(ch1)
     assert keeper._thread is not None
+    time.sleep(0.3)
+    assert keeper._thread.is_alive() and not keeper.holds(), "nothing is received beside the first step"
+    gloo_threads = set(backends.current()._threads[id(ch1)])
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert gloo_threads and {os.getpriority(os.PRIO_PROCESS, t) for t in gloo_threads} == {caller} != {19}
+    keeper.first_step_ended()
     keeper._thread.join(30)
     sender.join(30)
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in gloo_threads} == {19}, "the channel's reads yield to training"
     assert keeper.holds(), "both copies landed: the joiner's vote holds snapshot 40"
     assert keeper.own is not None and keeper.held is not None
     assert keeper.own.digests == own.digests and keeper.held.digests == held.digests
@@ -191,6 +199,21 @@ def test_the_leaver_hands_its_copies_to_the_joiner_after_the_state_and_the_joine
     keeper._s.tracked = joining
     keeper.restore(40)  # a fault after the drain: the joiner rolls back to what the leaver held
     assert _same(_state(joining), at_40), "the joiner's state is the leaver's at step 40, bit for bit"
+
+
+def test_a_first_step_that_does_not_end_in_time_fails_the_handover_before_it_receives() -> None:
+    _, ch1 = _pair(cuttable=1)
+    keeper = _joiner()
+    keeper.expect(2, 40, 43)
+    previous, handover.WAIT_S = handover.WAIT_S, 0.3
+    try:
+        keeper.receive(ch1)
+        assert keeper._thread is not None
+        keeper._thread.join(10)
+    finally:
+        handover.WAIT_S = previous
+    assert not keeper._thread.is_alive() and not keeper.holds()
+    assert keeper.report()["handover"] == "the first step after the move did not end within 0.3 s"
 
 
 def test_a_handed_over_copy_that_differs_from_its_digests_is_refused_before_any_rollback() -> None:
