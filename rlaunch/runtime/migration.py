@@ -88,8 +88,9 @@ class Migration:
         NCCL communicators count once their non-blocking setup is done: a rank votes ready only when
         the switch will not wait on them (a peer that fails while building one then delays the move,
         not the job). Nor before every tracked DDP rebuilt its gradient buckets, in its first steps
-        (see :mod:`rlaunch.runtime.buckets`). The plan offered is remembered: the switch is to that one, even
-        if the listener takes a newer plan meanwhile.
+        (see :mod:`rlaunch.runtime.buckets`), nor while a host snapshot it took a few steps ago is
+        still being exchanged (:meth:`HostSnapshots.exchanging`). The plan offered is remembered: the
+        switch is to that one, even if the listener takes a newer plan meanwhile.
         """
         with self._lock:
             prepared = self._prepared
@@ -99,6 +100,8 @@ class Migration:
         if not all(backends.current().is_ready(comm) for comm in prepared.comms.values()):
             return 0
         if buckets.awaited(self._s.tracked, self._s.votes):  # the joiner's DDP rebuilt its buckets: this one's first
+            return 0
+        if self._host.exchanging():  # a drain agreed once it ended keeps the new snapshot (HostSnapshots.keeps)
             return 0
         self._offered = prepared
         prepared.phases.mark(Phase.READY_VOTED)

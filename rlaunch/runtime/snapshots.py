@@ -99,6 +99,9 @@ PAIR_TIMEOUT = datetime.timedelta(seconds=60)
 #: the joiner must hold the leaver's copies; past them, every rank takes a new snapshot, as after
 #: any other move
 HANDOVER_STEPS = 5
+#: the steps a drain waits, after a snapshot was taken, for its exchange to end before its ranks vote
+#: ready anyway (see HostSnapshots.exchanging): a drain agreed while it runs cannot keep a snapshot
+EXCHANGE_WAIT_STEPS = 4
 
 
 def interval(value: str) -> tuple[int, bool]:
@@ -300,6 +303,16 @@ class HostSnapshots:
         s = self._s
         every = self.every
         return every > 0 and s.snapshots_wanted and self.whole_at == s.step and next_step % every != 0
+
+    def exchanging(self) -> bool:
+        """Whether this rank is still exchanging the snapshot it took in the last
+        :data:`EXCHANGE_WAIT_STEPS` steps. A drain agreed now could not keep one (its own copy of the
+        committed snapshot is already overwritten; :meth:`keeps`), so the rank votes ready for a drain
+        only once this ends (``Migration.ready``): the drain switches a step or two later, with no
+        downtime for that, and keeps the new snapshot once it committed."""
+        thread = self._thread
+        running = thread is not None and thread.is_alive()
+        return running and self.pending > self.committed and self._s.step - self.pending < EXCHANGE_WAIT_STEPS
 
     def switched(self, generation: int, next_step: int, keep: bool) -> None:
         """(a survivor, at a drain's switch to ``generation``, before the rank's generation is set) With

@@ -4,6 +4,7 @@ and a survivor recovers to the newest replacement plan it holds."""
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch.distributed import HashStore
 
 from rlaunch.plans import MigratePlan, ReplacePlan, Role, plan_to_json
+from rlaunch.runtime import snapshots
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from rlaunch.runtime.grouptable import GroupTable
@@ -133,3 +135,31 @@ def test_a_survivors_switch_keeps_the_host_snapshot_only_after_a_vote_that_found
     joiner = [0.0, 0.0, *host.terms()[2:]]  # the first drain's joiner: its copies still arriving
     switch_after_vote(3, 47, host.terms(), joiner)
     assert state.generation == 3 and host.kept == -1 and host.due(48), "the second drain keeps nothing"
+
+
+def test_a_rank_votes_ready_for_a_drain_only_once_its_snapshot_exchange_ended_or_ran_too_long() -> None:
+    """A drain agreed while the snapshot of step 40 is exchanged could not keep one (the copies of 20
+    are overwritten): the rank votes ready only once the exchange ended (a later vote then finds 40
+    whole and the drain keeps it), and past EXCHANGE_WAIT_STEPS steps anyway (the drain retakes)."""
+    state = _state(_Link([]), lambda *a: SandboxComm(0, 2))
+    host = HostSnapshots(state, 20, 1, lambda: True)
+    migration = Migration(state, lambda plan: None, lambda: "", dict, host)
+    plan = MigratePlan(generation=2, role=Role.SURVIVOR, rank=0, moved_ranks=(1,), world_size=2)
+    migration._prepared = Prepared(plan, {"world": SandboxComm(0, 2)}, MovePhases(2, "survivor"))
+    ended = threading.Event()
+    host._thread = threading.Thread(target=ended.wait, daemon=True)  # the exchange of step 40, in flight
+    host._thread.start()
+    host.pending, host.committed, state.step = 40, 20, 41
+    try:
+        assert migration.ready == 0
+        state.step = 40 + snapshots.EXCHANGE_WAIT_STEPS
+        assert migration.ready == 2, "an exchange that runs this long does not hold the drain any longer"
+        state.step = 41
+        host.committed = 40
+        assert migration.ready == 2, "committed: nothing in flight"
+        host.committed = 20
+        assert migration.ready == 0
+    finally:
+        ended.set()
+        host._thread.join(5)
+    assert migration.ready == 2, "the exchange ended"
