@@ -149,9 +149,12 @@ def _gloo_device(addr: str) -> Any:
 
 #: the advertised address gloo could not bind (tried once, then torch's default device is used)
 _unbindable = ""
-#: the names gloo (torch 2.13) gives the threads it starts for a communicator: its TCP transport's
-#: event loop (the reads and writes of every pair) and its process group's workers
-GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+#: the name gloo (torch 2.13) gives the thread of a communicator's TCP transport: its device's event
+#: loop, which reads what every pair receives (the process group's workers, ``pt_gloo_runloop``, do
+#: not take part in a send or receive). The thread names itself once it runs, which may be after the
+#: build returned: so a build notes every thread that appeared meanwhile, and :meth:`yield_cpu`
+#: picks this one among them by name.
+GLOO_LOOP = "gloo_tcp_loop"
 
 
 def _connected_inet_fds() -> set[int]:
@@ -198,7 +201,7 @@ class Communicators:
         self._clock = clock
         self._lock = threading.Lock()  # gloo builds are serialized: see _gloo
         self._sockets: dict[int, set[int]] = {}
-        self._threads: dict[int, set[int]] = {}  # gloo's threads of each communicator (see yield_cpu)
+        self._threads: dict[int, set[int]] = {}  # the threads that appeared as each one was built (see yield_cpu)
         self._nccl_comms: dict[int, Any] = {}
         self._failed_setups: set[int] = set()  # NCCL communicators whose failed setup was logged
 
@@ -210,12 +213,12 @@ class Communicators:
         return self._nccl
 
     def _gloo(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> tuple[Any, set[int], set[int]]:
-        """A gloo backend, its connected sockets and its threads. Gloo connects every pair and starts
-        its threads while it is built, so the sockets and gloo-named threads that appear meanwhile are
-        its own (builds are serialized)."""
+        """A gloo backend, its connected sockets and the threads that appeared while it was built.
+        Gloo starts its threads and connects every pair while it is built, so the sockets that appear
+        meanwhile are its own (builds are serialized), and so are its threads among those."""
         with self._lock:
             before = _connected_inet_fds()
-            threads_before = priority.threads(GLOO_THREADS)
+            threads_before = priority.threads()
             addr = gloo_bind_addr(os.environ)
             if addr is None:
                 gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
@@ -224,7 +227,7 @@ class Communicators:
                 options._devices = [_gloo_device(addr)]
                 options._timeout = timeout
                 gloo = ProcessGroupGloo(store, rank, size, options)
-            return gloo, _connected_inet_fds() - before, priority.threads(GLOO_THREADS) - threads_before
+            return gloo, _connected_inet_fds() - before, priority.threads() - threads_before
 
     def build(
         self,
@@ -266,9 +269,9 @@ class Communicators:
         return pg
 
     def yield_cpu(self, comm: Any) -> None:
-        """Lower the threads gloo made for ``comm`` (its transport's loop, its workers) to the lowest
+        """Lower the thread of ``comm``'s gloo transport (which reads what it receives) to the lowest
         priority: what it carries from now on is background work beside training."""
-        priority.yield_threads(self._threads.get(id(comm), ()))
+        priority.yield_threads(self._threads.get(id(comm), set()) & priority.threads((GLOO_LOOP,)))
 
     def carries(self, comm: Any, device_type: str) -> bool:
         """Whether ``comm`` moves tensors of ``device_type`` itself (else they are staged on the CPU)."""

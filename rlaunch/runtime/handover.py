@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 #: the knowledge key of the transfer header that names the snapshot the leaver hands over (absent: none)
 KEY = "snapshot_handover"
 #: how long the leaver waits for its joiner to take both copies before it cuts the channel and leaves,
-#: besides their bytes at :data:`SLOWEST_BYTES_PER_S` (the joiner begins once its own state landed)
+#: besides their bytes at :data:`SLOWEST_BYTES_PER_S` (the joiner begins once its first step ended,
+#: or half this after its state landed, whichever comes first)
 WAIT_S = 30.0
 #: the slowest handover the leaver waits for (bytes per second): a slower one is cut, and the job
 #: takes a new snapshot instead
@@ -72,9 +73,9 @@ class Receiving:
     """(the joiner) The two copies of snapshot ``step``, arriving from the leaver once :meth:`start`ed.
 
     The receive begins once both :meth:`start` (the channel) and :meth:`go` (the joiner's first step
-    ended) came, in either order. ``landed(own, held, seconds)`` is called on the receiving thread
-    once both copies landed whole; a handover that fails or is cut leaves :attr:`failed` saying why,
-    and calls nothing.
+    ended) came, in either order, or half :data:`WAIT_S` after :meth:`start` without :meth:`go`.
+    ``landed(own, held, seconds)`` is called on the receiving thread once both copies landed whole;
+    a handover that fails or is cut leaves :attr:`failed` saying why, and calls nothing.
     """
 
     def __init__(self, step: int, rank: int, landed: Callable[[HostCopy, HostCopy, float], None]) -> None:
@@ -116,11 +117,14 @@ class Receiving:
     def _receive(self) -> None:
         yield_thread()
         channel = self._channel
+        # A first step longer than half the leaver's wait (an evaluation, a checkpoint in it): the
+        # copies come beside it rather than not at all.
+        self._go.wait(WAIT_S / 2)
+        backends.yield_cpu(channel)  # gloo's threads of the channel read the copies: beside training too
+        began = time.perf_counter()
         try:
-            if not self._go.wait(WAIT_S):  # the leaver cuts the channel about then
-                raise TransferError(f"the first step after the move did not end within {WAIT_S:g} s")
-            backends.yield_cpu(channel)  # gloo's threads of the channel read the copies: beside training too
-            began = time.perf_counter()
+            if self._ended:
+                raise TransferError("it was cut (a fault, a new snapshot, or the process's end)")
             own = hostcopy.receive(channel)
             held = hostcopy.receive(channel)
             if own.step != self.step or held.step != self.step:

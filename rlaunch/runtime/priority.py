@@ -4,9 +4,9 @@ Linux nice values are per thread, and a thread starts at the value of the thread
 thread lowers itself (:func:`yield_thread`: snapshot exchanges, whose pairs gloo then builds with
 threads as low, the handover's receive, the retirer of old groups); a leaving rank lowers every
 thread of its process once the joiner can start (:func:`yield_process`, gloo's threads included);
-and a joiner lowers the threads gloo made for the move's channel once the state landed and only
-the snapshot handover follows on it (:func:`yield_threads`, given what the communicator layer
-noted when it built the channel).
+and a joiner lowers the thread gloo made for the move's channel once its first step ended and
+only the snapshot handover follows on it (:func:`yield_threads`, given what the communicator
+layer noted when it built the channel).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def yield_process() -> None:
 
 
 def yield_threads(tids: Collection[int]) -> None:
-    """Lower the threads ``tids`` of this process to the lowest priority (best effort: one that ended is skipped)."""
-    for tid in tids:
+    """Lower the threads ``tids`` of this process to the lowest priority (one that ended is skipped:
+    its id may be another process's thread by now)."""
+    for tid in threads() & set(tids):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, LOWEST)
 

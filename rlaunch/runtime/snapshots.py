@@ -95,12 +95,14 @@ JOIN_WAIT_S = 1.0
 #: the snapshot pairs' gloo timeout, for their rendezvous and every operation: a pair whose peer is
 #: gone holds this process's communicator builds (they are serialized) until it ends
 PAIR_TIMEOUT = datetime.timedelta(seconds=60)
-#: after a drain that kept the committed snapshot (see HostSnapshots.keeps), the steps within which
-#: the joiner must hold the leaver's copies; past them, every rank takes a new snapshot, as after
-#: any other move
-HANDOVER_STEPS = 5
+#: after a drain that kept the committed snapshot (see HostSnapshots.keeps), the steps from the
+#: drain's first within which the joiner must hold the leaver's copies (it receives them once the
+#: first ended: the others are theirs); past them, every rank takes a new snapshot, as after any
+#: other move
+HANDOVER_STEPS = 6
 #: the steps a drain waits, after a snapshot was taken, for its exchange to end before its ranks vote
-#: ready anyway (see HostSnapshots.exchanging): a drain agreed while it runs cannot keep a snapshot
+#: ready anyway (see HostSnapshots.exchanging; with snapshots this often or more, it never waits): a
+#: drain agreed while an exchange runs cannot keep a snapshot
 EXCHANGE_WAIT_STEPS = 4
 
 
@@ -305,14 +307,20 @@ class HostSnapshots:
         return every > 0 and s.snapshots_wanted and self.whole_at == s.step and next_step % every != 0
 
     def exchanging(self) -> bool:
-        """Whether this rank is still exchanging the snapshot it took in the last
-        :data:`EXCHANGE_WAIT_STEPS` steps. A drain agreed now could not keep one (its own copy of the
-        committed snapshot is already overwritten; :meth:`keeps`), so the rank votes ready for a drain
-        only once this ends (``Migration.ready``): the drain switches a step or two later, with no
-        downtime for that, and keeps the new snapshot once it committed."""
-        thread = self._thread
-        running = thread is not None and thread.is_alive()
-        return running and self.pending > self.committed and self._s.step - self.pending < EXCHANGE_WAIT_STEPS
+        """Whether this rank still exchanges the snapshot it took in the last :data:`EXCHANGE_WAIT_STEPS`
+        steps, with no scheduled one due sooner. A drain agreed now could not keep a snapshot (its own
+        copy of the committed one is already overwritten; :meth:`keeps`), so the rank votes ready for a
+        drain only once this ends (``Migration.ready``): the drain switches a step or two later, with no
+        downtime for that, and keeps the new snapshot once every rank's exchange ended and it committed."""
+        thread, own = self._thread, self.own
+        return (
+            self.every > EXCHANGE_WAIT_STEPS
+            and own is not None
+            and own.step == self.pending > self.committed  # taken (not skipped), not committed yet
+            and thread is not None
+            and thread.is_alive()
+            and self._s.step - self.pending < EXCHANGE_WAIT_STEPS
+        )
 
     def switched(self, generation: int, next_step: int, keep: bool) -> None:
         """(a survivor, at a drain's switch to ``generation``, before the rank's generation is set) With

@@ -95,6 +95,9 @@ class Voting:
         """
         s = self._s
         s.votes += 1
+        # Before the snapshot terms: an exchange that ends in between then counts in both (a rank that
+        # votes ready for a drain once its exchange ended also says it holds that snapshot).
+        ready = self._ready()
         checking = s.link is not None
         move = checking and s.verify_due
         verifying = checking and self.verifier.due(s.step, move)
@@ -121,7 +124,7 @@ class Voting:
         if snapshots:
             sections.append((SNAPSHOT, torch.tensor(self._host.terms(), dtype=torch.float64)))
         vote, layout = s.vote.tensor(
-            ready=self._ready(), group_rank=self._group.group_rank, start=s.start, tracked=s.tracked,
+            ready=ready, group_rank=self._group.group_rank, start=s.start, tracked=s.tracked,
             per_rank=s.per_rank, seeded=s.seed is not None, sections=sections,
             contract_of=lambda lay: self._contract(lay).digest(),
         )  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.distributed import HashStore, ProcessGroup
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import rng
+from rlaunch.runtime import priority, rng
 from rlaunch.runtime.backend import Backend, Communicators, choose, default_backend
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from tests.unit import gloo_groups as gloo
@@ -439,26 +440,28 @@ def test_an_advertised_address_gloo_cannot_bind_falls_back_to_torchs_choice_said
     assert len(said) == 1 and "GLOO_SOCKET_IFNAME" in said[0].message
 
 
-def test_yield_cpu_lowers_the_threads_gloo_made_for_that_communicator_and_no_others() -> None:
-    """A joiner's channel carries the snapshot handover beside training once the state landed: its
-    gloo threads (transport loop, workers), found by name as it was built, go to nice 19; another
-    communicator's and the caller's stay as they were."""
+def test_yield_cpu_lowers_the_gloo_transport_thread_of_that_communicator_and_no_other() -> None:
+    """A joiner's channel carries the snapshot handover beside training once its first step ended:
+    its gloo transport thread (one of the threads that appeared as it was built, found by name)
+    goes to nice 19; another communicator's and the caller's stay as they were."""
     layer = Communicators()
     channel = gloo.kept(layer.build(HashStore(), "channel/", 0, 1, TIMEOUT))
     other = gloo.kept(layer.build(HashStore(), "other/", 0, 1, TIMEOUT))
-    mine, theirs = layer._threads[id(channel)], layer._threads[id(other)]
 
-    def names(tids: set[int]) -> list[str]:
-        return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tids)
+    def loop(comm: Any) -> int:  # the transport thread names itself once it runs
+        for _ in range(500):
+            named = layer._threads[id(comm)] & priority.threads((backends.GLOO_LOOP,))
+            if named:
+                (tid,) = named
+                return tid
+            time.sleep(0.01)
+        raise AssertionError("no gloo transport thread among the threads the build started")
 
-    def nice(tids: set[int]) -> set[int]:
-        return {os.getpriority(os.PRIO_PROCESS, t) for t in tids}
-
-    assert names(mine) == names(theirs) == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]
+    mine, theirs = loop(channel), loop(other)
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert caller < 19 and nice(mine) == nice(theirs) == {caller}, "gloo's threads start at their maker's value"
+    assert caller < 19 and os.getpriority(os.PRIO_PROCESS, mine) == os.getpriority(os.PRIO_PROCESS, theirs) == caller
     layer.yield_cpu(channel)
-    assert nice(mine) == {19} and nice(theirs) == {caller}
+    assert os.getpriority(os.PRIO_PROCESS, mine) == 19 and os.getpriority(os.PRIO_PROCESS, theirs) == caller
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
     layer.release(channel)
     assert id(channel) not in layer._threads

@@ -149,9 +149,14 @@ def test_a_rank_votes_ready_for_a_drain_only_once_its_snapshot_exchange_ended_or
     ended = threading.Event()
     host._thread = threading.Thread(target=ended.wait, daemon=True)  # the exchange of step 40, in flight
     host._thread.start()
+    blob = torch.empty(0, dtype=torch.uint8)
+    host.own = HostCopy({"step": 40}, blob, [])  # taken at step 40
     host.pending, host.committed, state.step = 40, 20, 41
     try:
         assert migration.ready == 0
+        host.own = HostCopy({"step": 20}, blob, [])
+        assert migration.ready == 2, "step 40 took none (an exchange still ran): nothing to keep, no wait"
+        host.own = HostCopy({"step": 40}, blob, [])
         state.step = 40 + snapshots.EXCHANGE_WAIT_STEPS
         assert migration.ready == 2, "an exchange that runs this long does not hold the drain any longer"
         state.step = 41
@@ -163,3 +168,6 @@ def test_a_rank_votes_ready_for_a_drain_only_once_its_snapshot_exchange_ended_or
         ended.set()
         host._thread.join(5)
     assert migration.ready == 2, "the exchange ended"
+    host.held = HostCopy({"step": 40}, blob, [])
+    host.commit([2 * term for term in host.terms()])  # the vote that agrees: both ranks hold step 40 whole
+    assert host.committed == 40 and host.keeps(state.step + 1), "the drain agreed now keeps snapshot 40"
