@@ -182,6 +182,10 @@ def _shutdown(fds: set[int]) -> None:
             pass  # already closed by gloo
 
 
+class NotMet(Exception):
+    """A build's ``meet`` said its peers are not building it now (see :mod:`rlaunch.runtime.meeting`)."""
+
+
 class Communicators:
     """Builds communicators and remembers, by ``id()``, what cutting each one takes.
 
@@ -212,11 +216,16 @@ class Communicators:
             self._nccl = TorchNccl()
         return self._nccl
 
-    def _gloo(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> tuple[Any, set[int], set[int]]:
+    def _gloo(
+        self, store: Store, rank: int, size: int, timeout: datetime.timedelta, meet: Callable[[], bool] | None
+    ) -> tuple[Any, set[int], set[int]]:
         """A gloo backend, its connected sockets and the threads that appeared while it was built.
         Gloo starts its threads and connects every pair while it is built, so the sockets that appear
-        meanwhile are its own (builds are serialized), and so are its threads among those."""
+        meanwhile are its own (builds are serialized), and so are its threads among those. With
+        ``meet``, it is called first, holding the lock: :class:`NotMet` if it says False."""
         with self._lock:
+            if meet is not None and not meet():
+                raise NotMet("the communicator's other side did not come to build it in time")
             before = _connected_inet_fds()
             threads_before = priority.threads()
             addr = gloo_bind_addr(os.environ)
@@ -238,15 +247,17 @@ class Communicators:
         timeout: datetime.timedelta,
         backend: Backend = Backend.GLOO,
         ranks: Sequence[int] | None = None,
+        meet: Callable[[], bool] | None = None,
     ) -> ProcessGroup:
         """A standalone communicator of ``size`` ranks on ``prefix`` of ``store`` (no default group needed);
-        ``ranks``: its members' global ranks, for torch's logs (None where not known).
+        ``ranks``: its members' global ranks, for torch's logs (None where not known); ``meet``: see
+        :mod:`rlaunch.runtime.meeting` (a build whose peers are known to build it now).
 
         With NCCL it may return before the NCCL communicator is ready (see :meth:`wait_ready`).
         """
         pstore = PrefixStore(prefix, store)
         name = prefix.strip("/").replace("/", ".")
-        gloo, sockets, threads = self._gloo(pstore, rank, size, timeout)
+        gloo, sockets, threads = self._gloo(pstore, rank, size, timeout, meet)
         pg = ProcessGroup(pstore, rank, size)
         pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
         if backend is Backend.NCCL:
@@ -398,9 +409,9 @@ def current() -> Communicators:
 
 def build(
     store: Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta, backend: Backend = Backend.GLOO,
-    ranks: Sequence[int] | None = None,
+    ranks: Sequence[int] | None = None, meet: Callable[[], bool] | None = None,
 ) -> ProcessGroup:  # fmt: skip
-    return _current.build(store, prefix, rank, size, timeout, backend, ranks)
+    return _current.build(store, prefix, rank, size, timeout, backend, ranks, meet)
 
 
 def cut(comm_id: int, *, wait: float = ABORT_WAIT_S) -> None:

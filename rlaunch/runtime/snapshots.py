@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import datetime
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -49,7 +50,7 @@ from typing import Any
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import hostcopy, rng
+from rlaunch.runtime import hostcopy, meeting, rng
 from rlaunch.runtime.agent_link import AgentLinkError
 from rlaunch.runtime.groups import retire
 from rlaunch.runtime.handover import Receiving
@@ -159,6 +160,25 @@ def buddy(rank: int, world: int, per_node: int) -> int:
 def source(rank: int, world: int, per_node: int) -> int:
     """The rank whose snapshot ``rank`` holds."""
     return (rank - per_node) % world
+
+
+def pair_order(rank: int, world: int, per_node: int) -> list[int]:
+    """The senders of ``rank``'s two snapshot pairs (its own, to its buddy; its source's, to it), in
+    the order every rank builds its pairs: by round, then sender.
+
+    Each rank builds one pair at a time, so the order decides how long the last pair waits. The pairs
+    form cycles (rank, buddy, buddy's buddy, ...); along each one they are given rounds 0, 1, 0,
+    1, ..., and the last pair of an odd cycle round 2, so that a rank's two pairs are in different
+    rounds and the pairs of a round share no rank: every pair of a round is built at once, three
+    builds deep for any world size (in sender order it was a chain of ``world`` builds)."""
+    cycles = math.gcd(per_node, world)
+    length = world // cycles
+
+    def round_of(sender: int) -> int:
+        position = (sender // cycles) * pow(per_node // cycles, -1, length) % length if length > 1 else 0
+        return 2 if length % 2 and position == length - 1 else position % 2
+
+    return sorted({rank, source(rank, world, per_node)}, key=lambda sender: (round_of(sender), sender))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,8 +505,10 @@ class HostSnapshots:
     def _pair_channels(self, gen: int) -> tuple[Any, Any]:
         """This generation's two pairs: to the buddy (as side 0) and from the source (as side 1).
 
-        Built in the order of their sender's rank on every rank, so that the rendezvous of one
-        never waits on a peer building another (with two ranks each is the other's buddy).
+        Built in :func:`pair_order` on every rank, so that the rendezvous of one never waits on a
+        peer building another (with two ranks each is the other's buddy), and each only once both
+        its sides came to build it (:mod:`rlaunch.runtime.meeting`: a drain's groups may be built
+        meanwhile).
         """
         with self._lock:
             if self._pairs is not None and self._pairs[0] == gen:
@@ -496,11 +518,11 @@ class HostSnapshots:
         mine, theirs = s.rank, source(s.rank, s.world_size, self._per_node)
         built: dict[int, Any] = {}
         try:
-            for sender in sorted({mine, theirs}):
+            for sender in pair_order(s.rank, s.world_size, self._per_node):
                 for side in ([0] if sender == mine else []) + ([1] if sender == theirs else []):
-                    built[side] = backends.build(
-                        s.store, f"g{gen}/snapshot/{sender}/", side, 2, min(s.timeout, PAIR_TIMEOUT),
-                        backends.Backend.GLOO, None,
+                    built[side] = meeting.build_pair(
+                        s.store, f"g{gen}/snapshot/{sender}/", side, min(s.timeout, PAIR_TIMEOUT),
+                        lambda: gen <= self._cut_below,
                     )  # fmt: skip
             with self._lock:
                 if gen > self._cut_below:

@@ -1,0 +1,91 @@
+"""Two "processes" (a communicator layer each, with its own build lock) build a snapshot pair and a
+drain's group at the same moment, in the order that held a drain for the pairs' whole timeout in
+a benchmark: A's snapshot thread holds A's lock for the pair while B's listener holds B's for the
+group. The pair is built only once both sides met, so both builds end within seconds. Real gloo,
+over one store."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+from torch.distributed import HashStore
+
+from rlaunch.runtime import meeting
+from rlaunch.runtime.backend import Communicators
+from tests.unit import gloo_groups as gloo
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def test_a_pair_and_a_group_built_across_two_processes_in_crossed_order_both_end() -> None:
+    store = HashStore()
+    a, b = Communicators(), Communicators()
+    built: dict[str, Any] = {}
+    failed: list[BaseException] = []
+
+    def run(name: str, work: Any) -> threading.Thread:
+        def body() -> None:
+            try:
+                built[name] = gloo.kept(work())
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                failed.append(exc)
+
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return thread
+
+    began = time.monotonic()
+    threads = [run("a-pair", lambda: meeting.build_pair(store, "g4/snapshot/0/", 0, TIMEOUT, lambda: False, a.build))]
+    deadline = time.monotonic() + 10
+    while not store.check(["g4/snapshot/0/0/meet/here/0"]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # A's snapshot thread now holds A's lock, waiting for B
+    threads.append(run("b-group", lambda: b.build(store, "g5/world/", 1, 2, TIMEOUT)))
+    while not b._lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)  # B's listener holds B's lock, waiting for A's
+    threads.append(run("a-group", lambda: a.build(store, "g5/world/", 0, 2, TIMEOUT)))
+    threads.append(
+        run("b-pair", lambda: meeting.build_pair(store, "g4/snapshot/0/", 1, TIMEOUT, lambda: False, b.build))
+    )
+    for thread in threads:
+        thread.join(30)
+    assert not failed, failed
+    assert sorted(built) == ["a-group", "a-pair", "b-group", "b-pair"]
+    assert time.monotonic() - began < 10, "no build waited for its timeout"
+    assert store.compare_set("g4/snapshot/0/0/meet/verdict", "", "?") == b"no", "the first try was given up"
+
+
+def test_sides_that_come_together_meet_at_once_and_a_side_alone_gives_up_by_its_timeout() -> None:
+    store = HashStore()
+    a, b = Communicators(), Communicators()
+    out: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=lambda s=s, layer=layer: out.__setitem__(
+            s, gloo.kept(meeting.build_pair(store, "g2/snapshot/1/", s, TIMEOUT, lambda: False, layer.build))))
+        for s, layer in ((0, a), (1, b))
+    ]  # fmt: skip
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(out) == [0, 1] and time.monotonic() - began < meeting.MEET_S + 2
+    alone = time.monotonic()
+    try:
+        meeting.build_pair(store, "g3/snapshot/1/", 0, datetime.timedelta(seconds=2), lambda: False, a.build)
+    except TimeoutError as exc:
+        assert "did not meet within 2 s" in str(exc)
+    else:
+        raise AssertionError("a pair whose other side never came was built")
+    assert 2 <= time.monotonic() - alone < 2 + meeting.MEET_S + 1
+    cut = {"now": False}
+    later = threading.Timer(0.5, lambda: cut.__setitem__("now", True))
+    later.start()
+    try:
+        meeting.build_pair(store, "g4/snapshot/1/", 0, TIMEOUT, lambda: cut["now"], a.build)
+    except RuntimeError as exc:
+        assert "was cut before its two sides met" in str(exc)
+    else:
+        raise AssertionError("a cut pair was built")
