@@ -14,6 +14,7 @@ its lock (its other builds go on), waits a moment and tries again under a new ke
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import time
@@ -27,21 +28,25 @@ MEET_S = 1.0
 #: how long a side waits, its lock let go of, before it tries again (less than MEET_S, so that a side
 #: that comes back finds the other still waiting, or waits for it in turn)
 BACKOFF_S = 0.2
-#: how often a waiting side looks for the other
-POLL_S = 0.02
 
 
 def meet(store: Any, key: str, side: int, wait_s: float = MEET_S) -> bool:
     """(holding the build lock) Say ``side`` of the pair is here under ``key`` and wait up to ``wait_s``
-    for the other side; True when both are (both sides read the same verdict)."""
+    for the other side (one watched read, not a poll); True when both are: both sides read the same
+    verdict. A failure after this side said it is here still writes "no" where it can, so that the
+    other side does not build alone."""
     store.set(f"{key}here/{side}", b"1")
-    other = f"{key}here/{1 - side}"
-    end = time.monotonic() + wait_s
-    met = store.check([other])
-    while not met and time.monotonic() < end:
-        time.sleep(POLL_S)
-        met = store.check([other])
-    return bytes(store.compare_set(f"{key}verdict", "", "go" if met else "no")) == b"go"
+    try:
+        try:
+            store.wait([f"{key}here/{1 - side}"], datetime.timedelta(seconds=wait_s))
+            met = True
+        except Exception:  # noqa: BLE001 - a store's wait raises when it times out (the kind depends on the store)
+            met = store.check([f"{key}here/{1 - side}"])
+        return bytes(store.compare_set(f"{key}verdict", "", "go" if met else "no")) == b"go"
+    except BaseException:
+        with contextlib.suppress(Exception):
+            store.compare_set(f"{key}verdict", "", "no")
+        raise
 
 
 def build_pair(
@@ -50,21 +55,30 @@ def build_pair(
     side: int,
     timeout: datetime.timedelta,
     cut: Callable[[], bool],
-    build: Callable[..., Any] = backends.build,
+    build: Callable[..., Any] | None = None,
 ) -> Any:
     """Side ``side`` of the 2-rank gloo communicator on ``prefix``, built once both sides met (each
-    attempt under ``prefix`` and its number). Raises ``TimeoutError`` if they have not met within
-    ``timeout``, and ``RuntimeError`` once ``cut()`` says the pair is no longer wanted."""
+    attempt under ``prefix`` and its number; ``build``: the process's layer's, by default). Raises
+    ``TimeoutError`` if they have not met within ``timeout``, and ``RuntimeError`` once ``cut()``
+    says the pair is no longer wanted.
+
+    A side that comes late passes the attempts the other already gave up on (their verdict is
+    written) without waiting, so it catches up at once. Each side needs a layer of its own (ranks
+    in one process would share its lock, and never meet).
+    """
+    build = build or backends.build
     deadline = time.monotonic() + timeout.total_seconds()
     for attempt in itertools.count():
+        if cut():
+            raise RuntimeError(f"the snapshot pair {prefix} was cut before its two sides met")
         key = f"{prefix}{attempt}/"
+        if store.check([f"{key}meet/verdict"]):
+            continue  # given up by the other side ("go" needs this side's word): the next one
         try:
             return build(store, key, side, 2, timeout, backends.Backend.GLOO, None,
                          meet=lambda key=key: meet(store, f"{key}meet/", side))  # fmt: skip
         except backends.NotMet:
             pass
-        if cut():
-            raise RuntimeError(f"the snapshot pair {prefix} was cut before its two sides met")
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"the two sides of the snapshot pair {prefix} did not meet within {timeout.total_seconds():.0f} s"

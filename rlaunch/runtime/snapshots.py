@@ -93,8 +93,8 @@ VOTE_MOD = 1 << 16
 #: how long a snapshot's start waits for the previous generation's exchange to end once its pairs
 #: are cut (an exchange of this generation still running is not waited for: the snapshot is skipped)
 JOIN_WAIT_S = 1.0
-#: the snapshot pairs' gloo timeout, for their rendezvous and every operation: a pair whose peer is
-#: gone holds this process's communicator builds (they are serialized) until it ends
+#: the snapshot pairs' gloo timeout, for every operation, and how long their two sides may take to
+#: meet (rlaunch.runtime.meeting; once met, the build itself has it again)
 PAIR_TIMEOUT = datetime.timedelta(seconds=60)
 #: after a drain that kept the committed snapshot (see HostSnapshots.keeps), the steps from the
 #: drain's first within which the joiner must hold the leaver's copies (it receives them once the

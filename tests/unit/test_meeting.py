@@ -72,6 +72,7 @@ def test_sides_that_come_together_meet_at_once_and_a_side_alone_gives_up_by_its_
     for thread in threads:
         thread.join(30)
     assert sorted(out) == [0, 1] and time.monotonic() - began < meeting.MEET_S + 2
+    assert store.compare_set("g2/snapshot/1/0/meet/verdict", "", "?") == b"go", "they met at the first try"
     alone = time.monotonic()
     try:
         meeting.build_pair(store, "g3/snapshot/1/", 0, datetime.timedelta(seconds=2), lambda: False, a.build)
@@ -89,3 +90,22 @@ def test_sides_that_come_together_meet_at_once_and_a_side_alone_gives_up_by_its_
         assert "was cut before its two sides met" in str(exc)
     else:
         raise AssertionError("a cut pair was built")
+
+
+def test_a_side_that_comes_late_passes_the_tries_given_up_and_meets_at_once() -> None:
+    store = HashStore()
+    a, b = Communicators(), Communicators()
+    out: dict[int, Any] = {}
+    early = threading.Thread(
+        target=lambda: out.__setitem__(
+            0, gloo.kept(meeting.build_pair(store, "g2/snapshot/0/", 0, TIMEOUT, lambda: False, a.build))
+        )
+    )
+    early.start()
+    time.sleep(6 * (meeting.MEET_S + meeting.BACKOFF_S))  # side 0 gave up its first 6 tries
+    came = time.monotonic()
+    out[1] = gloo.kept(meeting.build_pair(store, "g2/snapshot/0/", 1, TIMEOUT, lambda: False, b.build))
+    early.join(10)
+    assert sorted(out) == [0, 1]
+    assert time.monotonic() - came < meeting.MEET_S, "it caught up without a backoff per try (6 x 0.2 s)"
+    assert store.compare_set("g2/snapshot/0/0/meet/verdict", "", "?") == b"no"
