@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def build_pair(
             continue  # given up by the other side ("go" needs this side's word): the next one
         try:
             return build(store, key, side, 2, timeout, backends.Backend.GLOO, None,
-                         meet=lambda key=key: meet(store, f"{key}meet/", side))  # fmt: skip
+                         meet=functools.partial(meet, store, f"{key}meet/", side))  # fmt: skip
         except backends.NotMet:
             pass
         if time.monotonic() >= deadline:
