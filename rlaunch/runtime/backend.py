@@ -279,10 +279,14 @@ class Communicators:
         self._threads[id(pg)] = threads
         return pg
 
+    def transport_threads(self, comm: Any) -> set[int]:
+        """The live thread of ``comm``'s gloo transport, among those that appeared as it was built."""
+        return self._threads.get(id(comm), set()) & priority.threads((GLOO_LOOP,))
+
     def yield_cpu(self, comm: Any) -> None:
         """Lower the thread of ``comm``'s gloo transport (which reads what it receives) to the lowest
         priority: what it carries from now on is background work beside training."""
-        priority.yield_threads(self._threads.get(id(comm), set()) & priority.threads((GLOO_LOOP,)))
+        priority.yield_threads(self.transport_threads(comm))
 
     def carries(self, comm: Any, device_type: str) -> bool:
         """Whether ``comm`` moves tensors of ``device_type`` itself (else they are staged on the CPU)."""

@@ -25,7 +25,7 @@ from torch.distributed import HashStore, ProcessGroup
 
 from rlaunch.errors import UsageError
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import priority, rng
+from rlaunch.runtime import rng
 from rlaunch.runtime.backend import Backend, Communicators, choose, default_backend
 from rlaunch.runtime.groups import SandboxComm, SwitchableGroup
 from tests.unit import gloo_groups as gloo
@@ -450,7 +450,7 @@ def test_yield_cpu_lowers_the_gloo_transport_thread_of_that_communicator_and_no_
 
     def loop(comm: Any) -> int:  # the transport thread names itself once it runs
         for _ in range(500):
-            named = layer._threads[id(comm)] & priority.threads((backends.GLOO_LOOP,))
+            named = layer.transport_threads(comm)
             if named:
                 (tid,) = named
                 return tid

@@ -18,7 +18,7 @@ import torch
 from torch.distributed import HashStore
 
 from rlaunch.runtime import backend as backends
-from rlaunch.runtime import handover, hostcopy, priority, rng, snapshots
+from rlaunch.runtime import handover, hostcopy, rng, snapshots
 from rlaunch.runtime.backend import Communicators
 from rlaunch.runtime.snapshots import HostSnapshots, Rollback, rollback
 from rlaunch.runtime.transfer import receive_state, send_state
@@ -179,7 +179,7 @@ def test_the_leaver_hands_its_copies_to_the_joiner_after_the_state_and_the_joine
     assert keeper._thread is not None
     time.sleep(0.3)
     assert keeper._thread.is_alive() and not keeper.holds(), "nothing is received beside the first step"
-    gloo_threads = backends.current()._threads[id(ch1)] & priority.threads((backends.GLOO_LOOP,))
+    gloo_threads = backends.current().transport_threads(ch1)
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert gloo_threads and {os.getpriority(os.PRIO_PROCESS, t) for t in gloo_threads} == {caller} != {19}
     keeper.first_step_ended()
