@@ -32,9 +32,9 @@ def yield_process() -> None:
 
 
 def yield_threads(tids: Collection[int]) -> None:
-    """Lower the threads ``tids`` of this process to the lowest priority (one that ended is skipped:
-    its id may be another process's thread by now)."""
-    for tid in threads() & set(tids):
+    """Lower the threads ``tids`` of this process, as :func:`threads` just listed them, to the lowest
+    priority (best effort, as above)."""
+    for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, LOWEST)
 
