@@ -574,6 +574,8 @@ class Runtime:
         objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
         s = self._s
+        if s.after_move is not None:
+            s.after_move.mark(Phase.WORK_DONE)
         self._joining.land()  # a joiner's first step: its state is whole and verified before its vote
         if not optimizers:
             raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
@@ -611,6 +613,8 @@ class Runtime:
                 self._compute.append(issued - self._step_began)
             self._finish_device_work()
             if not self.step_failed and self._voting.cast():
+                if s.after_move is not None:
+                    s.after_move.mark(Phase.VOTED)
                 self._moves.report()
                 at_vote = self.own_results  # before the step: an optimizer's own collectives (ZeRO's) count
                 apply()

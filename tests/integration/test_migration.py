@@ -101,11 +101,11 @@ def assert_phases(cluster: Cluster) -> None:
     order = {
         "leaver": ["plan_seen", "prepared", "ready_voted", "boundary", "transfer_start", "transfer_end"],
         "survivor": ["plan_seen", "prepared", "ready_voted", "boundary", "groups_swapped", "first_step_start",
-                     "first_step_end"],
+                     "work_done", "voted", "first_step_end"],
         # the joiner's first step starts once the parameters landed, while the optimizer state lands: the
         # last tensor may land before or after that start, and is verified before the first vote
         "joiner": ["plan_seen", "prepared", "groups_swapped", "transfer_start", "params_landed", "first_step_start",
-                   "first_step_end"],
+                   "work_done", "voted", "first_step_end"],
     }  # fmt: skip
     for role, ev in reports.items():
         marks = ev["data"]["marks"]
@@ -114,7 +114,7 @@ def assert_phases(cluster: Cluster) -> None:
     leaver, survivor, joiner = (reports[r]["data"]["marks"] for r in ("leaver", "survivor", "joiner"))
     # (a small state may land whole before the joiner has digested its first part and marked params_landed)
     assert joiner["transfer_start"] <= joiner["transfer_end"] <= joiner["verified"] <= joiner["first_step_end"]
-    assert joiner["params_landed"] <= joiner["verified"]
+    assert joiner["params_landed"] <= joiner["verified"] <= joiner["voted"]
     assert leaver["transfer_start"] < leaver["transfer_end"]
     assert abs(leaver["boundary"] - survivor["boundary"]) < 5.0, "both switch at the same step boundary"
     assert leaver["transfer_start"] <= joiner["transfer_end"] and survivor["boundary"] < joiner["first_step_end"]

@@ -19,16 +19,18 @@ def test_the_breakdown_times_each_phase_from_the_earliest_boundary() -> None:
         _report("leaver", 1, 400_000_000, plan_seen=t, prepared=t + 0.05, ready_voted=t + 0.3, boundary=t + 1.0,
                 transfer_start=t + 1.01, transfer_end=t + 1.21),
         _report("survivor", 0, plan_seen=t + 0.002, prepared=t + 0.08, ready_voted=t + 0.3, boundary=t + 1.004,
-                groups_swapped=t + 1.02, first_step_start=t + 1.02, first_step_end=t + 1.72),
+                groups_swapped=t + 1.02, first_step_start=t + 1.02, work_done=t + 1.52, voted=t + 1.6,
+                first_step_end=t + 1.72),
         _report("joiner", 1, plan_seen=t + 0.001, prepared=t + 0.1, groups_swapped=t + 0.1, transfer_start=t + 0.1,
-                params_landed=t + 1.08, first_step_start=t + 1.09, transfer_end=t + 1.23, verified=t + 1.5,
-                first_step_end=t + 1.74),
+                params_landed=t + 1.08, first_step_start=t + 1.09, transfer_end=t + 1.23, work_done=t + 1.45,
+                verified=t + 1.5, voted=t + 1.62, first_step_end=t + 1.74),
     ]  # fmt: skip
     got = breakdown(reports, median_step=0.5)
     assert got == {
         "prepare_s": 0.1, "vote_wait_s": 0.9, "to_transfer_s": 0.01, "transfer_s": 0.22,
         "transfer_bytes": 400_000_000, "transfer_gbps": 1.818, "params_s": 0.07, "verified_s": 0.5, "swap_s": 0.02,
-        "to_first_step_s": 0.09, "snapshot_s": None, "first_step_s": 0.7, "switch_to_trained_s": 0.74,
+        "to_first_step_s": 0.09, "snapshot_s": None, "first_step_s": 0.7, "joiner_work_s": 0.36,
+        "joiner_vote_s": 0.17, "survivor_work_s": 0.5, "survivor_vote_s": 0.08, "switch_to_trained_s": 0.74,
         "downtime_s": 0.24,
         "boundary_at": t + 1.0, "trained_at": t + 1.74,
     }  # fmt: skip
@@ -39,12 +41,14 @@ def test_the_snapshot_after_a_move_is_the_longest_wait_for_it_inside_a_first_ste
     first step's start, the joiner once its optimizer state landed."""
     reports = [
         _report("survivor", 0, boundary=5.0, groups_swapped=5.01, first_step_start=5.01, snapshot_taken=5.04,
-                first_step_end=5.9),
+                work_done=5.74, voted=5.8, first_step_end=5.9),
         _report("joiner", 1, params_landed=5.1, first_step_start=5.1, transfer_end=5.15, verified=5.2,
-                snapshot_taken=5.22, first_step_end=5.95),
+                snapshot_taken=5.22, work_done=5.72, voted=5.8, first_step_end=5.95),
     ]  # fmt: skip
     got = breakdown(reports, median_step=0.6)
     assert got["snapshot_s"] == 0.12 and got["first_step_s"] == 0.89 and got["downtime_s"] == 0.35
+    # the work inside the first step is timed from the snapshot's end, apart from the wait for it
+    assert got["joiner_work_s"] == 0.5 and got["survivor_work_s"] == 0.7
 
 
 def test_a_phase_no_rank_reported_is_none_and_downtime_is_never_negative() -> None:
