@@ -218,8 +218,22 @@ class Cluster:
         started = []
         for node_id in node_ids:
             started.append(self.agent(node_id, script, *script_args, **kwargs))
-            wait_for(lambda n=node_id: self.node(n), 30, f"node {node_id} to register")
+            self.registered(started[-1])
         return started
+
+    def registered(self, agent: AgentProc, timeout: float = 30) -> dict[str, Any]:
+        """Wait until ``agent``'s node registered and return its record; an agent that exits first
+        (a port taken meanwhile, a refused flag) fails the test at once, with its output."""
+
+        def seen() -> dict[str, Any] | None:
+            if agent.proc.poll() is not None:
+                raise AssertionError(
+                    f"agent {agent.name} exited ({agent.proc.returncode}) before its node registered; its output:\n"
+                    f"{agent.output()[-4000:]}"
+                )
+            return self.node(agent.name)
+
+        return wait_for(seen, timeout, f"node {agent.name} to register")
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

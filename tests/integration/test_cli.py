@@ -104,7 +104,7 @@ def test_invalid_flag_values_are_refused() -> None:
 
 def test_conflicting_spec_is_refused_naming_the_difference(cluster: Cluster) -> None:
     a = cluster.agent("a", SCRIPTS / "sleeper.py")
-    wait_for(lambda: cluster.node("a"), 30, "node a to register")
+    cluster.registered(a)
     other = cluster.agent("b", SCRIPTS / "sleeper.py", flags=("--nproc-per-node", "2"))
     assert other.wait(30) == 1
     assert "nproc_per_node: 1 (job) vs 2 (this agent)" in other.output()
@@ -113,7 +113,7 @@ def test_conflicting_spec_is_refused_naming_the_difference(cluster: Cluster) -> 
 
 def test_duplicate_node_id_is_refused(cluster: Cluster) -> None:
     a = cluster.agent("a", SCRIPTS / "sleeper.py")
-    wait_for(lambda: cluster.node("a"), 30, "node a to register")
+    cluster.registered(a)
     twin = cluster.agent("a2", SCRIPTS / "sleeper.py", flags=("--node-id", "a"))
     assert twin.wait(30) == 1
     assert "Node id 'a' is already registered" in twin.output()
@@ -129,7 +129,7 @@ def test_malformed_records_are_reported_and_the_job_completes(cluster: Cluster) 
         await store.put(keys.node("half"), json.dumps({"node_id": "half", "state": "bogus"}).encode())
 
     a = cluster.agent("a", TRAIN, "--steps", "6", nnodes=1)
-    wait_for(lambda: cluster.node("a"), 30, "node a to register")
+    cluster.registered(a)
     run_store(cluster.endpoint, plant)
     assert a.wait(60) == 0
     out = a.output()
@@ -168,7 +168,7 @@ def test_script_named_like_a_subcommand_runs_with_run(tmp_path: Path) -> None:
 
 def test_standby_flag_keeps_an_early_node_out_of_the_active_set(cluster: Cluster) -> None:
     c = cluster.agent("c", SCRIPTS / "sleeper.py", flags=("--standby",))
-    wait_for(lambda: cluster.node("c"), 30, "node c to register")
+    cluster.registered(c)
     cluster.agents_in_order(["a", "b"], SCRIPTS / "sleeper.py")
     status = wait_for(lambda: (s := cluster.status())["generation"] == 1 and s, 30, "the first generation")
     roles = {n["node_id"]: (n["role"], n["node_rank"]) for n in status["nodes"]}

@@ -35,5 +35,5 @@ def _start(cluster: Cluster, args: tuple[str, ...], faults: Path) -> list[AgentP
     for node in ("a", "b", "c"):
         env = {"RLAUNCH_FAKE_NVML": str(faults)} if node == "b" else None
         started.append(cluster.agent(node, TRAIN, *args, flags=("--max-restarts", "3"), env=env))
-        wait_for(lambda n=node: cluster.node(n), 30, f"node {node} to register")
+        cluster.registered(started[-1])
     return started

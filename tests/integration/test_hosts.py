@@ -72,7 +72,7 @@ class Job:
             name, RESILIENT, "--steps", str(self.steps), *ARGS, flags=("--lease-ttl", str(TTL), *flags),
             where=tuple(self.hosts.argv(self.hosts[host], [])), env=env, endpoint=endpoint,
         )  # fmt: skip
-        wait_for(lambda: self.cluster.node(name), 60, f"node {name} to register")
+        self.cluster.registered(agent, 60)
         return agent
 
     def close(self) -> None:

@@ -45,12 +45,12 @@ def get(samples: Samples, name: str, **labels: str) -> float:
 
 
 def test_metrics_follow_a_drain_and_a_killed_worker(cluster: Cluster) -> None:
-    ports = {n: free_port() for n in "abc"}
-    agents = {}
+    ports, agents = {}, {}
     for n in "abc":
+        ports[n] = free_port()  # just before its agent binds it: one started earlier may take a port chosen earlier
         flags = ("--max-restarts", "1", "--metrics-port", str(ports[n]))
         agents[n] = cluster.agent(n, RESILIENT, *ARGS, flags=flags)
-        wait_for(lambda n=n: cluster.node(n), 30, f"node {n} to register")
+        cluster.registered(agents[n])
     a, b, c = agents["a"], agents["b"], agents["c"]
     wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
     wait_for(lambda: get(scrape(ports["b"]), "rlaunch_rank_steps_completed_total", node="b", rank="1") >= 20, 90,

@@ -63,12 +63,12 @@ def job(cluster: Cluster, tmp_path: Path) -> Cluster:
     Progress is sampled every second but held in memory: it reaches etcd only with another event
     of the same agent (here the drain and the fault), never while the job trains quietly."""
     env = {"RLAUNCH_PROGRESS_S": "1"}
-    ports = {n: free_port() for n in "abc"}
-    agents = {}
+    ports, agents = {}, {}
     for n in "abc":
+        ports[n] = free_port()  # just before its agent binds it: one started earlier may take a port chosen earlier
         flags = ("--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--metrics-port", str(ports[n]))
         agents[n] = cluster.agent(n, RESILIENT, *ARGS, flags=flags, env=env)
-        wait_for(lambda n=n: cluster.node(n), 60, f"node {n} to register")
+        cluster.registered(agents[n], 60)
     a, c = agents["a"], agents["c"]
     wait_for(lambda: (n := cluster.node("c")) and n["state"] == "standby" and n["runtime"], 180, "standby c warm")
     wait_for(lambda: held(ports["b"], "b") >= 2, 60, "b to hold two progress samples")

@@ -30,13 +30,14 @@ FINAL = re.compile(r"rank (\d+) final: params=(\w+)")
 
 def test_a_suspect_rank_is_replaced_by_the_standby_live_and_its_node_never_gets_ranks_again(cluster: Cluster) -> None:
     trigger = cluster.tmp / "corrupt"
-    port = free_port()
     agents: dict[str, AgentProc] = {}
     for node in ("a", "b", "c"):
+        if node == "b":
+            port = free_port()  # just before b binds it: a, started earlier, may take a port chosen earlier
         extra = ("--metrics-port", str(port)) if node == "b" else ()
         agents[node] = cluster.agent(node, SCRIPT, *ARGS, "--trigger", str(trigger),
                                      flags=("--verify-every", "7", "--max-restarts", "3", *extra))  # fmt: skip
-        wait_for(lambda n=node: cluster.node(n), 30, f"node {node} to register")
+        cluster.registered(agents[node])
     a, b, c = agents["a"], agents["b"], agents["c"]
     wait_for(lambda: warm(cluster, "c"), 120, "standby c to be warm")
     before = wait_for(lambda: (s := cluster.status())["live_moves"] != "unknown" and s, 60, "a and b to report moves")
