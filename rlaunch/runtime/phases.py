@@ -17,9 +17,13 @@ its groups before its transfer, the others after the boundary):
 - ``verified`` (joiner): every digest compared with the sender's, before its first vote;
 - ``groups_swapped``: the rank's groups hold the new communicators (survivors and joiner);
 - ``first_step_start``, ``first_step_end``: the rank's first step in the new generation; inside it,
-  ``work_done`` (the script called ``rt.optimizer_step``: its forward and backward passes ran, with
-  their collectives, which wait for the slowest rank) and ``voted`` (the step's vote ended: on a
-  joiner, after the rest of its state landed and its digests were compared);
+  ``work_start`` (what the runtime does at a step's start is done: the post-move host snapshot's
+  copy, or the wait for the previous snapshot's exchange), ``work_done`` (the script called
+  ``rt.optimizer_step``: its forward and backward passes ran, with their collectives, which wait for
+  the slowest rank; on a GPU, their kernels were queued, and the wait for them falls in the vote's
+  part; on a joiner whose script reads the optimizer state before, the rest of its landing too) and
+  ``voted`` (the step's vote passed, after the joiner's landing and digests and, on every rank, the
+  post-move comparison of replicas; not marked where the step went to recovery);
 - ``snapshot_taken`` (a layout with no replica: survivors and joiner): the host snapshot that
   covers the new generation against faults was copied, at the first step's start (a joiner's
   optimizer state must have landed first, and a survivor waits up to a second for its previous
@@ -57,6 +61,7 @@ class Phase(str, enum.Enum):
     GROUPS_SWAPPED = "groups_swapped"
     FIRST_STEP_START = "first_step_start"
     SNAPSHOT_TAKEN = "snapshot_taken"
+    WORK_START = "work_start"
     WORK_DONE = "work_done"
     VOTED = "voted"
     FIRST_STEP_END = "first_step_end"
@@ -116,9 +121,9 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     ``snapshot_s`` (the longest wait, inside a first step, from its start to the post-move host
     snapshot copied: a joiner's landing, a survivor's previous exchange, the copy; not its exchange,
     which runs beside the steps), ``first_step_s`` (the longest first step), and its parts for each
-    role, the longest over the role's ranks: ``{joiner,survivor}_work_s`` (from the first step's
-    start, or its snapshot, to the script's call of ``rt.optimizer_step``), ``{joiner,survivor}_vote_s``
-    (from that call to the vote's end),
+    role, the longest over the role's ranks (so a role's two parts may come from two ranks):
+    ``{joiner,survivor}_work_s`` (``work_start`` to ``work_done``), ``{joiner,survivor}_vote_s``
+    (``work_done`` to ``voted``),
     ``switch_to_trained_s`` (to the last rank's first step end) and ``downtime_s``, that less one
     ``median_step``. A phase no rank reported is None.
     ``boundary_at`` and ``trained_at`` are the two ends of the switch on the wall clock.
@@ -134,16 +139,12 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
     landed = _at(reports, Phase.TRANSFER_END, ("joiner",))
     starts, ends = _at(reports, Phase.FIRST_STEP_START), _at(reports, Phase.FIRST_STEP_END)
 
-    def longest(start: Phase | tuple[Phase, ...], end: Phase, roles: tuple[str, ...] = ()) -> float | None:
-        """The longest span over the ranks (of ``roles``) from ``start`` (of several, the latest a rank
-        marked) to ``end``."""
-        froms = start if isinstance(start, tuple) else (start,)
+    def longest(start: Phase, end: Phase, roles: tuple[str, ...] = ()) -> float | None:
+        """The longest span from ``start`` to ``end`` over the ranks (of ``roles``) that marked both."""
         mine = [r["marks"] for r in reports if not roles or r["role"] in roles]
-        each = [m[end.value] - max(m[f.value] for f in froms if f.value in m)
-                for m in mine if froms[0].value in m and end.value in m]  # fmt: skip
+        each = [m[end.value] - m[start.value] for m in mine if start.value in m and end.value in m]
         return round(max(each), 4) if each else None
 
-    work_from = (Phase.FIRST_STEP_START, Phase.SNAPSHOT_TAKEN)  # a snapshot at the step's start is apart
     moved = max((int(r.get("bytes", 0)) for r in reports), default=0)
     transfer = span(sent_from, landed)
     trained = span(boundary, ends)
@@ -160,9 +161,9 @@ def breakdown(reports: Iterable[Mapping[str, Any]], median_step: float) -> dict[
         "to_first_step_s": span(boundary, starts),
         "snapshot_s": longest(Phase.FIRST_STEP_START, Phase.SNAPSHOT_TAKEN),
         "first_step_s": longest(Phase.FIRST_STEP_START, Phase.FIRST_STEP_END),
-        "joiner_work_s": longest(work_from, Phase.WORK_DONE, ("joiner",)),
+        "joiner_work_s": longest(Phase.WORK_START, Phase.WORK_DONE, ("joiner",)),
         "joiner_vote_s": longest(Phase.WORK_DONE, Phase.VOTED, ("joiner",)),
-        "survivor_work_s": longest(work_from, Phase.WORK_DONE, ("survivor",)),
+        "survivor_work_s": longest(Phase.WORK_START, Phase.WORK_DONE, ("survivor",)),
         "survivor_vote_s": longest(Phase.WORK_DONE, Phase.VOTED, ("survivor",)),
         "switch_to_trained_s": trained,
         "downtime_s": round(max(0.0, trained - median_step), 4) if trained is not None else None,

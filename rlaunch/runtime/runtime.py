@@ -544,16 +544,20 @@ class Runtime:
     def _begin_step(self, step: int) -> None:
         """At a step's start: derive per-rank streams (rt.seed) and keep what the step may change."""
         self._voted = None
-        if self._s.after_move is not None:
-            self._s.after_move.mark(Phase.FIRST_STEP_START)
+        self._mark(Phase.FIRST_STEP_START)
         if self._host.due(step):  # before anything of the step draws from the generators
             self._joining.land()  # a snapshot copies the optimizer state: all of it
-            taken = self._host.take(step)
-            if taken and self._s.after_move is not None:  # a move's first step takes one (HostSnapshots.due)
-                self._s.after_move.mark(Phase.SNAPSHOT_TAKEN)
+            if self._host.take(step):  # a move's first step takes one (HostSnapshots.due)
+                self._mark(Phase.SNAPSHOT_TAKEN)
         if self._s.seed is not None:
             self._reseed(step)
         self._s.start = self._snapshots.take(step, self._s.tracked)
+        self._mark(Phase.WORK_START)
+
+    def _mark(self, phase: Phase) -> None:
+        """Mark ``phase`` of the move this rank's first step in a new generation follows (no move: nothing)."""
+        if self._s.after_move is not None:
+            self._s.after_move.mark(phase)
 
     def optimizer_step(self, *optimizers: torch.optim.Optimizer, scaler: Any = None) -> bool:
         """Join the per-step vote, then step every optimizer; return whether the step was applied.
@@ -574,8 +578,7 @@ class Runtime:
         objects (a scheduler, a scaler) are put back, so per-step code may run unconditionally.
         """
         s = self._s
-        if s.after_move is not None:
-            s.after_move.mark(Phase.WORK_DONE)
+        self._mark(Phase.WORK_DONE)
         self._joining.land()  # a joiner's first step: its state is whole and verified before its vote
         if not optimizers:
             raise TypeError("rt.optimizer_step() needs the optimizer(s) of the step: rt.optimizer_step(opt).")
@@ -613,8 +616,7 @@ class Runtime:
                 self._compute.append(issued - self._step_began)
             self._finish_device_work()
             if not self.step_failed and self._voting.cast():
-                if s.after_move is not None:
-                    s.after_move.mark(Phase.VOTED)
+                self._mark(Phase.VOTED)
                 self._moves.report()
                 at_vote = self.own_results  # before the step: an optimizer's own collectives (ZeRO's) count
                 apply()

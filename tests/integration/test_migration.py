@@ -101,11 +101,11 @@ def assert_phases(cluster: Cluster) -> None:
     order = {
         "leaver": ["plan_seen", "prepared", "ready_voted", "boundary", "transfer_start", "transfer_end"],
         "survivor": ["plan_seen", "prepared", "ready_voted", "boundary", "groups_swapped", "first_step_start",
-                     "work_done", "voted", "first_step_end"],
+                     "work_start", "work_done", "voted", "first_step_end"],
         # the joiner's first step starts once the parameters landed, while the optimizer state lands: the
         # last tensor may land before or after that start, and is verified before the first vote
         "joiner": ["plan_seen", "prepared", "groups_swapped", "transfer_start", "params_landed", "first_step_start",
-                   "work_done", "voted", "first_step_end"],
+                   "work_start", "work_done", "voted", "first_step_end"],
     }  # fmt: skip
     for role, ev in reports.items():
         marks = ev["data"]["marks"]
@@ -122,6 +122,7 @@ def assert_phases(cluster: Cluster) -> None:
     got = breakdown([ev["data"] for ev in reports.values()], median_step=0.05)
     assert got["transfer_s"] is not None and 0 < got["transfer_s"] <= got["switch_to_trained_s"]
     assert got["downtime_s"] is not None and got["transfer_bytes"] == reports["leaver"]["data"]["bytes"]
+    assert got["joiner_work_s"] is not None and got["survivor_vote_s"] is not None
 
 
 def test_drain_of_the_rank0_node_is_bit_identical(cluster: Cluster, reference: dict[int, tuple[str, str]]) -> None:

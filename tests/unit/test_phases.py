@@ -19,11 +19,11 @@ def test_the_breakdown_times_each_phase_from_the_earliest_boundary() -> None:
         _report("leaver", 1, 400_000_000, plan_seen=t, prepared=t + 0.05, ready_voted=t + 0.3, boundary=t + 1.0,
                 transfer_start=t + 1.01, transfer_end=t + 1.21),
         _report("survivor", 0, plan_seen=t + 0.002, prepared=t + 0.08, ready_voted=t + 0.3, boundary=t + 1.004,
-                groups_swapped=t + 1.02, first_step_start=t + 1.02, work_done=t + 1.52, voted=t + 1.6,
-                first_step_end=t + 1.72),
+                groups_swapped=t + 1.02, first_step_start=t + 1.02, work_start=t + 1.02, work_done=t + 1.52,
+                voted=t + 1.6, first_step_end=t + 1.72),
         _report("joiner", 1, plan_seen=t + 0.001, prepared=t + 0.1, groups_swapped=t + 0.1, transfer_start=t + 0.1,
-                params_landed=t + 1.08, first_step_start=t + 1.09, transfer_end=t + 1.23, work_done=t + 1.45,
-                verified=t + 1.5, voted=t + 1.62, first_step_end=t + 1.74),
+                params_landed=t + 1.08, first_step_start=t + 1.09, work_start=t + 1.09, transfer_end=t + 1.23,
+                work_done=t + 1.45, verified=t + 1.5, voted=t + 1.62, first_step_end=t + 1.74),
     ]  # fmt: skip
     got = breakdown(reports, median_step=0.5)
     assert got == {
@@ -41,13 +41,13 @@ def test_the_snapshot_after_a_move_is_the_longest_wait_for_it_inside_a_first_ste
     first step's start, the joiner once its optimizer state landed."""
     reports = [
         _report("survivor", 0, boundary=5.0, groups_swapped=5.01, first_step_start=5.01, snapshot_taken=5.04,
-                work_done=5.74, voted=5.8, first_step_end=5.9),
+                work_start=5.04, work_done=5.74, voted=5.8, first_step_end=5.9),
         _report("joiner", 1, params_landed=5.1, first_step_start=5.1, transfer_end=5.15, verified=5.2,
-                snapshot_taken=5.22, work_done=5.72, voted=5.8, first_step_end=5.95),
+                snapshot_taken=5.22, work_start=5.22, work_done=5.72, voted=5.8, first_step_end=5.95),
     ]  # fmt: skip
     got = breakdown(reports, median_step=0.6)
     assert got["snapshot_s"] == 0.12 and got["first_step_s"] == 0.89 and got["downtime_s"] == 0.35
-    # the work inside the first step is timed from the snapshot's end, apart from the wait for it
+    # the step's own work is timed from the end of what the runtime did at its start (the snapshot)
     assert got["joiner_work_s"] == 0.5 and got["survivor_work_s"] == 0.7
 
 
@@ -55,6 +55,17 @@ def test_a_phase_no_rank_reported_is_none_and_downtime_is_never_negative() -> No
     got = breakdown([_report("survivor", 0, boundary=5.0, first_step_start=5.0, first_step_end=5.1)], median_step=0.3)
     assert got["transfer_s"] is None and got["transfer_gbps"] is None and got["prepare_s"] is None
     assert got["downtime_s"] == 0.0 and got["switch_to_trained_s"] == 0.1
+    assert got["joiner_work_s"] is None and got["survivor_vote_s"] is None
+
+
+def test_each_roles_part_is_the_longest_over_its_ranks_and_a_step_that_went_to_recovery_has_no_vote() -> None:
+    reports = [
+        _report("survivor", 0, work_start=1.0, work_done=1.5, voted=1.6),
+        _report("survivor", 2, work_start=1.0, work_done=1.7),  # its step went to recovery: no vote passed
+        _report("survivor", 3, work_start=1.1, work_done=1.4, voted=1.65),
+    ]
+    got = breakdown(reports, median_step=0.5)
+    assert got["survivor_work_s"] == 0.7 and got["survivor_vote_s"] == 0.25 and got["joiner_work_s"] is None
 
 
 def test_a_phase_is_marked_once_at_its_first_moment(monkeypatch: pytest.MonkeyPatch) -> None:
