@@ -222,16 +222,18 @@ class Cluster:
         return started
 
     def registered(self, agent: AgentProc, timeout: float = 30) -> dict[str, Any]:
-        """Wait until ``agent``'s node registered and return its record; an agent that exits first
-        (a port taken meanwhile, a refused flag) fails the test at once, with its output."""
+        """Wait until the node of ``agent`` (started by :meth:`agent`: its name is its node id) registered
+        and return its record; an agent that exits before its node is seen (a port taken meanwhile, a
+        refused flag) fails the test at once, with its output."""
 
         def seen() -> dict[str, Any] | None:
-            if agent.proc.poll() is not None:
+            record = self.node(agent.name)
+            if record is None and agent.proc.poll() is not None:
                 raise AssertionError(
-                    f"agent {agent.name} exited ({agent.proc.returncode}) before its node registered; its output:\n"
-                    f"{agent.output()[-4000:]}"
+                    f"agent {agent.name} exited ({agent.proc.returncode}) before its node was seen registered; its "
+                    f"output:\n{agent.output()[-4000:]}"
                 )
-            return self.node(agent.name)
+            return record
 
         return wait_for(seen, timeout, f"node {agent.name} to register")
 

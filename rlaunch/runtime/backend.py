@@ -280,7 +280,8 @@ class Communicators:
         return pg
 
     def transport_threads(self, comm: Any) -> set[int]:
-        """The live thread of ``comm``'s gloo transport, among those that appeared as it was built."""
+        """The live threads of ``comm``'s gloo transport (one, or none yet), among those that appeared as it
+        was built."""
         return self._threads.get(id(comm), set()) & priority.threads((GLOO_LOOP,))
 
     def yield_cpu(self, comm: Any) -> None:

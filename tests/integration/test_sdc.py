@@ -32,9 +32,8 @@ def test_a_suspect_rank_is_replaced_by_the_standby_live_and_its_node_never_gets_
     trigger = cluster.tmp / "corrupt"
     agents: dict[str, AgentProc] = {}
     for node in ("a", "b", "c"):
-        if node == "b":
-            port = free_port()  # just before b binds it: a, started earlier, may take a port chosen earlier
-        extra = ("--metrics-port", str(port)) if node == "b" else ()
+        # b's port is chosen just before b binds it: a, started earlier, may take a port chosen earlier
+        extra = ("--metrics-port", str(port := free_port())) if node == "b" else ()
         agents[node] = cluster.agent(node, SCRIPT, *ARGS, "--trigger", str(trigger),
                                      flags=("--verify-every", "7", "--max-restarts", "3", *extra))  # fmt: skip
         cluster.registered(agents[node])
