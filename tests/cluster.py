@@ -11,9 +11,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -176,10 +178,15 @@ class Cluster:
         self.tmp = tmp
         self.tag = tag
         self.agents: dict[str, AgentProc] = {}
+        #: the TMPDIR of everything the cluster starts (the agents' control sockets, their workers'
+        #: files), removed at close: an agent killed on purpose cannot remove its own. Short: a Unix
+        #: socket's path must fit in 108 bytes.
+        self.scratch = Path(tempfile.mkdtemp(prefix="rlaunch-test-"))
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env[TAG_VAR] = self.tag
+        env["TMPDIR"] = str(self.scratch)
         env.pop("OMP_NUM_THREADS", None)
         env.update(extra or {})
         return env
@@ -263,6 +270,7 @@ class Cluster:
     def close(self) -> None:
         for agent in self.agents.values():
             agent.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def run_store(endpoint: str, coro_fn: Callable[[Any], Any], security: Any = None, timeout: float = 5) -> Any:

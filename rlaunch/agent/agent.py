@@ -142,7 +142,7 @@ class Agent:
         self.link.metrics = self.metrics
         self.reach = PeerProbe(self.node_id, self.link.hangs, self._peers, self._clock, self._monotonic)
         self.workers = Supervisor(
-            self.cfg, self.link, self.events.emit, self.control.path, self.addr, self._python, self._log_root,
+            self.cfg, self.link, self.events.emit, lambda: self.control.path, self.addr, self._python, self._log_root,
             self._keep_pids, self._monotonic,
         )  # fmt: skip
         self.records = RecordPublisher(

@@ -47,16 +47,26 @@ def frame_length(header: bytes) -> int:
 
 
 class ControlServer:
+    """The socket and its handlers. Its directory is made when it starts and removed when it closes,
+    so an agent that ends before it serves (a refused rendezvous, a port taken) leaves nothing behind."""
+
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="rlaunch-agent-")
-        self.path = os.path.join(self._dir, "control.sock")
+        self._dir: str | None = None
         self._handlers: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def path(self) -> str:
+        """The socket's path (workers get it in ``RLAUNCH_AGENT_ADDR``); there is none before :meth:`start`."""
+        if self._dir is None:
+            raise RuntimeError("The agent's control socket has no path before the server starts.")
+        return os.path.join(self._dir, "control.sock")
 
     def register(self, op: str, handler: Handler) -> None:
         self._handlers[op] = handler
 
     async def start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="rlaunch-agent-")
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -90,4 +100,5 @@ class ControlServer:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -38,7 +38,7 @@ class Supervisor:
         cfg: LaunchConfig,
         link: WorkerLink,
         emit: Callable[..., None],
-        control_path: str,
+        control_path: Callable[[], str],
         host_addr: str,
         python: str,
         log_root: Path | None,
@@ -49,7 +49,7 @@ class Supervisor:
         self.node_id = cfg.node_id
         self._link = link
         self._emit = emit
-        self._control_path = control_path
+        self._control_path = control_path  # the agent's control socket, known once it serves
         self._host_addr = host_addr  # the address the agent advertises: its workers' gloo binds it
         self._python = python
         self._log_root = log_root
@@ -78,7 +78,7 @@ class Supervisor:
                 local_rank=i,
                 job_id=self.cfg.job_id,
                 max_restarts=self.cfg.max_restarts,
-                agent_addr=self._control_path,
+                agent_addr=self._control_path(),
                 host_addr=self._host_addr,
                 role=self.cfg.role,
                 verify_every=self.cfg.verify_every,
@@ -102,7 +102,7 @@ class Supervisor:
                 node_id=self.node_id,
                 local_rank=i,
                 job_id=self.cfg.job_id,
-                agent_addr=self._control_path,
+                agent_addr=self._control_path(),
                 host_addr=self._host_addr,
                 role=self.cfg.role,
                 verify_every=self.cfg.verify_every,

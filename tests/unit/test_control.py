@@ -1,0 +1,43 @@
+"""The agent's control socket: where it lives, and that it leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from typing import Any
+
+import pytest
+
+from rlaunch.agent.control import ControlServer
+from rlaunch.runtime.agent_link import AgentLink, AgentLinkError
+
+
+def test_the_socket_lives_in_a_private_directory_only_while_it_serves() -> None:
+    async def go() -> None:
+        server = ControlServer()
+        with pytest.raises(RuntimeError, match="before the server starts"):
+            _ = server.path
+
+        async def echo(request: dict[str, Any]) -> dict[str, Any]:
+            return {"seen": request["value"]}
+
+        server.register("echo", echo)
+        await server.start()
+        folder = os.path.dirname(server.path)
+        try:
+            assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700  # nobody else can reach the socket
+            link = AgentLink(server.path, 0)
+            assert await asyncio.to_thread(link.call, "echo", value=3) == {"seen": 3}
+            with pytest.raises(AgentLinkError, match="does not know the request 'nope'"):
+                await asyncio.to_thread(link.call, "nope")
+        finally:
+            await server.close()
+        assert not os.path.exists(folder)
+
+    asyncio.run(go())
+
+
+def test_a_server_that_never_started_closes_without_a_trace() -> None:
+    server = ControlServer()
+    asyncio.run(server.close())
