@@ -184,7 +184,7 @@ class Joining:
         s.after_move.mark(Phase.VERIFIED)
         # The first vote compares what landed, as digested: no second pass over it. (The other
         # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
-        self._voting.prime(landed.terms)
+        self._voting.prime(landed.terms, landing.step)
         # From what it learnt: it takes host snapshots when the others do. (Its checks walk the
         # optimizer state: not before it is whole, or the first step would wait for it.)
         self._moves.report()

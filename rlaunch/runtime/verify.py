@@ -138,7 +138,8 @@ class Verifier:
         self.last_cost_s = 0.0  # what the last comparison cost this rank (listing and digesting its tensors)
         self.spent_s = 0.0  # what every comparison so far cost this rank
         self.count = 0  # comparisons so far
-        self._primed: digest.Terms | None = None  # terms taken at a move's boundary (see prime)
+        #: terms a joiner took as its state landed, for the vote of (generation, step) only (see prime)
+        self._primed: tuple[tuple[int, int], digest.Terms] | None = None
         #: (step, print key -> digest) of this rank's state right after that step's optimizer step,
         #: taken before a scheduled comparison: its own witness of what its update produced
         self._after: tuple[int, dict[tuple[str, Pattern], int]] | None = None
@@ -182,20 +183,26 @@ class Verifier:
             out.append(digest.of_items(grouped[p.pattern], known))
         return out
 
-    def prime(self, known: digest.Terms) -> None:
-        """The next comparison reads its tensors' terms from ``known`` (what a joiner digested as its
-        state landed: parameters and optimizer state do not change before that vote's optimizer step)."""
-        self._primed = known
+    def prime(self, known: digest.Terms, at: tuple[int, int]) -> None:
+        """The comparison of the vote at ``at`` (generation, step), a joiner's first, reads its tensors'
+        terms from ``known`` (what the joiner digested as its state landed: parameters and optimizer
+        state do not change before that vote's optimizer step). Any other vote reads afresh: a step
+        that went to recovery never reached that vote, and its recovery may have written the state in
+        place, where terms known by memory would no longer describe it."""
+        self._primed = (at, known)
 
     def prepare(self, rank: int, tracked: dict[str, Any], mesh: torch.Tensor | None, names: Sequence[str],
-                declared: Declared | None, step_s: float) -> tuple[list[Print], list[int], torch.Tensor]:  # fmt: skip
-        """This rank's comparison: what is compared, its digests, and its vote section (see :meth:`section`).
+                declared: Declared | None, step_s: float,
+                at: tuple[int, int]) -> tuple[list[Print], list[int], torch.Tensor]:  # fmt: skip
+        """This rank's comparison at ``at`` (generation, step): what is compared, its digests, and its
+        vote section (see :meth:`section`).
 
         The time it takes (listing the tensors included, not only the digests) is what the
         interval is chosen from, and what :attr:`spent_s` adds up.
         """
         began = self._clock()
-        known, self._primed = self._primed, None
+        primed, self._primed = self._primed, None
+        known = primed[1] if primed is not None and primed[0] == at else None
         prints = self.prints(tracked, mesh, names, declared)
         digests = self.digests(tracked, prints, names, declared, known)
         self.last_cost_s = self._clock() - began

@@ -106,7 +106,9 @@ class Voting:
         prints: list[verify.Print] = []
         digests: list[int] = []
         if verifying:
-            prints, digests, part = self.verifier.prepare(s.rank, s.tracked, mesh, names, s.declared, self._step_s())
+            prints, digests, part = self.verifier.prepare(
+                s.rank, s.tracked, mesh, names, s.declared, self._step_s(), (s.generation, s.step)
+            )
             sections.append((verify.SECTION, part))
         catalog = self._catalog() if move else None
         if catalog is not None:
@@ -168,11 +170,12 @@ class Voting:
         if s.link is not None:
             self.verifier.after_update(s.step, s.tracked, *self._mesh(), s.declared)
 
-    def prime(self, known: digest.Terms) -> None:
-        """(joiner) The first vote after joining compares the state as it landed, from the digest
-        terms the transfer check read (``known``), instead of reading it a second time."""
-        if self._s.link is not None:
-            self.verifier.prime(known)
+    def prime(self, known: digest.Terms, step: int) -> None:
+        """(joiner) The first vote after joining, ``step``'s, compares the state as it landed, from the
+        digest terms the transfer check read (``known``), instead of reading it a second time."""
+        s = self._s
+        if s.link is not None:
+            self.verifier.prime(known, (s.generation, step))
 
     def _contract(self, layout: Layout) -> StepContract:
         s = self._s

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import HashStore
 from torch.nn.parallel import DistributedDataParallel
 
-from rlaunch.runtime import verify
+from rlaunch.runtime import digest, verify
 from rlaunch.runtime.replicas import declare
 from rlaunch.runtime.verify import Verifier
 from tests.unit import gloo_groups as gloo
@@ -239,3 +239,29 @@ def test_with_two_replicas_a_bit_flipped_at_rest_names_its_rank_by_its_own_witne
     )
     found = verify.verdict(prints, faults, rows, None, 1)
     assert list(found.suspects) == [1] and found.suspects[1]["method"] == "self-check" and not found.unnamed
+
+
+def test_terms_a_joiner_primed_serve_its_first_vote_alone() -> None:
+    """The terms read as the state landed describe the tensors' memory as it was then: they serve the
+    vote they were taken for, once; any other (a step that went to recovery never reached it, and the
+    recovery may write the state in place) reads the state afresh."""
+    rank = _rank()
+    bits = rank["model"].module[0].weight.view(-1).view(torch.int32)
+    v = Verifier(1, 2)
+    as_landed = v.prepare(0, rank, None, (), None, 0.1, at=(0, 0))[1]
+
+    def prime(at: tuple[int, int]) -> None:
+        known = digest.Terms()
+        v.digests(rank, v.prints(rank, None, (), None), (), None, known)
+        v.prime(known, at)
+        with torch.no_grad():
+            bits[5] ^= 1 << 20  # written in place after the terms were read: the memory they are keyed on
+
+    prime((3, 40))
+    changed = v.prepare(0, rank, None, (), None, 0.1, at=(4, 40))[1]  # not the primed vote: read afresh
+    assert changed != as_landed
+    with torch.no_grad():
+        bits[5] ^= 1 << 20
+    prime((4, 41))
+    assert v.prepare(0, rank, None, (), None, 0.1, at=(4, 41))[1] == as_landed  # the primed vote: as landed
+    assert v.prepare(0, rank, None, (), None, 0.1, at=(4, 41))[1] == changed  # used once
