@@ -179,9 +179,9 @@ class Cluster:
         self.tag = tag
         self.agents: dict[str, AgentProc] = {}
         #: the TMPDIR of everything the cluster starts (the agents' control sockets, their workers'
-        #: files), removed at close: an agent killed on purpose cannot remove its own. Short: a Unix
-        #: socket's path must fit in 108 bytes.
-        self.scratch = Path(tempfile.mkdtemp(prefix="rlaunch-test-"))
+        #: files), removed at close: an agent killed on purpose cannot remove its own. In /tmp
+        #: whatever this process's TMPDIR: a Unix socket's path must fit in 108 bytes.
+        self.scratch = Path(tempfile.mkdtemp(prefix="rlaunch-test-", dir="/tmp"))
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)

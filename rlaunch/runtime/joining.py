@@ -182,7 +182,7 @@ class Joining:
             retire(channel)
         s.after_move.mark(Phase.TRANSFER_END, landing.landed_at or None)
         s.after_move.mark(Phase.VERIFIED)
-        # The first vote compares what landed, as digested: no second pass over it. (The other
+        # The vote of its first step compares what landed, as digested: no second pass over it. (The other
         # ranks read theirs at that vote: a survivor's state corrupted after the boundary is caught.)
         self._voting.prime(landed.terms, landing.step)
         # From what it learnt: it takes host snapshots when the others do. (Its checks walk the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +40,26 @@ def test_the_socket_lives_in_a_private_directory_only_while_it_serves() -> None:
     asyncio.run(go())
 
 
-def test_a_server_that_never_started_closes_without_a_trace() -> None:
-    server = ControlServer()
-    asyncio.run(server.close())
+def test_nothing_is_made_before_the_server_starts_nor_left_when_its_start_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the socket's directory
+    never_started = ControlServer()
+    assert os.listdir(tmp_path) == []
+    asyncio.run(never_started.close())
+
+    async def refused(*args: Any, **kwargs: Any) -> None:
+        raise OSError("no socket here")
+
+    monkeypatch.setattr(asyncio, "start_unix_server", refused)
+    failed = ControlServer()
+
+    async def go() -> None:
+        try:
+            with pytest.raises(OSError, match="no socket here"):
+                await failed.start()
+        finally:
+            await failed.close()
+
+    asyncio.run(go())
+    assert os.listdir(tmp_path) == []

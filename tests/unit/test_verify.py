@@ -258,8 +258,12 @@ def test_terms_a_joiner_primed_serve_its_first_vote_alone() -> None:
             bits[5] ^= 1 << 20  # written in place after the terms were read: the memory they are keyed on
 
     prime((3, 40))
-    changed = v.prepare(0, rank, None, (), None, 0.1, at=(4, 40))[1]  # not the primed vote: read afresh
+    changed = v.prepare(0, rank, None, (), None, 0.1, at=(4, 40))[1]  # another generation's vote: read afresh
     assert changed != as_landed
+    with torch.no_grad():
+        bits[5] ^= 1 << 20
+    prime((4, 40))
+    assert v.prepare(0, rank, None, (), None, 0.1, at=(4, 41))[1] == changed  # another step's: read afresh too
     with torch.no_grad():
         bits[5] ^= 1 << 20
     prime((4, 41))
