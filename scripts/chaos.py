@@ -28,6 +28,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -101,6 +102,9 @@ class Trial:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.drain: subprocess.Popen[bytes] | None = None  # the `rlaunch drain` of a drain_prepare trial
         self.marker = work / "paused"
+        #: the TMPDIR of the trial's processes (the agents' control sockets), removed at close: an agent
+        #: the trial kills cannot remove its own. In /tmp: a Unix socket's path must fit in 108 bytes.
+        self.scratch = Path(tempfile.mkdtemp(prefix="rlaunch-chaos-", dir="/tmp"))
 
     def output(self, node: str) -> str:
         path = self.work / f"{node}.log"
@@ -108,7 +112,7 @@ class Trial:
 
     def start(self, node: str, pause: str, standby: bool = False) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", TAG_VAR: self.tag, "CHAOS_PAUSE": pause,
-               "RLAUNCH_FAKE_NVML": str(self.work / f"nvml-{node}.json")}  # fmt: skip
+               "RLAUNCH_FAKE_NVML": str(self.work / f"nvml-{node}.json"), "TMPDIR": str(self.scratch)}  # fmt: skip
         argv = [
             sys.executable, "-m", "rlaunch", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", node,
@@ -224,6 +228,7 @@ class Trial:
         for p in tagged(self.tag):
             leftovers.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
             p.kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
         return leftovers
 
 
