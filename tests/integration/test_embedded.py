@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +62,10 @@ def test_a_sigkilled_agent_takes_its_private_etcd_and_its_files_along(tag: str, 
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('sleeper ready', flush=True)\ntime.sleep(600)\n")
     argv = [sys.executable, "-m", "rlaunch", "--standalone", "--rdzv-id", job, "--node-id", "solo", str(script)]
-    agent = AgentProc("solo", argv, env(tag), tmp_path / "agent.log")
+    # The agent's own TMPDIR, removed at the end: its control socket's directory is its to remove, which
+    # the SIGKILL prevents (the janitor removes the etcd's). In /tmp: a socket's path fits in 108 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="rlaunch-test-", dir="/tmp"))
+    agent = AgentProc("solo", argv, {**env(tag), "TMPDIR": str(scratch)}, tmp_path / "agent.log")
     try:
         join = wait_for(lambda: re.search(r"join with (.*) --rdzv-id", agent.output()), 60, "the embedded etcd")
         flags = shlex.split(join.group(1))
@@ -96,6 +101,7 @@ def test_a_sigkilled_agent_takes_its_private_etcd_and_its_files_along(tag: str, 
             wait_for(lambda w=w: gone(w.pid), 30, f"worker {w.pid} to die with its agent")
     finally:
         agent.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_a_clean_stop_removes_the_files_and_ends_the_janitor(tag: str) -> None:
