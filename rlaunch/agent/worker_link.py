@@ -237,7 +237,7 @@ class WorkerLink:
     async def _recovered(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.recovered.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
         self._wake()
-        fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "sends_to")
+        fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "dirty", "sends_to")
         back = {"rolled_back_to": req["rolled_back_to"], "steps_redone": req["steps_redone"]} if req.get(
             "rolled_back_to") is not None else {}  # fmt: skip
         self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),

@@ -327,7 +327,7 @@ class Recovery:
         self.active = False
         s.link.call(
             "recovered", generation=gen, rank=s.rank, step=s.step, resume_at=resume,
-            rolled_forward=rolled and back is None, rebuilt=sorted(comms), sends_to=mine,
+            rolled_forward=rolled and back is None, rebuilt=sorted(comms), dirty=sorted(dirty_names), sends_to=mine,
             seconds=time.perf_counter() - began,
             rolled_back_to=back.step if back is not None else None,
             steps_redone=agreed - back.step + 1 if back is not None else 0,
