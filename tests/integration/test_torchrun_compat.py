@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
-from rlaunch.store.embedded import free_port
 from tests.cluster import SCRIPTS, AgentProc, Cluster, wait_for
 
 SCRIPT = str(SCRIPTS / "launcher_script.py")
@@ -51,15 +51,21 @@ def start(
 
 
 def two_free_ports() -> int:
-    """A free port P with P+1 also free (the static rendezvous' etcd takes the port after MASTER_PORT)."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+    """A free port P with P+1 also free (the static rendezvous' etcd takes the port after MASTER_PORT).
+
+    Below the kernel's ephemeral range: the port goes into torchrun's flags and a worker binds it
+    seconds later, while agents, etcds and gloo take ephemeral ports that could be this one."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = random.randrange(1024, low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no two free ports in a row below {low} after 1000 tries")
 
 
 def test_torchrun_launcher_cases_run_every_rank(cluster: Cluster, tmp_path: Path) -> None:
