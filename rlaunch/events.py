@@ -8,13 +8,17 @@ and to the file happen on background tasks, each in order (the file's on a threa
 behind etcd); emitting never blocks nor fails the caller. The node record goes to etcd in one
 request with the events pending when it is sent, unless a request of events is in flight
 (:meth:`EventLog.put_with`): a move's offer and the node state published with it cost a node one
-request, not two (at a fault, every node of the job writes them at once).
+request, not two (at a fault, every node of the job writes them at once). An event that the node
+record soon follows by design (a survivor's offer of a replacement, its workers' ``recovered``:
+the record says ``running`` once they all did) may wait for it, a bounded time
+(:meth:`EventLog.emit_with_record`), so that the whole move costs the node one request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -38,11 +42,17 @@ EVENTS_PER_REQUEST = 64
 BYTES_PER_REQUEST = 512 * 1024
 
 
+#: The longest an event emitted with :meth:`EventLog.emit_with_record` waits for the node record.
+RECORD_WAIT_S = 5.0
+
+
 class _Queued(NamedTuple):
-    """An event on its way to etcd, with its key (from its nanosecond)."""
+    """An event on its way to etcd, with its key (from its nanosecond) and, for one that waits for the
+    node record, until when (``time.monotonic``; 0: it goes at once)."""
 
     key: str
     event: Event
+    wait_until: float = 0.0
 
 
 class _Put(NamedTuple):
@@ -98,12 +108,19 @@ class EventLog:
     def emit(self, kind: str, generation: int, **data: Any) -> None:
         self._record(kind, generation, data, to_etcd=True)
 
-    def _record(self, kind: str, generation: int, data: dict[str, Any], to_etcd: bool) -> None:
+    def emit_with_record(self, kind: str, generation: int, **data: Any) -> None:
+        """As :meth:`emit`, but the event may wait up to :data:`RECORD_WAIT_S` for the node record
+        (:meth:`put_with`) to go in its request; an event emitted meanwhile that does not wait, or the
+        log's close, sends it along at once. Its time is when it was emitted, as any event's."""
+        self._record(kind, generation, data, to_etcd=True, wait_s=RECORD_WAIT_S)
+
+    def _record(self, kind: str, generation: int, data: dict[str, Any], to_etcd: bool, wait_s: float = 0.0) -> None:
         ns, when = self._stamp()
         event = Event(time=when, node_id=self._node_id, kind=kind, generation=generation, data=data)
         log.info("[%s] event %s (generation %d) %s", self._node_id, kind, generation, data)
         if to_etcd:
-            self._pending.append(_Queued(self._keys.event(ns, self._node_id), event))
+            until = time.monotonic() + wait_s if wait_s > 0 else 0.0
+            self._pending.append(_Queued(self._keys.event(ns, self._node_id), event, until))
             self._ready.set()
         if self._jsonl is not None:
             self._lines.put_nowait(event)
@@ -129,12 +146,21 @@ class EventLog:
 
     async def _writer(self) -> None:
         """Write the pending events in order; those pending together go in one request (an agent emits
-        a few at once, such as a move's offer and the node state it publishes with it)."""
+        a few at once, such as a move's offer and the node state it publishes with it). While every
+        pending event waits for the node record (:meth:`emit_with_record`), it waits with them."""
         while True:
             await self._ready.wait()
             await self._free.wait()
             if not self._free.is_set():
                 continue  # a record took the lead with the pending events meanwhile
+            wait = self._wait_s()
+            if wait > 0:
+                self._ready.clear()  # set again by the next event, a record's failed request, or close()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._ready.wait(), wait)
+                if self._pending:
+                    self._ready.set()  # a record may have taken them meanwhile; else they go now
+                continue
             taken = self._take(EVENTS_PER_REQUEST, BYTES_PER_REQUEST, alone=True)
             if not taken:
                 self._ready.clear()
@@ -150,6 +176,14 @@ class EventLog:
                     await self._put_one(batch[0])
             finally:
                 self._free.set()
+
+    def _wait_s(self) -> float:
+        """How long the writer leaves the pending events for the node record: while every one of them
+        waits for it (:meth:`emit_with_record`), until the first of their waits ends; 0 when one does
+        not wait, or the log closes."""
+        if self._closing or not self._pending or any(q.wait_until == 0.0 for q in self._pending):
+            return 0.0
+        return max(0.0, min(q.wait_until for q in self._pending) - time.monotonic())
 
     def _take(self, count: int, size: int, alone: bool) -> list[tuple[_Queued, _Put]]:
         """The first pending events, encoded, up to ``count`` of them and ``size`` bytes (keys and
@@ -184,7 +218,8 @@ class EventLog:
             await self._store.put_each([(key, value, lease), *events])
             return
         except BaseException as exc:
-            self._pending.extendleft(queued for queued, _ in reversed(taken))
+            # (first in line, and no longer waiting for a record: this one went without them)
+            self._pending.extendleft(queued._replace(wait_until=0.0) for queued, _ in reversed(taken))
             self._ready.set()
             if not isinstance(exc, StoreError):
                 raise

@@ -51,8 +51,8 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
 - ``simulation_floor`` (simulated sizes): what the simulated nodes' one process costs with no
   rlaunch code on the nodes' side (scripts/fanout.py's ``one_process``): N-1 bare watchers in the
   benchmark's process, on the simulated nodes' connections, take a write of the key they watch and
-  either only note it (``receipt``) or then make the two etcd requests a simulated node makes at a
-  move (``writes``: its record with events, then one event). ``all_acted_s`` is the median write
+  either only note it (``receipt``) or then make the one etcd request a simulated node makes at a
+  live replacement (``writes``: its record with its two events). ``all_acted_s`` is the median write
   to last receipt with the writes, the simulation's floor of ``fault_to_all_acted_s`` less the
   plan; ``all_acted_s_writes_deferred`` the same with no writes, the floor of ``writes_deferred``;
   ``target_met`` and ``target_met_writes_deferred`` compare them with the target (medians over the

@@ -160,9 +160,9 @@ async def one_process(endpoint: str, n: int, repeats: int, per_connection: int =
 
     ``n`` bare watchers of one key here, on as many connections as the simulated nodes use. Each
     round writes the key ``repeats`` times in each of two ways: ``receipt``, the watchers only note
-    the value's arrival; ``writes``, each then makes the two etcd requests a simulated node makes
-    at a live move, one after the other (its record with its events in one transaction, then one
-    more event: ``RECORD_BYTES`` and ``EVENT_BYTES`` each, under one lease). Timed from just before
+    the value's arrival; ``writes``, each then makes the one etcd request a simulated node makes at
+    a live replacement (its record with its offer and its workers' ``recovered``, in one transaction:
+    ``RECORD_BYTES`` and ``EVENT_BYTES`` each, under one lease). Timed from just before
     the write to the last receipt (``write_to_last_s``; in ``writes``, receipts share the process
     with the requests of those that received earlier, as a node's acting shares it with the others'
     writes) and to the last request done (``write_to_last_written_s``); ``cpu_s``, this process's
@@ -184,8 +184,8 @@ async def one_process(endpoint: str, n: int, repeats: int, per_connection: int =
             number = int(ev.value.split(b":", 1)[0])
             received.setdefault(number, []).append(time.monotonic())
             if writing:
-                await store.put_each([(keys.node(node), record, lease), (keys.event(2 * number, node), event, lease)])
-                await store.put_each([(keys.event(2 * number + 1, node), event, lease)])
+                await store.put_each([(keys.node(node), record, lease), (keys.event(2 * number, node), event, lease),
+                                      (keys.event(2 * number + 1, node), event, lease)])  # fmt: skip
                 written.setdefault(number, []).append(time.monotonic())
 
     tasks = [asyncio.create_task(watch(i, stores[i % len(stores)])) for i in range(n)]

@@ -11,10 +11,10 @@ few shared etcd channels:
   watch wakes it for, and carries the actions out as the agent does, with no processes:
   ``Publish`` puts its node record (and a ``node_state`` event when the state changes), in one
   request with the events emitted before it, as :class:`~rlaunch.agent.record.RecordPublisher` does;
-  ``Acknowledge`` puts its ack and deletes
-  the previous one; ``Emit`` goes to its own :class:`~rlaunch.events.EventLog` (etcd puts in the
-  background); starting and stopping workers writes the events the supervisor writes; ``Offer``
-  hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
+  ``Acknowledge`` puts its ack and deletes the previous one; ``Emit`` goes to its own
+  :class:`~rlaunch.events.EventLog` (etcd puts in the background; an event the record follows waits
+  for it, as the agent's); starting and stopping workers writes the events the supervisor writes;
+  ``Offer`` hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
   ``Settled`` decision (record ``running``). A standby's sandbox is warm at once.
 
 Not simulated: worker processes and what they report beyond that (their hello is taken as
@@ -196,7 +196,8 @@ class SimNode:
                     await self._send()
                 if self.settle is not None:
                     (gen, role), self.settle = self.settle, None
-                    self.events.emit("joined" if role == "joiner" else "recovered", gen, seconds=0.0, local_rank=0)
+                    self.events.emit_with_record("joined" if role == "joiner" else "recovered", gen, seconds=0.0,
+                                                 local_rank=0)  # fmt: skip
                     await self._carry_out(decide(self.node, st.Settled()))
                 await self._look()
             except StoreError:
@@ -261,7 +262,8 @@ class SimNode:
             if action.previous:
                 await self.store.delete(self.keys.ack(action.previous, self.node_id))
         elif isinstance(action, st.Emit):
-            self.events.emit(action.name, action.gen, **action.fields)
+            emit = self.events.emit_with_record if action.with_record else self.events.emit
+            emit(action.name, action.gen, **action.fields)
         elif isinstance(action, st.Log):
             pass
         else:  # drains, reaps and exits do not happen in this benchmark's events

@@ -25,6 +25,9 @@ from typing import Any
 import psutil
 
 from rlaunch.errors import StoreUnavailableError
+from rlaunch.store.client import Store, parse_endpoints
+from rlaunch.store.keys import JobKeys
+from rlaunch.store.records import Event, decode
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
@@ -266,6 +269,20 @@ class Cluster:
 
     def node(self, node_id: str) -> dict[str, Any] | None:
         return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
+
+    def written_events(self) -> list[tuple[int, Event]]:
+        """The job's events as etcd holds them, each with the revision of the request that wrote it
+        (events written in one request share it)."""
+
+        async def read() -> list[tuple[int, Event]]:
+            store = Store(parse_endpoints(self.endpoint), timeout=10)
+            try:
+                kvs, _ = await store.get_prefix(JobKeys(self.job_id).events_prefix)
+            finally:
+                await store.close()
+            return [(kv.create_revision, decode(Event, kv.value, kv.key)) for kv in kvs]
+
+        return asyncio.run(read())
 
     def close(self) -> None:
         for agent in self.agents.values():

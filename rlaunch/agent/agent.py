@@ -134,8 +134,9 @@ class Agent:
         self.control = ControlServer()
         self._probe_server, self._probe_port = await serve()
         self.link = WorkerLink(
-            self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set, self.events.note
-        )
+            self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set, self.events.note,
+            emit_with_record=self.events.emit_with_record,
+        )  # fmt: skip
         self.link.node_id = self.node_id
         self.link.sandbox_steps = self.cfg.sandbox_steps
         self.link.hangs.floor_s = self.cfg.hang_timeout
@@ -345,7 +346,8 @@ class Agent:
                                at=self._clock())  # fmt: skip
             await self.store.put(self.keys.drained(self.node_id), encode(mark))
         elif isinstance(action, st.Emit):
-            self.events.emit(action.name, action.gen, **action.fields)
+            emit = self.events.emit_with_record if action.with_record else self.events.emit
+            emit(action.name, action.gen, **action.fields)
         elif isinstance(action, st.Log):
             log.log(action.level, "[%s] %s", self.node_id, action.message)
         elif isinstance(action, st.Exit):

@@ -241,11 +241,14 @@ class MarkDrained:
 
 @dataclasses.dataclass(frozen=True)
 class Emit:
-    """An event for the event stream (names and fields as documented in docs/operations.md, "rlaunch events")."""
+    """An event for the event stream (names and fields as documented in docs/operations.md, "rlaunch events");
+    ``with_record``: the node record soon follows it, and it may wait to go in that record's request
+    (:meth:`rlaunch.events.EventLog.emit_with_record`)."""
 
     name: str
     gen: int
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    with_record: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,8 +368,10 @@ def _replace(p: _Plan, gen: Generation, obs: Look) -> None:
         return
     p.set(state=AgentState.SETTLING)
     fields = {"role": "survivor", "leavers": gen.leavers, "joiners": gen.joiners}
-    p.do(Offer(gen, "survivor"), Emit("replacement_offered", gen.number, fields))
-    p.do(Publish(NodeState.RESTARTING, gen.number))  # RUNNING once its workers recovered
+    # Nothing is published until its workers recovered: then its record says running at this generation
+    # (the offer and their reports go with it, one request). Meanwhile the record it has, running at the
+    # last generation, tells the controller what restarting here would: this node has not settled.
+    p.do(Offer(gen, "survivor"), Emit("replacement_offered", gen.number, fields, with_record=True))
 
 
 def _stand_by(p: _Plan, gen: Generation, obs: Look, holds_ranks: bool) -> None:

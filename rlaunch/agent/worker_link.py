@@ -104,6 +104,7 @@ class WorkerLink:
         wake: Callable[[], None],
         note: Callable[..., None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        emit_with_record: Callable[..., None] | None = None,
     ) -> None:
         self._store = store
         self._sleep = sleep
@@ -111,6 +112,8 @@ class WorkerLink:
         self._lease = lease
         self._emit = emit
         self._note = note or emit  # local events (not written to etcd)
+        #: events the node record follows (a worker joined or recovered: running once all did), which may wait for it
+        self._emit_with_record = emit_with_record or emit
         self._wake = wake
         self.state = LinkState()
         self.role = StartRole.ACTIVE
@@ -206,7 +209,7 @@ class WorkerLink:
 
     async def _joined(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.joined.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))
-        self._emit("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"],
+        self._emit_with_record("joined", int(req["generation"]), local_rank=req["local_rank"], seconds=req["seconds"],
                    verify_s=round(float(req.get("verify_s", 0.0)), 4))  # fmt: skip
         self._wake()
         return {}
@@ -240,7 +243,7 @@ class WorkerLink:
         fields = ("rank", "step", "resume_at", "rolled_forward", "rebuilt", "dirty", "sends_to")
         back = {"rolled_back_to": req["rolled_back_to"], "steps_redone": req["steps_redone"]} if req.get(
             "rolled_back_to") is not None else {}  # fmt: skip
-        self._emit("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
+        self._emit_with_record("recovered", int(req["generation"]), seconds=round(req["seconds"], 3),
                    **{k: req[k] for k in fields}, **back)  # fmt: skip
         return {}
 

@@ -370,11 +370,17 @@ def test_a_joiner_without_a_sandbox_restarts_in_place_through_one(state: AgentSt
     assert d.node.state is S.SETTLING and d.node.sandbox is SandboxUse.FAILED  # (a failed sandbox stays known)
 
 
-def test_a_survivor_recovers_in_place_through_a_replacement() -> None:
+def test_a_survivor_recovers_in_place_through_a_replacement_and_publishes_once_when_it_did() -> None:
+    """Its record goes from running at the last generation to running at this one, with the offer (which
+    waits for it) and its workers' reports: one request per node at a fault (8,190 fewer at 4,096 nodes)."""
     g = replacement(["n4"])
     d = decide(node(S.ACTIVE, worker_gen=5), look(g))
-    assert d.actions[0] == Offer(g, "survivor") and publishes(d) == [NodeState.RESTARTING]
+    assert d.actions[0] == Offer(g, "survivor") and publishes(d) == []
+    assert [(a.name, a.with_record) for a in of(d, Emit)] == [("replacement_offered", True)]
     assert d.node == node(S.SETTLING, worker_gen=6)
+    settled = decide(d.node, Settled())
+    assert publishes(settled) == [NodeState.RUNNING] and of(settled, Publish)[0].generation == 6
+    assert settled.node.state is S.ACTIVE
 
 
 @pytest.mark.parametrize("state", [S.IDLE, S.SANDBOX])

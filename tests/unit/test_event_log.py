@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from rlaunch import events
 from rlaunch.errors import StoreUnavailableError
 from rlaunch.events import BYTES_PER_REQUEST, EVENTS_PER_REQUEST, EventLog
 from rlaunch.store.keys import JobKeys
@@ -280,3 +281,79 @@ def test_a_record_does_not_wait_for_a_request_of_events_in_flight() -> None:
     asyncio.run(run())
     first, second = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
     assert etcd.puts == [keys.node("n1"), first, second]
+
+
+def test_events_that_wait_for_the_record_go_in_its_request() -> None:
+    """A replacement's survivor: its offer and its workers' ``recovered`` wait for the ``running`` record
+    that follows them, so the move costs the node one request (and etcd none while they wait)."""
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+    times = iter([1.0, 2.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit_with_record("replacement_offered", 2)
+        await asyncio.sleep(0.05)  # the writer is woken: it must leave the event for the record
+        log.emit_with_record("recovered", 2)
+        await asyncio.sleep(0.05)
+        assert etcd.puts == []
+        await log.put_with(keys.node("n1"), b"{}", 7)
+        await log.close(timeout=1.0)
+
+    asyncio.run(run())
+    one, two = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    assert etcd.puts == [f"{keys.node('n1')}@7,{one}@1,{two}@1"]
+
+
+def test_an_event_whose_record_does_not_come_goes_alone_when_its_wait_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(events, "RECORD_WAIT_S", 0.2)
+    etcd = _CountingEtcd()
+    keys = JobKeys("job")
+
+    async def run() -> list[str]:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: 1.0)  # type: ignore[arg-type]
+        log.start()
+        log.emit_with_record("recovered", 2)
+        await asyncio.sleep(0.1)
+        early = list(etcd.puts)
+        await asyncio.sleep(0.3)
+        await log.close(timeout=1.0)
+        return early
+
+    assert asyncio.run(run()) == [], "not before its wait ends"
+    assert etcd.puts == [keys.event(int(1e9), "n1")], "nor lost when no record comes"
+
+
+@pytest.mark.parametrize("then", ["emit", "close", "failed record"])
+def test_waiting_events_go_at_once_with_one_that_does_not_wait_at_close_or_after_a_failed_record(
+    then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events reach etcd in the order they were emitted: one that does not wait takes the waiting ones
+    along in its request; the log's close sends them; a record whose request with them failed went
+    alone, so they go on their own, first in line."""
+    monkeypatch.setattr(events, "RECORD_WAIT_S", 30.0)
+    keys = JobKeys("job")
+    etcd = _CountingEtcd(down=("put_each",) if then == "failed record" else ())
+    times = iter([1.0, 2.0])
+
+    async def run() -> None:
+        log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
+        log.start()
+        log.emit_with_record("replacement_offered", 2)
+        await asyncio.sleep(0.02)
+        if then == "emit":
+            log.emit("recovering", 2)
+        elif then == "failed record":
+            await log.put_with(keys.node("n1"), b"{}", 7)
+            log.emit_with_record("recovered", 2)
+        await asyncio.wait_for(log.close(timeout=1.0), 2.0)  # far within the 30 s wait
+
+    asyncio.run(run())
+    one, two = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    expected = {
+        "emit": [f"{one},{two}"],
+        "close": [one],
+        "failed record": [keys.node("n1"), f"{one},{two}"],
+    }[then]
+    assert etcd.puts == expected
