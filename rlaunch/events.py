@@ -82,7 +82,8 @@ class EventLog:
         self._jsonl = jsonl
         self._clock = clock
         self._pending: collections.deque[_Queued] = collections.deque()  # emitted, not yet written
-        self._ready = asyncio.Event()  # set while events are pending (or the log closes)
+        #: set while events are pending and not all waiting for a record (see _writer), or the log closes
+        self._ready = asyncio.Event()
         self._closing = False
         #: clear while a request of events is in flight (one at a time, so that they land in order)
         self._free = asyncio.Event()
@@ -177,6 +178,12 @@ class EventLog:
             finally:
                 self._free.set()
 
+    def _release(self) -> None:
+        """The pending events wait for no record any more: the writer sends them now."""
+        self._pending = collections.deque(q._replace(wait_until=0.0) if q.wait_until else q for q in self._pending)
+        if self._pending:
+            self._ready.set()
+
     def _wait_s(self) -> float:
         """How long the writer leaves the pending events for the node record: while every one of them
         waits for it (:meth:`emit_with_record`), until the first of their waits ends; 0 when one does
@@ -209,6 +216,7 @@ class EventLog:
         if self._free.is_set():
             taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
         if not taken:
+            self._release()  # the record they waited for goes without them (events in flight, or too large)
             await self._store.put(key, value, lease=lease)
             return
         self._free.clear()
@@ -218,9 +226,8 @@ class EventLog:
             await self._store.put_each([(key, value, lease), *events])
             return
         except BaseException as exc:
-            # (first in line, and no longer waiting for a record: this one went without them)
-            self._pending.extendleft(queued._replace(wait_until=0.0) for queued, _ in reversed(taken))
-            self._ready.set()
+            self._pending.extendleft(queued for queued, _ in reversed(taken))  # first in line
+            self._release()  # this record goes without them
             if not isinstance(exc, StoreError):
                 raise
             self._lease = None  # if it was the events' lease that failed, the next request grants another

@@ -41,7 +41,7 @@ DEADLINE_TICK_S = 1.0
 STOP_CHECK_S = 1.0
 #: A leader's ticks are this far apart at least: the changes that come meanwhile are planned from
 #: together. Each tick plans from every node record, and after a plan every node writes its own
-#: (8,190 writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
+#: (4,096 or more writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
 TICK_GAP_S = 0.1
 
 
@@ -196,7 +196,13 @@ class Controller:
         if gen is not None and gen.status is GenerationStatus.RUNNING:
             for node in gen.assignment:
                 rec = snap.nodes[node].record if node in snap.nodes else None
-                if rec is not None and rec.compute_s > 0 and rec.state is NodeState.RUNNING:
+                # (running at this generation: a replacement's survivor, recovering, is still running at the last)
+                if (
+                    rec is not None
+                    and rec.compute_s > 0
+                    and rec.state is NodeState.RUNNING
+                    and rec.generation == gen.number
+                ):
                     times[node] = rec.compute_s
         found = self._stragglers.update(self._clock(), times)
         for node in found:

@@ -3,7 +3,7 @@ them all from etcd.
 
 A controller plans from every node record. Read whole at every tick, they cost O(N) per tick: at
 4,096 nodes about 1.2 MB from etcd and half of each tick's CPU, about ten ticks a second while a
-move's record writes come in (8,190 at 4,096 nodes). The leading agent's watch receives each of
+move's record writes come in (4,096 or more at 4,096 nodes). The leading agent's watch receives each of
 those changes anyway, so :class:`NodeFeed` keeps the records from it. A tick reads them whole
 when the feed cannot vouch for them, and also (rlaunch.controller.controller) after a lease it
 revoked itself, at a tick no change woke (a deadline's), at the tick after a failed one; and the

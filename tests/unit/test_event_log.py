@@ -325,35 +325,59 @@ def test_an_event_whose_record_does_not_come_goes_alone_when_its_wait_ends(monke
     assert etcd.puts == [keys.event(int(1e9), "n1")], "nor lost when no record comes"
 
 
-@pytest.mark.parametrize("then", ["emit", "close", "failed record"])
-def test_waiting_events_go_at_once_with_one_that_does_not_wait_at_close_or_after_a_failed_record(
+@pytest.mark.parametrize("then", ["emit", "close", "failed record", "record alone"])
+def test_waiting_events_go_at_once_with_one_that_does_not_wait_at_close_or_when_a_record_goes_without_them(
     then: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Events reach etcd in the order they were emitted: one that does not wait takes the waiting ones
-    along in its request; the log's close sends them; a record whose request with them failed went
-    alone, so they go on their own, first in line."""
+    along in its request; the log's close sends them; a record that went without them (its request
+    with them failed, or a request of events was in flight) releases them: they go on their own, first
+    in line, long before their wait ends."""
     monkeypatch.setattr(events, "RECORD_WAIT_S", 30.0)
     keys = JobKeys("job")
     etcd = _CountingEtcd(down=("put_each",) if then == "failed record" else ())
     times = iter([1.0, 2.0])
+    one, two = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+    record = keys.node("n1")
 
-    async def run() -> None:
+    async def run() -> list[str]:
         log = EventLog(store=etcd, keys=keys, node_id="n1", clock=lambda: next(times))  # type: ignore[arg-type]
         log.start()
-        log.emit_with_record("replacement_offered", 2)
-        await asyncio.sleep(0.02)
-        if then == "emit":
-            log.emit("recovering", 2)
-        elif then == "failed record":
-            await log.put_with(keys.node("n1"), b"{}", 7)
-            log.emit_with_record("recovered", 2)
-        await asyncio.wait_for(log.close(timeout=1.0), 2.0)  # far within the 30 s wait
+        if then == "record alone":
+            gate = asyncio.Event()
+            put = etcd.put
 
-    asyncio.run(run())
-    one, two = (keys.event(int(t * 1e9), "n1") for t in (1.0, 2.0))
+            async def slow_put(key: str, value: bytes, lease: int | None = None) -> None:
+                if key == one:
+                    await gate.wait()  # the writer's request of event one is in flight
+                await put(key, value, lease)
+
+            etcd.put = slow_put  # type: ignore[method-assign]
+            log.emit("replica_sent", 2)
+            await asyncio.sleep(0.02)
+            log.emit_with_record("recovered", 2)
+            await log.put_with(record, b"{}", 7)  # goes alone: the events' request is in flight
+            gate.set()
+        else:
+            log.emit_with_record("replacement_offered", 2)
+            await asyncio.sleep(0.02)
+            assert etcd.puts == [], "it waits"
+            if then == "emit":
+                log.emit("recovering", 2)
+            elif then == "failed record":
+                await log.put_with(record, b"{}", 7)
+                log.emit_with_record("recovered", 2)
+        await asyncio.sleep(0.1)
+        before_close = list(etcd.puts)
+        await asyncio.wait_for(log.close(timeout=1.0), 2.0)
+        return before_close
+
+    before_close = asyncio.run(run())
     expected = {
         "emit": [f"{one},{two}"],
         "close": [one],
-        "failed record": [keys.node("n1"), f"{one},{two}"],
+        "failed record": [record, f"{one},{two}"],
+        "record alone": [record, one, two],
     }[then]
     assert etcd.puts == expected
+    assert before_close == ([] if then == "close" else expected), "sent at once, not when the 30 s wait ends"
