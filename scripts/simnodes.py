@@ -3,7 +3,8 @@
 Each :class:`SimNode` is what an agent does with a generation, many of them in one process on a
 few shared etcd channels:
 
-- it holds a lease, renewed every third of its TTL, and a node record attached to it;
+- it holds a lease, renewed every third of its TTL (the first time at a random part of it, as an
+  agent), and a node record attached to it;
 - it follows the job with the agent's own :class:`~rlaunch.agent.generations.GenerationWatch` (the
   generation's head and the leader key; node records while it holds no ranks), which rebuilds
   each generation's rank map from the one held, or reads it whole, as an agent does;
@@ -37,6 +38,7 @@ from typing import Any
 
 from rlaunch.agent import states as st
 from rlaunch.agent.generations import GenerationWatch
+from rlaunch.agent.lease import first_pause
 from rlaunch.agent.transitions import decide
 from rlaunch.controller.view import read_snapshot
 from rlaunch.errors import StoreError
@@ -184,7 +186,9 @@ class SimNode:
             self.ran.setdefault(record.generation, time.monotonic())
 
     async def _keepalive(self) -> None:
-        while not await wait_event(self.stop, SIM_TTL / 3):
+        pause = first_pause(SIM_TTL)  # as the agent's LeaseKeeper: nodes that joined together renew apart
+        while not await wait_event(self.stop, pause):
+            pause = SIM_TTL / 3
             with contextlib.suppress(StoreError):  # a loaded machine: try again at the next renewal
                 await self.store.refresh_lease(self.lease)
 

@@ -18,6 +18,11 @@ States of a kept lease (:class:`LeaseState`):
   that the lease is gone.
 - ``UNREACHABLE`` → ``HELD`` when a keepalive is answered again; → ``LOST`` likewise.
 - ``LOST`` is final.
+
+A held lease is renewed every TTL/3, but the first wait (after the lease is taken, and again after
+etcd came back) is a random part of it (:func:`first_pause`): agents that a scheduler started
+together, or that etcd answered together when it came back, would otherwise renew together for as
+long as the job runs, N keepalives in one burst every TTL/3, which a plan written then waits behind.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 
@@ -58,6 +64,12 @@ class Renewal:
     error: str = ""
 
 
+def first_pause(ttl: float, draw: Callable[[], float] = random.random) -> float:
+    """Seconds to a held lease's first renewal: a part of TTL/3 that ``draw()`` (in [0, 1)) picks, never
+    0 (the renewals of leases taken together then fall anywhere in the period, and stay apart)."""
+    return ttl / 3 * (1.0 - draw())
+
+
 def keepalive_store(shared: Store) -> Store:
     """A client of its own for the lease keepalives (``shared``'s etcd), with a short request timeout."""
     return shared.sibling(KEEPALIVE_TIMEOUT_S)
@@ -80,7 +92,8 @@ def judge(state: LeaseState, renewal: Renewal) -> LeaseState:
 
 
 class LeaseKeeper:
-    """Renews one lease every TTL/3 until it is lost or ``sleep`` says stop.
+    """Renews one lease every TTL/3 (the first time sooner: :func:`first_pause`) until it is lost or
+    ``sleep`` says stop.
 
     ``store`` should be the keeper's own client (see :func:`keepalive_store`): a channel shared
     with watches and the controller is closed and reopened by their failures, and a keepalive in
@@ -100,6 +113,7 @@ class LeaseKeeper:
         sleep: Callable[[float], Awaitable[bool]],
         on_back: Callable[[float, int], None] = lambda _s, _r: None,
         clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
         self.lease_id = lease_id
@@ -108,6 +122,7 @@ class LeaseKeeper:
         self._sleep = sleep
         self._on_back = on_back
         self._clock = clock
+        self._draw = draw
         self.state = LeaseState.HELD
         self._unreachable_since = 0.0
         self._said_at = 0.0
@@ -131,6 +146,7 @@ class LeaseKeeper:
 
     async def run(self) -> str | None:
         """Keep the lease until it is lost (return why) or the ``sleep`` callable says stop."""
+        spread = True  # the next wait of a held lease is first_pause(): at the start, and after an outage
         while True:
             renewal = await self.renew()
             before, self.state = self.state, judge(self.state, renewal)
@@ -162,6 +178,11 @@ class LeaseKeeper:
                     self._node_id, gone_s, self.lease_id, remaining,
                 )  # fmt: skip
                 self._on_back(gone_s, remaining)
-            pause = self.ttl / 3 if self.state is LeaseState.HELD else min(self.ttl / 3, OUTAGE_RETRY_S)
+            if self.state is not LeaseState.HELD:
+                pause, spread = min(self.ttl / 3, OUTAGE_RETRY_S), True
+            elif spread:
+                pause, spread = first_pause(self.ttl, self._draw), False
+            else:
+                pause = self.ttl / 3
             if await self._sleep(pause):
                 return None

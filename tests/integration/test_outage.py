@@ -19,7 +19,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -164,14 +164,20 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     etcd = EtcdCluster(tmp_path, uuid.uuid4().hex, size=1).start()
     member = etcd.members[0]
     backs: list[tuple[float, int]] = []
+    pauses: list[float] = []
 
     async def scenario() -> tuple[str | None, LeaseState, list[LeaseState]]:
         store = keepalive_store(Store(parse_endpoints(etcd.endpoints)))
         stop = asyncio.Event()
         try:
             lease = await store.grant_lease(2)
+
+            def sleep(seconds: float) -> Awaitable[bool]:
+                pauses.append(seconds)
+                return wait_event(stop, seconds)
+
             keeper = LeaseKeeper(
-                store, lease, 2, "n", sleep=lambda s: wait_event(stop, s), on_back=lambda s, r: backs.append((s, r))
+                store, lease, 2, "n", sleep=sleep, on_back=lambda s, r: backs.append((s, r)), draw=lambda: 0.5
             )
             task = asyncio.create_task(keeper.run())
             seen = []
@@ -203,6 +209,12 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     assert seen == [LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.HELD], seen
     assert len(backs) == 1 and backs[0][0] >= 5.0 and backs[0][1] > 0, backs
     assert final is LeaseState.LOST and why is not None and "etcd answered that its lease" in why, why
+    # Renewed every TTL/3, but a random part of it first, and again once etcd answered after the outage
+    # (draw 0.5: half of it), so that leases taken or answered together renew apart.
+    third = 2 / 3
+    drawn = [i for i, p in enumerate(pauses) if p == pytest.approx(third / 2)]
+    assert len(drawn) == 2 and drawn[0] == 0, pauses
+    assert all(p == pytest.approx(third) for i, p in enumerate(pauses) if i not in drawn), pauses
 
 
 def test_a_cut_off_node_is_fenced_and_its_workers_killed_without_a_sigterm(cluster: Cluster) -> None:

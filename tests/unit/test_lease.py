@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlaunch.agent.lease import LeaseState, Renewal, judge
+from rlaunch.agent.lease import LeaseState, Renewal, first_pause, judge
 
 HELD, UNREACHABLE, LOST = LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.LOST
 SILENT = Renewal(error="etcd at 127.0.0.1:2379 is unreachable (request timeout 2.5 s).")
@@ -29,3 +29,11 @@ def test_a_lease_in_its_last_second_is_decided_by_the_next_round() -> None:
 def test_lost_is_final() -> None:
     assert judge(LOST, Renewal(5)) is LOST
     assert judge(LOST, SILENT) is LOST
+
+
+def test_the_first_renewal_comes_at_a_random_part_of_a_third_of_the_ttl_never_at_once() -> None:
+    assert first_pause(30, lambda: 0.0) == 10.0
+    assert 0 < first_pause(30, lambda: 0.999999) < 0.001
+    drawn = [first_pause(30) for _ in range(400)]
+    assert all(0 < p <= 10.0 for p in drawn)
+    assert min(drawn) < 1.0 and max(drawn) > 9.0, "leases taken together renew anywhere in the period"
