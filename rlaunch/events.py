@@ -111,8 +111,9 @@ class EventLog:
 
     def emit_with_record(self, kind: str, generation: int, **data: Any) -> None:
         """As :meth:`emit`, but the event may wait up to :data:`RECORD_WAIT_S` for the node record
-        (:meth:`put_with`) to go in its request; an event emitted meanwhile that does not wait, or the
-        log's close, sends it along at once. Its time is when it was emitted, as any event's."""
+        (:meth:`put_with`) to go in its request. It goes at once with an event emitted meanwhile that
+        does not wait, at the log's close, and on its own once a record went without it (see
+        :meth:`put_with`). Its time is when it was emitted, as any event's."""
         self._record(kind, generation, data, to_etcd=True, wait_s=RECORD_WAIT_S)
 
     def _record(self, kind: str, generation: int, data: dict[str, Any], to_etcd: bool, wait_s: float = 0.0) -> None:
@@ -156,7 +157,7 @@ class EventLog:
                 continue  # a record took the lead with the pending events meanwhile
             wait = self._wait_s()
             if wait > 0:
-                self._ready.clear()  # set again by the next event, a record's failed request, or close()
+                self._ready.clear()  # set again by the next event, a record gone without them, or close()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._ready.wait(), wait)
                 if self._pending:
@@ -211,7 +212,9 @@ class EventLog:
         event of a failed batch in turn), and the events stay with the writer, so that they reach etcd
         in the order they were emitted. If the request with the events fails (their lease gone, a
         request too large), its events stay pending, first in line, and the key goes alone: raises
-        :class:`~rlaunch.errors.StoreError` only when etcd did not take the key itself."""
+        :class:`~rlaunch.errors.StoreError` only when etcd did not take the key itself. The pending
+        events that waited for a record (:meth:`emit_with_record`) and did not go with this one wait no
+        more: the writer sends them."""
         taken = []
         if self._free.is_set():
             taken = self._take(EVENTS_PER_REQUEST - 1, BYTES_PER_REQUEST - len(key) - len(value), alone=False)
@@ -224,6 +227,7 @@ class EventLog:
             events_lease = await self._events_lease()
             events = [(put.key, put.value, events_lease) for _, put in taken]
             await self._store.put_each([(key, value, lease), *events])
+            self._release()  # those the request had no room for
             return
         except BaseException as exc:
             self._pending.extendleft(queued for queued, _ in reversed(taken))  # first in line

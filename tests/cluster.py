@@ -270,17 +270,16 @@ class Cluster:
     def node(self, node_id: str) -> dict[str, Any] | None:
         return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
 
-    def written_events(self) -> list[tuple[int, Event]]:
-        """The job's events as etcd holds them, each with the revision of the request that wrote it
-        (events written in one request share it)."""
+    def written_events(self) -> list[Event]:
+        """The job's events as etcd holds them (what reached etcd, not the agents' logs)."""
 
-        async def read() -> list[tuple[int, Event]]:
+        async def read() -> list[Event]:
             store = Store(parse_endpoints(self.endpoint), timeout=10)
             try:
                 kvs, _ = await store.get_prefix(JobKeys(self.job_id).events_prefix)
             finally:
                 await store.close()
-            return [(kv.create_revision, decode(Event, kv.value, kv.key)) for kv in kvs]
+            return [decode(Event, kv.value, kv.key) for kv in kvs]
 
         return asyncio.run(read())
 

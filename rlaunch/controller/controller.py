@@ -22,13 +22,13 @@ from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
 from rlaunch.detectors.liveness import agent_gone
-from rlaunch.detectors.straggler import StragglerWatch
+from rlaunch.detectors.straggler import StragglerWatch, compute_times
 from rlaunch.errors import PlanError, StoreError
 from rlaunch.events import EventLog
 from rlaunch.store import generations
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import GenerationStatus, JobSpec, NodeState
+from rlaunch.store.records import JobSpec
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -192,18 +192,8 @@ class Controller:
         return verdict
 
     def _find_stragglers(self, snap: JobSnapshot) -> list[str]:
-        gen, times = snap.generation, {}
-        if gen is not None and gen.status is GenerationStatus.RUNNING:
-            for node in gen.assignment:
-                rec = snap.nodes[node].record if node in snap.nodes else None
-                # (running at this generation: a replacement's survivor, recovering, is still running at the last)
-                if (
-                    rec is not None
-                    and rec.compute_s > 0
-                    and rec.state is NodeState.RUNNING
-                    and rec.generation == gen.number
-                ):
-                    times[node] = rec.compute_s
+        gen = snap.generation
+        times = compute_times(gen, lambda node: snap.nodes[node].record if node in snap.nodes else None)
         found = self._stragglers.update(self._clock(), times)
         for node in found:
             if node not in self._slow_reported:

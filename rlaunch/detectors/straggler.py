@@ -12,9 +12,29 @@ drain would, and the node leaves with a drained mark for an operator to look at.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+
+from rlaunch.store.records import Generation, GenerationStatus, NodeRecord, NodeState
 
 #: How many times the others' median compute time makes a node slow.
 FACTOR = 2.0
+
+
+def compute_times(gen: Generation | None, record_of: Callable[[str], NodeRecord | None]) -> dict[str, float]:
+    """What the watch is fed: the compute time of each node of the running generation ``gen`` that runs
+    it and reported one. A replacement's survivor that still recovers its workers runs the last
+    generation (its record says so, with the time it had before the fault): not counted until it runs
+    this one."""
+    if gen is None or gen.status is not GenerationStatus.RUNNING:
+        return {}
+    times = {}
+    for node in gen.assignment:
+        record = record_of(node)
+        if record is None or record.state is not NodeState.RUNNING or record.generation != gen.number:
+            continue
+        if record.compute_s > 0:
+            times[node] = record.compute_s
+    return times
 
 
 class StragglerWatch:

@@ -164,7 +164,7 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     etcd = EtcdCluster(tmp_path, uuid.uuid4().hex, size=1).start()
     member = etcd.members[0]
     backs: list[tuple[float, int]] = []
-    pauses: list[float] = []
+    pauses: list[tuple[float, LeaseState]] = []  # each wait of the keeper, with its state then
 
     async def scenario() -> tuple[str | None, LeaseState, list[LeaseState]]:
         store = keepalive_store(Store(parse_endpoints(etcd.endpoints)))
@@ -173,7 +173,7 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
             lease = await store.grant_lease(2)
 
             def sleep(seconds: float) -> Awaitable[bool]:
-                pauses.append(seconds)
+                pauses.append((seconds, keeper.state))
                 return wait_event(stop, seconds)
 
             keeper = LeaseKeeper(
@@ -212,9 +212,11 @@ def test_the_lease_is_kept_through_an_outage_and_lost_only_on_etcds_word(tmp_pat
     # Renewed every TTL/3, but a random part of it first, and again once etcd answered after the outage
     # (draw 0.5: half of it), so that leases taken or answered together renew apart.
     third = 2 / 3
-    drawn = [i for i, p in enumerate(pauses) if p == pytest.approx(third / 2)]
+    drawn = [i for i, (p, _) in enumerate(pauses) if p == pytest.approx(third / 2)]
     assert len(drawn) == 2 and drawn[0] == 0, pauses
-    assert all(p == pytest.approx(third) for i, p in enumerate(pauses) if i not in drawn), pauses
+    assert pauses[drawn[1] - 1][1] is LeaseState.UNREACHABLE, f"drawn again right after the outage: {pauses}"
+    assert all(state is LeaseState.HELD for i, (_, state) in enumerate(pauses) if i in drawn), pauses
+    assert all(p == pytest.approx(third) for i, (p, _) in enumerate(pauses) if i not in drawn), pauses
 
 
 def test_a_cut_off_node_is_fenced_and_its_workers_killed_without_a_sigterm(cluster: Cluster) -> None:

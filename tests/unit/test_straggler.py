@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from rlaunch.controller.planner import plan
-from rlaunch.detectors.straggler import FACTOR, StragglerWatch
-from rlaunch.store.records import NodeState
+from rlaunch.detectors.straggler import FACTOR, StragglerWatch, compute_times
+from rlaunch.store.records import GenerationStatus, NodeState
 from tests.unit.test_planner import CFG, NOW, gen, rec, view
 from tests.unit.test_planner_replace import rt
 
@@ -48,3 +48,20 @@ def test_the_planner_moves_a_straggler_to_a_ready_standby_live() -> None:
     both = dataclasses.replace(v, stragglers=frozenset({"b"}), drains=frozenset({"a"}))
     new, reason = plan(NOW, both, CFG)
     assert new is not None and new.leavers == ["a"], "a requested drain goes first"
+
+
+def test_the_watch_is_fed_the_nodes_running_this_generation_only() -> None:
+    """A replacement's survivor recovering its workers still says running at the last generation, with
+    the compute time it had before the fault: it is not counted until it runs this one."""
+    g2 = gen(2, {"a": 0, "b": 1, "c": 2, "d": 3})
+    records = {
+        "a": dataclasses.replace(rec("a", NodeState.RUNNING, generation=2), compute_s=0.1),
+        "b": dataclasses.replace(rec("b", NodeState.RUNNING, generation=1), compute_s=0.9),  # recovering
+        "c": dataclasses.replace(rec("c", NodeState.RESTARTING, generation=2), compute_s=0.1),  # joining
+        "d": rec("d", NodeState.RUNNING, generation=2),  # no compute time reported yet
+    }
+    assert compute_times(g2, records.get) == {"a": 0.1}
+    records["b"] = dataclasses.replace(records["b"], generation=2)
+    assert compute_times(g2, records.get) == {"a": 0.1, "b": 0.9}
+    assert compute_times(dataclasses.replace(g2, status=GenerationStatus.WAITING), records.get) == {}
+    assert compute_times(None, records.get) == {}
