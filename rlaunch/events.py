@@ -11,7 +11,7 @@ request with the events pending when it is sent, unless a request of events is i
 request, not two (at a fault, every node of the job writes them at once). An event that the node
 record soon follows by design (a survivor's offer of a replacement, its workers' ``recovered``:
 the record says ``running`` once they all did) may wait for it, a bounded time
-(:meth:`EventLog.emit_with_record`), so that the whole move costs the node one request.
+(:meth:`EventLog.emit_with_record`), rather than cost a request of its own.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Each :class:`SimNode` is what an agent does with a generation, many of them in one process on a
 few shared etcd channels:
 
-- it holds a lease, renewed every third of its TTL (the first time at a random part of it, as an
-  agent), and a node record attached to it;
+- it holds a lease, renewed every third of its TTL (its first wait a random part of it, as an
+  agent's), and a node record attached to it;
 - it follows the job with the agent's own :class:`~rlaunch.agent.generations.GenerationWatch` (the
   generation's head and the leader key; node records while it holds no ranks), which rebuilds
   each generation's rank map from the one held, or reads it whole, as an agent does;

@@ -19,10 +19,11 @@ States of a kept lease (:class:`LeaseState`):
 - ``UNREACHABLE`` → ``HELD`` when a keepalive is answered again; → ``LOST`` likewise.
 - ``LOST`` is final.
 
-A held lease is renewed every TTL/3, but the first wait (after the lease is taken, and again after
-etcd came back) is a random part of it (:func:`first_pause`): agents that a scheduler started
-together, or that etcd answered together when it came back, would otherwise renew together for as
-long as the job runs, N keepalives in one burst every TTL/3, which a plan written then waits behind.
+A held lease is renewed every TTL/3, but the first wait (after the renewal at the keeper's start,
+and after the one etcd answered when it came back) is a random part of it (:func:`first_pause`):
+agents that a scheduler started together, or that etcd answered together when it came back, would
+otherwise renew together for as long as the job runs, N keepalives in one burst every TTL/3, which a
+plan written then waits behind.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Renewal:
 
 
 def first_pause(ttl: float, draw: Callable[[], float] = random.random) -> float:
-    """Seconds to a held lease's first renewal: a part of TTL/3 that ``draw()`` (in [0, 1)) picks, never
-    0 (the renewals of leases taken together then fall anywhere in the period, and stay apart)."""
+    """Seconds from a held lease's first renewal to its second: a part of TTL/3 that ``draw()`` (in [0, 1))
+    picks, never 0 (the renewals of leases taken together then fall anywhere in the period, and stay apart)."""
     return ttl / 3 * (1.0 - draw())
 
 
@@ -92,8 +93,8 @@ def judge(state: LeaseState, renewal: Renewal) -> LeaseState:
 
 
 class LeaseKeeper:
-    """Renews one lease every TTL/3 (the first time sooner: :func:`first_pause`) until it is lost or
-    ``sleep`` says stop.
+    """Renews one lease at once, then every TTL/3 (the first wait, and the first after an outage, shorter:
+    :func:`first_pause`) until it is lost or ``sleep`` says stop.
 
     ``store`` should be the keeper's own client (see :func:`keepalive_store`): a channel shared
     with watches and the controller is closed and reopened by their failures, and a keepalive in

@@ -369,7 +369,7 @@ def _replace(p: _Plan, gen: Generation, obs: Look) -> None:
     p.set(state=AgentState.SETTLING)
     fields = {"role": "survivor", "leavers": gen.leavers, "joiners": gen.joiners}
     # Nothing is published until its workers recovered: then its record says running at this generation
-    # (the offer and their reports go with it, one request). Meanwhile the record it has, running at the
+    # (the offer and their reports wait to go with it). Meanwhile the record it has, running at the
     # last generation, tells the controller what restarting here would: this node has not settled.
     p.do(Offer(gen, "survivor"), Emit("replacement_offered", gen.number, fields, with_record=True))
 
