@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
+import psutil
+
 TORCHRUN = "torch.distributed.run"
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
+RUN_TIMEOUT_S = 300  # a run takes 5-30 s; one that is still going is stuck
 
 
 def aborted_in_torch_teardown(stderr: str) -> bool:
@@ -37,12 +41,42 @@ def run_2_ranks(
     is never run again), each after ``fresh()`` (clear what the previous run wrote)."""
     for _ in range(attempts):
         fresh()
-        res = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
+        res = run_or_show_stacks(list(argv))
         if res.returncode == 0 or not aborted_in_torch_teardown(res.stderr):
             break
     return res
+
+
+def run_or_show_stacks(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (1 thread per rank) to its end; one still running after :data:`RUN_TIMEOUT_S` fails
+    the test with every process's Python stacks (py-spy's, the launcher's and its ranks' and loader
+    workers', which torchrun starts in sessions of their own), and all of them are killed."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        stacks = "\n".join(stack_of(p.pid) for p in tree)
+        for p in tree:
+            p.kill()
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(argv)} was still running after {RUN_TIMEOUT_S} s. Its processes' stacks:\n{stacks}\n"
+            f"Its output's end:\n{out[-3000:]}\n{err[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def stack_of(pid: int) -> str:
+    """One process's stacks, every thread's, Python and native frames, as py-spy dumps them."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        dump = [spy, "dump", "--native", "--pid", str(pid)]
+        return subprocess.run(dump, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"process {pid}: no stacks ({exc})"
 
 
 def launch(

@@ -11,7 +11,7 @@ import pytest
 
 from rlaunch.errors import PlanError, StoreError, StoreUnavailableError
 from rlaunch.events import EVENTS_PER_REQUEST, EventLog
-from rlaunch.store import generations
+from rlaunch.store import client, generations
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
 from rlaunch.store.keys import JobKeys
@@ -200,7 +200,7 @@ def test_losing_the_etcd_member_raises_a_store_error(tmp_path) -> None:  # type:
         server.stop()
 
 
-def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> None:
+def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three ways aetcd crosses a client's watches, against a real etcd held by SIGSTOP so that a
     creation's answer comes late (see rlaunch.store.watches):
 
@@ -210,7 +210,12 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time() -> N
        take it (it would follow the other key);
     3. a creation queued behind one that aetcd's own timeout ended (here 1 s, the store's 1.4 s)
        must not be sent on that stream, where the late answer still comes.
+
+    gRPC's keepalive ping is given a minute here: on a loaded machine a ping sent while etcd is held
+    gave up first ("Stream removed (ping timeout)"), ending the stream before the creation timeout
+    the cases are about.
     """
+    monkeypatch.setitem(client.CHANNEL_OPTIONS, "grpc.keepalive_timeout_ms", 60_000)
     server = EmbeddedEtcd().start()
     p = prefix()
     start = 0  # every watch starts from the revision read first: none misses a put made before it was set up
