@@ -41,6 +41,7 @@ from prometheus_client import Histogram  # noqa: E402
 
 from rlaunch.addresses import host_port
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
+from rlaunch.store.keepalive import KeepAliveStream  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
 from rlaunch.store.watches import WatchStream, WatchStreams  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
@@ -156,6 +157,8 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self._closed = False  # a closed client never connects again (its channel would never be closed)
         #: this client's watch streams (see rlaunch.store.watches; aetcd's own watch methods are not used)
         self.watches = WatchStreams(self._new_stream)
+        #: per lease, the stream its renewals go on (see rlaunch.store.keepalive)
+        self._keepalives: dict[int, KeepAliveStream] = {}
 
     async def connect(self) -> None:
         # aetcd's connect(), with the channel made secure when asked and auth errors translated.
@@ -206,10 +209,30 @@ class _Client(aetcd.Client):  # type: ignore[misc]
 
     async def close(self) -> None:
         self._closed = True
+        for stream in self._keepalives.values():
+            stream.end()
         try:
             await self.watches.close()
         finally:
             await super().close()
+
+    async def renew_lease(self, lease_id: int) -> int:
+        """Renew a lease on its keepalive stream (opened now if it has none open on this channel);
+        its remaining TTL."""
+        await self.connect()
+        stream = self._keepalives.get(lease_id)
+        if stream is None or stream.ended or stream.channel is not self.channel:
+            if stream is not None:
+                stream.end()
+            stream = KeepAliveStream(self.leasestub, self.channel, lease_id, self.metadata, self._timeout)
+            self._keepalives[lease_id] = stream
+        return await stream.renew()
+
+    def forget_lease(self, lease_id: int) -> None:
+        """End the lease's keepalive stream, if it has one (the lease is being revoked)."""
+        stream = self._keepalives.pop(lease_id, None)
+        if stream is not None:
+            stream.end()
 
     def _new_stream(self, on_end: Callable[[WatchStream], None]) -> WatchStream:
         """A watch stream on this client's channel (opened at its first watch)."""
@@ -628,11 +651,13 @@ class Store:
         return int(lease.id)
 
     async def refresh_lease(self, lease_id: int) -> int:
-        """Keep a lease alive; return its remaining TTL (0 or less: it has expired)."""
-        reply = await self._call(lambda c: c.refresh_lease(lease_id))
-        return int(reply.TTL) if reply is not None else 0
+        """Keep a lease alive; return its remaining TTL (0 or less: it has expired). A lease's renewals
+        go on one stream of their own (see rlaunch.store.keepalive)."""
+        return await self._call(lambda c: c.renew_lease(lease_id))
 
     async def revoke_lease(self, lease_id: int) -> None:
+        for client in self._clients.values():
+            client.forget_lease(lease_id)
         await self._call(lambda c: c.revoke_lease(lease_id))
 
     async def lease_ttl(self, lease_id: int) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 import aetcd
 import aetcd.exceptions
@@ -43,7 +43,7 @@ import aetcd.watcher
 log = logging.getLogger(__name__)
 
 
-def _raise_translated(exc: BaseException) -> None:
+def raise_translated(exc: BaseException) -> NoReturn:
     """Raise ``exc`` as aetcd's client methods do: a gRPC error as its :class:`aetcd.exceptions.ClientError`."""
     if isinstance(exc, aetcd.rpc.AioRpcError):
         aetcd.exceptions._handle_exception(exc)
@@ -108,7 +108,7 @@ class BoundWatch:
             if item is None:
                 return
             if isinstance(item, BaseException):
-                _raise_translated(item)
+                raise_translated(item)
             yield item
 
     def close(self) -> asyncio.Future[None]:
@@ -168,7 +168,7 @@ class WatchStreams:
             stream, watch_id = await asyncio.wait_for(asyncio.shield(creating), timeout)
         except BaseException as exc:
             creating.add_done_callback(self._unwanted)
-            _raise_translated(exc)
+            raise_translated(exc)
         return BoundWatch(self, stream, watch_id, queue)
 
     async def _create(

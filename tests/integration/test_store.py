@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -135,6 +136,54 @@ def test_lease_expiry_deletes_attached_keys(endpoint: str) -> None:
         assert await store.refresh_lease(lease) <= 0
 
     run_store(endpoint, go)
+
+
+def keepalive_counts(endpoint: str) -> tuple[float, float]:
+    """``(streams started, messages received)`` of etcd's LeaseKeepAlive, from its own counters."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    counts = {"grpc_server_started_total": 0.0, "grpc_server_msg_received_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in counts and 'grpc_method="LeaseKeepAlive"' in line:
+            counts[name] += float(line.rsplit(" ", 1)[1])
+    return counts["grpc_server_started_total"], counts["grpc_server_msg_received_total"]
+
+
+def test_a_leases_renewals_go_on_one_stream_and_a_new_one_after_etcd_did_not_answer() -> None:
+    """Renewals reuse the lease's keepalive stream (etcd counts one stream started and a message per
+    renewal); a renewal against a SIGSTOPped etcd times out and ends that stream, and the next
+    renewal, once etcd answers again, opens a fresh one and is answered (not by a late answer)."""
+    server = EmbeddedEtcd().start()
+
+    def held(on: bool) -> None:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+
+    async def go(store: Store) -> None:
+        lease = await store.grant_lease(30)
+        started, messages = keepalive_counts(server.endpoint)
+        for _ in range(5):
+            assert await store.refresh_lease(lease) > 0
+        after = keepalive_counts(server.endpoint)
+        assert after == (started + 1, messages + 5), (started, messages, after)
+        held(True)
+        try:
+            with pytest.raises(StoreUnavailableError):
+                await store.refresh_lease(lease)
+        finally:
+            held(False)
+        assert await store.refresh_lease(lease) > 0
+        assert await store.refresh_lease(lease) > 0
+        again = keepalive_counts(server.endpoint)
+        assert again[0] == after[0] + 1, "the renewals after the held one go on one new stream"
+        await store.revoke_lease(lease)
+        assert await store.refresh_lease(lease) <= 0
+
+    try:
+        run_store(server.endpoint, go, timeout=1.0)
+    finally:
+        held(False)
+        server.stop()
 
 
 def test_watch_resumes_from_a_revision(endpoint: str) -> None:
