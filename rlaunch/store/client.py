@@ -41,7 +41,7 @@ from prometheus_client import Histogram  # noqa: E402
 
 from rlaunch.addresses import host_port
 from rlaunch.errors import StoreAccessError, StoreError, StoreUnavailableError, UsageError  # noqa: E402
-from rlaunch.store.keepalive import KeepAliveStream  # noqa: E402
+from rlaunch.store.keepalive import KeepAliveStream, StreamEnded  # noqa: E402
 from rlaunch.store.security import EtcdSecurity  # noqa: E402
 from rlaunch.store.watches import WatchStream, WatchStreams  # noqa: E402
 from rlaunch.waiting import wait_event  # noqa: E402
@@ -217,16 +217,20 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             await super().close()
 
     async def renew_lease(self, lease_id: int) -> int:
-        """Renew a lease on its keepalive stream (opened now if it has none open on this channel);
-        its remaining TTL."""
+        """Renew a lease on its keepalive stream (a new one if it has none open); its remaining TTL."""
         await self.connect()
-        stream = self._keepalives.get(lease_id)
-        if stream is None or stream.ended or stream.channel is not self.channel:
-            if stream is not None:
-                stream.end()
-            stream = KeepAliveStream(self.leasestub, self.channel, lease_id, self.metadata, self._timeout)
-            self._keepalives[lease_id] = stream
-        return await stream.renew()
+        for _ in range(2):  # a stream found ended (after the check below) is replaced once
+            stream = self._keepalives.get(lease_id)
+            if stream is None or stream.ended or stream.channel is not self.channel:
+                if stream is not None:
+                    stream.end()
+                stream = KeepAliveStream(self.leasestub, self.channel, lease_id, self.metadata, self._timeout)
+                self._keepalives[lease_id] = stream
+            try:
+                return await stream.renew()
+            except StreamEnded:
+                continue
+        raise aetcd.exceptions.ConnectionFailedError("the lease's keepalive streams ended as they were opened")
 
     def forget_lease(self, lease_id: int) -> None:
         """End the lease's keepalive stream, if it has one (the lease is being revoked)."""
@@ -653,7 +657,14 @@ class Store:
     async def refresh_lease(self, lease_id: int) -> int:
         """Keep a lease alive; return its remaining TTL (0 or less: it has expired). A lease's renewals
         go on one stream of their own (see rlaunch.store.keepalive)."""
-        return await self._call(lambda c: c.renew_lease(lease_id))
+        return await self._call(lambda c: self._renew_on(c, lease_id))
+
+    async def _renew_on(self, client: _Client, lease_id: int) -> int:
+        """Renew through ``client`` (the current endpoint's); the lease's streams to other endpoints end."""
+        for other in self._clients.values():
+            if other is not client:
+                other.forget_lease(lease_id)
+        return await client.renew_lease(lease_id)
 
     async def revoke_lease(self, lease_id: int) -> None:
         for client in self._clients.values():

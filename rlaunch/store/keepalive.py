@@ -7,9 +7,10 @@ the plan's delivery). Here a lease's renewals go on one stream, opened at its fi
 kept while it answers: a renewal is one request written and its answer read.
 
 Renewals of one stream take turns (a lock), and a renewal that fails or is given up on (its
-timeout, a cancel) cancels its stream: its answer may still come, and no later renewal may take it
-for its own. So does an answer that the lease is gone or expiring (TTL 0). The next renewal opens
-a new stream, on the client's channel of the time.
+timeout, a cancel) ends its stream: its answer may still come, and no later renewal may take it
+for its own. So does an answer that the lease is gone or expiring (TTL 0), and so has a stream
+that gRPC finished meanwhile (etcd restarted, the connection broke). The next renewal opens a new
+stream, on the client's channel of the time.
 """
 
 from __future__ import annotations
@@ -24,32 +25,47 @@ import grpc
 from rlaunch.store.watches import raise_translated
 
 
+class StreamEnded(Exception):
+    """The stream had ended before this renewal sent anything: renew on a new one."""
+
+
 class KeepAliveStream:
     """One open LeaseKeepAlive stream of one lease, on ``channel`` (the one ``stub`` calls on)."""
 
     def __init__(self, stub: Any, channel: Any, lease_id: int, metadata: Any, timeout: float) -> None:
-        self.channel = channel  # the one ``stub`` calls on: a client that reconnected has another
+        self.channel = channel
         self.lease_id = lease_id
         self._call = stub.LeaseKeepAlive(metadata=metadata)  # no deadline: the stream lives on
         self._timeout = timeout
         self._turn = asyncio.Lock()
-        self.ended = False
+        self._ended = False
+
+    @property
+    def ended(self) -> bool:
+        """Ended here, or finished by gRPC (etcd or the connection ended it)."""
+        return self._ended or self._call.done()
 
     async def renew(self) -> int:
         """Renew the lease once; its remaining TTL as etcd answers it (0: etcd knows no such lease).
 
-        Raises aetcd's :class:`~aetcd.exceptions.ClientError` when the stream fails or ended, and
-        :class:`asyncio.TimeoutError` when no answer came within the timeout; either ends the stream.
+        Raises :class:`StreamEnded` when the stream had ended before; aetcd's
+        :class:`~aetcd.exceptions.ClientError` when it fails now (a gRPC failure that is no status,
+        as a write on a call gRPC just finished, as ``ConnectionFailedError``); and
+        :class:`asyncio.TimeoutError` when no answer came within the timeout. Each ends the stream.
         """
         async with self._turn:
             if self.ended:
-                raise aetcd.exceptions.ConnectionFailedError("the lease's keepalive stream has ended")
+                self.end()
+                raise StreamEnded
             try:
                 await self._call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id))
                 reply = await asyncio.wait_for(self._call.read(), self._timeout)
-            except BaseException as exc:
+            except (aetcd.rpc.AioRpcError, asyncio.CancelledError, asyncio.TimeoutError) as exc:
                 self.end()
                 raise_translated(exc)
+            except Exception as exc:  # noqa: BLE001 - gRPC's own state errors: the stream is gone
+                self.end()
+                raise aetcd.exceptions.ConnectionFailedError(f"the lease's keepalive stream failed: {exc!r}") from exc
             if reply is grpc.aio.EOF:
                 self.end()
                 raise aetcd.exceptions.ConnectionFailedError("etcd ended the lease's keepalive stream")
@@ -58,7 +74,7 @@ class KeepAliveStream:
             return int(reply.TTL)
 
     def end(self) -> None:
-        """Cancel the stream (once); a renewal after fails at once."""
-        if not self.ended:
-            self.ended = True
+        """Cancel the stream (once); a renewal after it raises :class:`StreamEnded`."""
+        if not self._ended:
+            self._ended = True
             self._call.cancel()

@@ -7,6 +7,7 @@ import signal
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -138,6 +139,27 @@ def test_lease_expiry_deletes_attached_keys(endpoint: str) -> None:
     run_store(endpoint, go)
 
 
+def hold(server: EmbeddedEtcd, on: bool) -> None:
+    """SIGSTOP (``on``) or SIGCONT the test's etcd. A stop returns once every thread of etcd is stopped:
+    the signal's delivery is not instant, and a request sent just after it was answered (in 0.5 ms)."""
+    if server.proc is None:
+        return
+    server.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+    tasks = Path(f"/proc/{server.proc.pid}/task")
+    deadline = time.monotonic() + 5
+    while on and not all(stopped(t) for t in tasks.iterdir()):
+        assert time.monotonic() < deadline, "etcd did not stop within 5 s of its SIGSTOP"
+        time.sleep(0.001)
+
+
+def stopped(task: Path) -> bool:
+    """Whether a thread is stopped (state ``T``; one that is gone counts as stopped)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return True
+
+
 def keepalive_counts(endpoint: str) -> tuple[float, float]:
     """``(streams started, messages received)`` of etcd's LeaseKeepAlive, from its own counters."""
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
@@ -149,17 +171,30 @@ def keepalive_counts(endpoint: str) -> tuple[float, float]:
     return counts["grpc_server_started_total"], counts["grpc_server_msg_received_total"]
 
 
+async def renewed(store: Store, lease: int, within_s: float = 10.0) -> int:
+    """The lease's remaining TTL from the first renewal etcd answers within ``within_s``; a renewal
+    may fail meanwhile only as etcd being unreachable (any other error fails the test)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await store.refresh_lease(lease)
+        except StoreUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 def test_a_leases_renewals_go_on_one_stream_and_a_new_one_after_etcd_did_not_answer() -> None:
     """Renewals reuse the lease's keepalive stream (etcd counts one stream started and a message per
-    renewal); a renewal against a SIGSTOPped etcd times out and ends that stream, and the next
-    renewal, once etcd answers again, opens a fresh one and is answered (not by a late answer)."""
+    renewal); a renewal against a SIGSTOPped etcd fails as etcd unreachable and ends that stream, and
+    the renewals once etcd answers again go on one fresh stream."""
     server = EmbeddedEtcd().start()
 
     def held(on: bool) -> None:
-        if server.proc is not None:
-            server.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+        hold(server, on)
 
     async def go(store: Store) -> None:
+        await store.connect(20)
         lease = await store.grant_lease(30)
         started, messages = keepalive_counts(server.endpoint)
         for _ in range(5):
@@ -172,10 +207,11 @@ def test_a_leases_renewals_go_on_one_stream_and_a_new_one_after_etcd_did_not_ans
                 await store.refresh_lease(lease)
         finally:
             held(False)
+        assert await renewed(store, lease) > 0
+        fresh = keepalive_counts(server.endpoint)
+        assert fresh[0] > after[0], "the held stream was ended: renewals after it go on a new one"
         assert await store.refresh_lease(lease) > 0
-        assert await store.refresh_lease(lease) > 0
-        again = keepalive_counts(server.endpoint)
-        assert again[0] == after[0] + 1, "the renewals after the held one go on one new stream"
+        assert keepalive_counts(server.endpoint)[0] == fresh[0], "a renewal after it reuses that stream"
         await store.revoke_lease(lease)
         assert await store.refresh_lease(lease) <= 0
 
@@ -184,6 +220,32 @@ def test_a_leases_renewals_go_on_one_stream_and_a_new_one_after_etcd_did_not_ans
     finally:
         held(False)
         server.stop()
+
+
+def test_a_lease_is_renewed_again_after_etcd_restarted_under_its_keepalive_stream(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """etcd SIGKILLed and restarted (same port, same data) ends the open keepalive stream under the
+    client; the renewals after fail only as etcd unreachable, until one is answered: the lease is
+    still held (a stream gRPC had finished was written to once, and its error was no StoreError)."""
+    data = str(tmp_path / "data")
+    server = EmbeddedEtcd(data_dir=data).start()
+    servers = [server]
+
+    async def go(store: Store) -> None:
+        await store.connect(20)
+        lease = await store.grant_lease(30)
+        assert await store.refresh_lease(lease) > 0
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+        await asyncio.sleep(0.5)  # gRPC sees the connection go and finishes the stream
+        servers.append(EmbeddedEtcd(port=server.port, data_dir=data).start())
+        assert await renewed(store, lease, within_s=20.0) > 0
+
+    try:
+        run_store(server.endpoint, go, timeout=1.0)
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def test_watch_resumes_from_a_revision(endpoint: str) -> None:
@@ -281,8 +343,7 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
         return False
 
     def held(on: bool) -> None:
-        if server.proc is not None:
-            server.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+        hold(server, on)
 
     async def go(store: Store) -> None:
         nonlocal start
@@ -441,15 +502,14 @@ def test_closing_the_store_ends_watch_creations_under_way_with_a_store_error() -
             async for _ in store.watch_prefix(p + key, exact=True):
                 pass
 
-        assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
+        hold(server, True)
         try:
             waiting = [asyncio.create_task(follow(k)) for k in ("x", "y")]
             await asyncio.sleep(0.5)
             await store.close()
             ended = await asyncio.gather(*waiting, return_exceptions=True)
         finally:
-            server.proc.send_signal(signal.SIGCONT)
+            hold(server, False)
         assert all(isinstance(e, StoreError) and "was closed" in str(e) for e in ended), ended
         # a request after the close fails the same way, and opens no connection
         with pytest.raises(StoreError, match="was closed; nothing more is sent"):
