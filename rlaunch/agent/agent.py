@@ -184,6 +184,8 @@ class Agent:
                 loop.create_task(controller.run(self._stop, self._ctl_wake)),
                 loop.create_task(progress.run(lambda: self.node.worker_gen, self._stop)),
             ]
+            for task in tasks:
+                task.add_done_callback(self._background_ended)
             return await self._loop()
         finally:
             self._stop.set()
@@ -205,6 +207,17 @@ class Agent:
             await self.control.close()
             self._probe_server.close()
             await self.store.close()
+
+    def _background_ended(self, task: asyncio.Task[Any]) -> None:
+        """Say at once, with its traceback, when a background task ends by an error: each handles the
+        errors it expects, so this is a bug, and what the task did (renewing the lease, watching the
+        generations...) has stopped."""
+        if not task.cancelled() and task.exception() is not None:
+            name = getattr(task.get_coro(), "__qualname__", task.get_name())
+            log.error(
+                "[%s] the agent's background task %s ended by an error; what it did has stopped (a bug in "
+                "rlaunch: please report it)", self.node_id, name, exc_info=task.exception(),
+            )  # fmt: skip
 
     def _on_signal(self, sig: int) -> None:
         self._signal = sig
