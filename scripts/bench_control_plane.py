@@ -62,6 +62,8 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
   third of its TTL (``lease_ttl_s``), so N nodes send N / (TTL / 3) keepalives per second.
+  ``steady_cpu_per_s``: CPU seconds per second over the same window of etcd, the controller and the
+  simulated nodes' process (their lease renewals, mostly).
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
@@ -378,7 +380,9 @@ async def simulated(
         form_s = max(node.acted[1] for node in nodes if 1 in node.acted) - began
         await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
         # two renewal periods: the nodes joined within seconds, so their keepalives come in waves
+        quiet = cpu_seconds(pids)
         rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, 2 * SIM_TTL / 3)
+        steady_cpu = {k: round((v - quiet[k]) / (2 * SIM_TTL / 3), 3) for k, v in cpu_seconds(pids).items()}
         for r in range(2 * repeats):
             deferred = r >= repeats
             runs["deferred" if deferred else "inline"].append(await fault(r, deferred))
@@ -438,7 +442,7 @@ async def simulated(
             **{mode: {k: summary(v) for k, v in shared[mode].items()} for mode in ("receipt", "writes")},
         },
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
-        "steady_methods": methods, "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
+        "steady_methods": methods, "steady_cpu_per_s": steady_cpu, "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
     }  # fmt: skip
     await main.delete_prefix(keys.prefix)
     for store in (main, *channels):
