@@ -69,8 +69,10 @@ class LinkState:
     left: set[int] = dataclasses.field(default_factory=set)
     joined: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
-    #: when a local worker last reported a failed collective (wall clock, for the node record)
+    #: when a local worker last reported a failed collective (wall clock, for the node record), and
+    #: the generation the workers ran then (see rlaunch.detectors.liveness.loss_to_report)
     peer_lost_at: float = 0.0
+    peer_lost_gen: int = 0
     #: each local worker's median compute time per step (from its heartbeats)
     compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
     #: why a survivor refused a live replacement ("" if none did): no replica held a replaced rank's state
@@ -232,6 +234,7 @@ class WorkerLink:
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.peer_lost_at = time.time()
+        self.state.peer_lost_gen = self.generation.number if self.generation else 0
         self._wake()
         self._emit("recovering", self.generation.number if self.generation else 0, local_rank=req["local_rank"],
                    step=req["step"])  # fmt: skip
