@@ -3,11 +3,13 @@ plain torchrun run of such a script sometimes ends with."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 
 import psutil
@@ -15,6 +17,7 @@ import psutil
 TORCHRUN = "torch.distributed.run"
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed rank
 RUN_TIMEOUT_S = 300  # a run takes 5-30 s; one that is still going is stuck
+MARK = "RLAUNCH_TEST_RUN"  # in the environment of every process of one run (see run_or_show_stacks)
 
 
 def aborted_in_torch_teardown(stderr: str) -> bool:
@@ -48,35 +51,64 @@ def run_2_ranks(
 
 
 def run_or_show_stacks(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` (1 thread per rank) to its end; one still running after :data:`RUN_TIMEOUT_S` fails
-    the test with every process's Python stacks (py-spy's, the launcher's and its ranks' and loader
-    workers', which torchrun starts in sessions of their own), and all of them are killed."""
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )  # fmt: skip
+    """Run ``argv`` (1 thread per rank) to its end. One still running after :data:`RUN_TIMEOUT_S` fails
+    the test with every process's stacks (the launcher's, its ranks', which torchrun starts in sessions
+    of their own, and their loader workers'). However the call ends (a test's own timeout included),
+    no process of the run is left: each carries :data:`MARK` in its environment and is found by it."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", MARK: token}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        stacks = "\n".join(stack_of(p.pid) for p in tree)
-        for p in tree:
-            p.kill()
-        out, err = proc.communicate()
+        stacks = stacks_of(marked(token))
+        kill(marked(token))
+        out, err = proc.communicate(timeout=30)
         raise AssertionError(
             f"{' '.join(argv)} was still running after {RUN_TIMEOUT_S} s. Its processes' stacks:\n{stacks}\n"
             f"Its output's end:\n{out[-3000:]}\n{err[-3000:]}"
         ) from None
+    finally:
+        kill(marked(token))
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def stack_of(pid: int) -> str:
-    """One process's stacks, every thread's, Python and native frames, as py-spy dumps them."""
+def marked(token: str) -> list[psutil.Process]:
+    """The processes whose environment has :data:`MARK` set to ``token`` (wherever they were reparented)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(MARK) == token:
+                found.append(p)
+    return found
+
+
+def kill(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):  # (it may have ended meanwhile)
+            p.kill()
+
+
+def stacks_of(procs: list[psutil.Process]) -> str:
+    """Each process's stacks, every thread's, Python and native frames, as py-spy dumps them (all at
+    once, 30 s at most); a dump that failed says why."""
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    try:
-        dump = [spy, "dump", "--native", "--pid", str(pid)]
-        return subprocess.run(dump, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"process {pid}: no stacks ({exc})"
+    dumps = []
+    for p in procs:
+        try:
+            cmd = [spy, "dump", "--native", "--pid", str(p.pid)]
+            dumps.append((p.pid, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        except OSError as exc:
+            return f"(no stacks: py-spy could not be run: {exc})"
+    parts = []
+    for pid, dump in dumps:
+        try:
+            text, _ = dump.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            dump.kill()
+            text = dump.communicate()[0] + "\n(py-spy did not finish within 30 s)"
+        parts.append(f"--- process {pid} (py-spy exit code {dump.returncode}):\n{text}")
+    return "\n".join(parts)
 
 
 def launch(

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 PLAN_WAIT_S = 30.0
 #: How long a worker's store read waits before it reads again after etcd broke off (see _value_when_set).
 KV_RETRY_S = 0.5
+#: A failed collective a local worker reports within this long of the node's last report, in the same
+#: generation, is the same loss: the node's record says it once (each local rank sees it within ms).
+SAME_LOSS_S = 1.0
 
 
 @dataclasses.dataclass
@@ -233,11 +236,14 @@ class WorkerLink:
         return {}
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.state.peer_lost_at = time.time()
-        self.state.peer_lost_gen = self.generation.number if self.generation else 0
-        self._wake()
-        self._emit("recovering", self.generation.number if self.generation else 0, local_rank=req["local_rank"],
-                   step=req["step"])  # fmt: skip
+        """A local worker saw a collective fail. The node reports the loss (its record's ``peer_lost_at``,
+        on which the controller probes) once for all its workers: each sees it within milliseconds,
+        and a report of each would be a record written per local rank. The event goes with the record."""
+        now, gen = time.time(), self.generation.number if self.generation else 0
+        if gen != self.state.peer_lost_gen or now - self.state.peer_lost_at >= SAME_LOSS_S:
+            self.state.peer_lost_at, self.state.peer_lost_gen = now, gen
+            self._wake()
+        self._emit_with_record("recovering", gen, local_rank=req["local_rank"], step=req["step"])
         return {}
 
     async def _recovered(self, req: dict[str, Any]) -> dict[str, Any]:

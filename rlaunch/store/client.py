@@ -219,7 +219,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
     async def renew_lease(self, lease_id: int) -> int:
         """Renew a lease on its keepalive stream (a new one if it has none open); its remaining TTL."""
         await self.connect()
-        for _ in range(2):  # a stream found ended (after the check below) is replaced once
+        for _ in range(2):  # a stream that ended while this renewal waited for its turn is replaced once
             stream = self._keepalives.get(lease_id)
             if stream is None or stream.ended or stream.channel is not self.channel:
                 if stream is not None:
@@ -227,10 +227,16 @@ class _Client(aetcd.Client):  # type: ignore[misc]
                 stream = KeepAliveStream(self.leasestub, self.channel, lease_id, self.metadata, self._timeout)
                 self._keepalives[lease_id] = stream
             try:
-                return await stream.renew()
+                remaining = await stream.renew()
             except StreamEnded:
                 continue
-        raise aetcd.exceptions.ConnectionFailedError("the lease's keepalive streams ended as they were opened")
+            if remaining <= 0:
+                self.forget_lease(lease_id)  # gone: its (ended) stream is not kept
+            return remaining
+        raise aetcd.exceptions.ConnectionFailedError(
+            f"the keepalive streams of lease {lease_id:x} at {host_port(self._host, self._port)} ended as each "
+            "was opened"
+        )
 
     def forget_lease(self, lease_id: int) -> None:
         """End the lease's keepalive stream, if it has one (the lease is being revoked)."""

@@ -49,8 +49,8 @@ class KeepAliveStream:
         """Renew the lease once; its remaining TTL as etcd answers it (0: etcd knows no such lease).
 
         Raises :class:`StreamEnded` when the stream had ended before; aetcd's
-        :class:`~aetcd.exceptions.ClientError` when it fails now (a gRPC failure that is no status,
-        as a write on a call gRPC just finished, as ``ConnectionFailedError``); and
+        :class:`~aetcd.exceptions.ClientError` when it fails now (a write or read on a call gRPC
+        just finished, which raises no status, as ``ConnectionFailedError``); and
         :class:`asyncio.TimeoutError` when no answer came within the timeout. Each ends the stream.
         """
         async with self._turn:
@@ -63,7 +63,7 @@ class KeepAliveStream:
             except (aetcd.rpc.AioRpcError, asyncio.CancelledError, asyncio.TimeoutError) as exc:
                 self.end()
                 raise_translated(exc)
-            except Exception as exc:  # noqa: BLE001 - gRPC's own state errors: the stream is gone
+            except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # gRPC's: the call is finished
                 self.end()
                 raise aetcd.exceptions.ConnectionFailedError(f"the lease's keepalive stream failed: {exc!r}") from exc
             if reply is grpc.aio.EOF:

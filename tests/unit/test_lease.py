@@ -6,6 +6,8 @@ import asyncio
 import logging
 import types
 
+import pytest
+
 from rlaunch.agent.agent import Agent
 from rlaunch.agent.lease import LeaseState, Renewal, first_pause, judge
 
@@ -44,7 +46,7 @@ def test_the_first_renewal_comes_at_a_random_part_of_a_third_of_the_ttl_never_at
     assert min(drawn) < 1.0 and max(drawn) > 9.0, "leases taken together renew anywhere in the period"
 
 
-def test_a_background_task_of_the_agent_that_ends_by_an_error_is_said_at_once(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_background_task_of_the_agent_that_ends_by_an_error_is_said_at_once(caplog: pytest.LogCaptureFixture) -> None:
     """A keeper whose store raised what it does not expect (before 74b3fd8 a finished keepalive stream
     raised InvalidStateError) ended its task silently: renewals stopped and nobody said so."""
 

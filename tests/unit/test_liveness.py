@@ -7,7 +7,10 @@ import asyncio
 
 import pytest
 
+from rlaunch.agent.worker_link import SAME_LOSS_S, WorkerLink
 from rlaunch.detectors.liveness import agent_gone, loss_to_report, serve
+from rlaunch.store.keys import JobKeys
+from tests.unit.test_planner import gen as gen_of
 
 
 @pytest.mark.parametrize("target", ["127.0.0.1", "::1"])
@@ -30,3 +33,29 @@ def test_a_record_reports_a_peer_loss_only_at_the_generation_it_was_seen_in_or_a
     assert loss_to_report(lost_at, 5, 4) == lost_at, "a loss its workers saw in a plan the record has not reached"
     assert loss_to_report(lost_at, 4, 5) == 0.0, "its record at the generation planned after the loss does not carry it"
     assert loss_to_report(0.0, 0, 0) == 0.0
+
+
+def test_a_nodes_workers_seeing_one_loss_report_it_once_and_a_later_one_again() -> None:
+    """Eight local ranks that see a collective fail within milliseconds make one report (one record
+    written), each its own event going with the record; a loss a second later is reported again, as is
+    one in the next generation."""
+    events: list[tuple[str, int]] = []
+    woken: list[float] = []
+    link = WorkerLink(None, JobKeys("j"), lambda: 0, lambda *a, **k: None, lambda: woken.append(0),  # type: ignore[arg-type]
+                      emit_with_record=lambda kind, gen, **_: events.append((kind, gen)))  # fmt: skip
+    link.generation = gen_of(4, {"a": 0, "b": 1})
+
+    async def report(n: int) -> None:
+        for local_rank in range(n):
+            await link._recovering({"local_rank": local_rank, "step": 40})
+
+    asyncio.run(report(8))
+    first = link.state.peer_lost_at
+    assert first > 0 and link.state.peer_lost_gen == 4 and len(woken) == 1
+    assert events == [("recovering", 4)] * 8
+    link.state.peer_lost_at -= SAME_LOSS_S  # as if the first came a second ago
+    asyncio.run(report(1))
+    assert link.state.peer_lost_at > first - SAME_LOSS_S and len(woken) == 2, "a later loss is reported again"
+    link.generation = gen_of(5, {"a": 0, "c": 1})
+    asyncio.run(report(1))
+    assert link.state.peer_lost_gen == 5 and len(woken) == 3, "a loss in the next generation is reported"
