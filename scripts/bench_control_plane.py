@@ -64,6 +64,9 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   third of its TTL (``lease_ttl_s``), so N nodes send N / (TTL / 3) keepalives per second.
   ``steady_cpu_per_s``: CPU seconds per second over the same window of etcd, the controller and the
   simulated nodes' process (their lease renewals, mostly).
+- ``survivors_report`` (``--survivor-reports``): at each fault whose writes are not held, every
+  simulated survivor's workers report the loss as the lease ends, as a real job's survivors do (a
+  record saying it, with their ``recovering`` event: one more request each); off, they do not.
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
@@ -289,9 +292,12 @@ async def simulated(
     node_profile: str,
     per_connection: int = 32,
     floor_procs: int = 4,
+    reports: bool = False,
 ) -> dict[str, Any]:
     """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
-    is lost, its ranks are replaced live, and a fresh node joins as the next standby. First, the
+    is lost, its ranks are replaced live, and a fresh node joins as the next standby (``reports``:
+    every survivor's workers report the loss as the lease ends, as a real job's do, in the runs that
+    do not hold the writes). First, the
     parts of the floor (see scripts/fanout.py), before anything else of this size runs."""
     spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
     alone = await one_node(endpoint, n, repeats)
@@ -328,6 +334,12 @@ async def simulated(
         if deferred:
             writes.clear()
         fault_at, fault_wall = time.monotonic(), time.time()
+        # Their collectives fail with the node, and the controller's probe ends its lease. (Not in the runs
+        # that hold the nodes' writes until all acted: a report made before the plan cannot wait for that.)
+        if reports and not deferred:
+            for x in live:
+                if x is not victim and x.node_id in gen.assignment:
+                    x.lose_peer(gen.number)
         await main.revoke_lease(lease)  # what the lease's expiry does
         live.remove(victim)
         run: dict[str, Any] = {}
@@ -442,7 +454,8 @@ async def simulated(
             **{mode: {k: summary(v) for k, v in shared[mode].items()} for mode in ("receipt", "writes")},
         },
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
-        "steady_methods": methods, "steady_cpu_per_s": steady_cpu, "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
+        "survivors_report": reports, "steady_methods": methods, "steady_cpu_per_s": steady_cpu,
+        "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
     }  # fmt: skip
     await main.delete_prefix(keys.prefix)
     for store in (main, *channels):
@@ -650,6 +663,8 @@ def main() -> None:
                         "connection (an agent has its own; 1 costs this process more per node)")  # fmt: skip
     parser.add_argument("--floor-procs", type=int, default=4, help="processes the floor's bare watchers are spread "
                         "over (see scripts/fanout.py)")  # fmt: skip
+    parser.add_argument("--survivor-reports", action="store_true", help="at each fault every simulated "
+                        "survivor reports the loss (a record, its recovering event), as a real job's do")  # fmt: skip
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
                         "fault windows to FILE.<N>")  # fmt: skip
@@ -673,7 +688,7 @@ def main() -> None:
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
                                                args.profile_nodes, args.nodes_per_connection,
-                                               args.floor_procs)))  # fmt: skip
+                                               args.floor_procs, args.survivor_reports)))  # fmt: skip
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             try:

@@ -18,9 +18,11 @@ few shared etcd channels:
   ``Offer`` hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
   ``Settled`` decision (record ``running``). A standby's sandbox is warm at once.
 
-Not simulated: worker processes and what they report beyond that (their hello is taken as
+A survivor's workers report a lost peer when the benchmark says so (``lose_peer``, with
+``--survivor-reports``): its record then says the loss, with their ``recovering`` event, as the
+agent's does. Not simulated: worker processes and what they report beyond that (their hello is taken as
 immediate, so a record says ``runtime`` from the first one after its workers start; no
-``recovering`` reports, heartbeats or metrics), the liveness probe, the GPU detector.
+heartbeats or metrics), the liveness probe, the GPU detector.
 
 Each node notes when it saw a generation (its watch took it), acted on it (handed it to its
 workers: ``Offer`` or ``StartWorkers``), published it (its first record at that generation was
@@ -41,6 +43,7 @@ from rlaunch.agent.generations import GenerationWatch
 from rlaunch.agent.lease import first_pause
 from rlaunch.agent.transitions import decide
 from rlaunch.controller.view import read_snapshot
+from rlaunch.detectors.liveness import loss_to_report
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
@@ -120,6 +123,7 @@ class SimNode:
         self.running = False  # whether its (simulated) workers run
         self.warm = 0
         self.settle: tuple[int, str] | None = None  # (generation, role) its workers recover or join in
+        self.lost: tuple[float, int] = (0.0, 0)  # its workers' last peer loss: (wall time, generation), as the link's
         self._unsent = False  # etcd has not taken self.record yet: sent again, as the agent does
         self.seen: dict[int, float] = {}  # generation number -> monotonic time
         self.acted: dict[int, float] = {}
@@ -140,7 +144,15 @@ class SimNode:
             node_id=self.node_id, host="sim", addr="127.0.0.1", pid=0, nproc=1, standby_only=False, state=state,
             generation=generation, restarts=0, master_port=29500, updated_at=time.time(),
             exit_codes=codes or {}, runtime=self.running, failure=failure[0], message=failure[1],
+            peer_lost_at=loss_to_report(*self.lost, generation),
         )  # fmt: skip
+
+    def lose_peer(self, generation: int) -> None:
+        """Its workers saw a collective fail (a peer is lost): reported in its record, with their
+        ``recovering`` event, as the agent's worker link and loop do."""
+        self.lost = (time.time(), generation)
+        self.events.emit_with_record("recovering", generation, local_rank=0, step=0)
+        self._wake.set()
 
     async def join(self) -> None:
         """Register under a fresh lease (the first nodes to join hold ranks, later ones stand by)."""
@@ -204,12 +216,22 @@ class SimNode:
                                                  local_rank=0)  # fmt: skip
                     await self._carry_out(decide(self.node, st.Settled()))
                 await self._look()
+                await self._report()
             except StoreError:
                 await asyncio.sleep(RETRY_S)
                 self._wake.set()
                 continue
             await self._wake.wait()
             self._wake.clear()
+
+    async def _report(self) -> None:
+        """Say a peer loss its workers saw in its record, after the look, as the agent's loop does."""
+        record = self.record
+        if record is not None and loss_to_report(*self.lost, record.generation) > record.peer_lost_at:
+            self.record = self.make(record.state, record.generation, dict(record.exit_codes),
+                                    (record.failure, record.message))  # fmt: skip
+            self._unsent = True
+            await self._send()  # the controller probes
 
     async def _look(self) -> None:
         gen = self.watch.generation
