@@ -43,7 +43,6 @@ from rlaunch.agent.generations import GenerationWatch
 from rlaunch.agent.lease import first_pause
 from rlaunch.agent.transitions import decide
 from rlaunch.controller.view import read_snapshot
-from rlaunch.detectors.liveness import loss_to_report
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
@@ -123,7 +122,7 @@ class SimNode:
         self.running = False  # whether its (simulated) workers run
         self.warm = 0
         self.settle: tuple[int, str] | None = None  # (generation, role) its workers recover or join in
-        self.lost: tuple[float, int] = (0.0, 0)  # its workers' last peer loss: (wall time, generation), as the link's
+        self.lost_at = 0.0  # when its workers last saw a peer lost (wall clock), as the link's
         self._unsent = False  # etcd has not taken self.record yet: sent again, as the agent does
         self.seen: dict[int, float] = {}  # generation number -> monotonic time
         self.acted: dict[int, float] = {}
@@ -144,13 +143,13 @@ class SimNode:
             node_id=self.node_id, host="sim", addr="127.0.0.1", pid=0, nproc=1, standby_only=False, state=state,
             generation=generation, restarts=0, master_port=29500, updated_at=time.time(),
             exit_codes=codes or {}, runtime=self.running, failure=failure[0], message=failure[1],
-            peer_lost_at=loss_to_report(*self.lost, generation),
+            peer_lost_at=self.lost_at,
         )  # fmt: skip
 
     def lose_peer(self, generation: int) -> None:
         """Its workers saw a collective fail (a peer is lost): reported in its record, with their
         ``recovering`` event, as the agent's worker link and loop do."""
-        self.lost = (time.time(), generation)
+        self.lost_at = time.time()
         self.events.emit_with_record("recovering", generation, local_rank=0, step=0)
         self._wake.set()
 
@@ -227,7 +226,7 @@ class SimNode:
     async def _report(self) -> None:
         """Say a peer loss its workers saw in its record, after the look, as the agent's loop does."""
         record = self.record
-        if record is not None and loss_to_report(*self.lost, record.generation) > record.peer_lost_at:
+        if record is not None and self.lost_at > record.peer_lost_at:
             self.record = self.make(record.state, record.generation, dict(record.exit_codes),
                                     (record.failure, record.message))  # fmt: skip
             self._unsent = True

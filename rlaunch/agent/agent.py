@@ -53,7 +53,7 @@ from rlaunch.controller.feed import NodeFeed
 from rlaunch.controller.planner import PlannerConfig
 from rlaunch.controller.view import read_snapshot
 from rlaunch.detectors.gpu import make_gpu_health, watch_gpus
-from rlaunch.detectors.liveness import loss_to_report, serve
+from rlaunch.detectors.liveness import serve
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Endpoint, Store
@@ -388,9 +388,7 @@ class Agent:
         if record is not None and record.runtime != uses_runtime and self.workers.running:
             await self.records.republish()
         record = self.records.record
-        if record is not None and loss_to_report(state.peer_lost_at, state.peer_lost_gen, record.generation) > (
-            record.peer_lost_at
-        ):
+        if record is not None and state.peer_lost_at > record.peer_lost_at:
             await self.records.republish()  # the controller probes
         if self.records.record is not None and self.records.compute_moved():
             self.records.compute_published()

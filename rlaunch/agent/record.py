@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from rlaunch.agent.config import LaunchConfig
 from rlaunch.agent.reach import Reach
 from rlaunch.agent.worker_link import WorkerLink
-from rlaunch.detectors.liveness import loss_to_report
 from rlaunch.errors import StoreError
 from rlaunch.store.client import Store
 from rlaunch.store.embedded import free_port
@@ -113,7 +112,7 @@ class RecordPublisher:
             failure=failure[0],
             message=failure[1],
             probe_port=self._probe_port,
-            peer_lost_at=loss_to_report(self._link.state.peer_lost_at, self._link.state.peer_lost_gen, generation),
+            peer_lost_at=self._link.state.peer_lost_at,
             compute_s=round(self.compute_s(), 6),
             live_moves=moves,
             moves_reason=moves_reason,

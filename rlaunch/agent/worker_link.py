@@ -72,9 +72,10 @@ class LinkState:
     left: set[int] = dataclasses.field(default_factory=set)
     joined: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
-    #: when a local worker last reported a failed collective (wall clock, for the node record), and
-    #: the generation the workers ran then (see rlaunch.detectors.liveness.loss_to_report)
+    #: when the node last reported a local worker's failed collective (wall clock, for the node record;
+    #: and monotonic), and the generation the workers ran then (see WorkerLink._recovering)
     peer_lost_at: float = 0.0
+    peer_lost_mono: float = 0.0
     peer_lost_gen: int = 0
     #: each local worker's median compute time per step (from its heartbeats)
     compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -239,9 +240,9 @@ class WorkerLink:
         """A local worker saw a collective fail. The node reports the loss (its record's ``peer_lost_at``,
         on which the controller probes) once for all its workers: each sees it within milliseconds,
         and a report of each would be a record written per local rank. The event goes with the record."""
-        now, gen = time.time(), self.generation.number if self.generation else 0
-        if gen != self.state.peer_lost_gen or now - self.state.peer_lost_at >= SAME_LOSS_S:
-            self.state.peer_lost_at, self.state.peer_lost_gen = now, gen
+        now, gen, state = time.monotonic(), self.generation.number if self.generation else 0, self.state
+        if gen != state.peer_lost_gen or now - state.peer_lost_mono >= SAME_LOSS_S:
+            state.peer_lost_at, state.peer_lost_mono, state.peer_lost_gen = time.time(), now, gen
             self._wake()
         self._emit_with_record("recovering", gen, local_rank=req["local_rank"], step=req["step"])
         return {}

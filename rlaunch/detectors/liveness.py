@@ -58,19 +58,6 @@ def _listener() -> socket.socket:
     return sock
 
 
-def loss_to_report(lost_at: float, lost_gen: int, generation: int) -> float:
-    """The peer loss a node record at ``generation`` reports (its ``peer_lost_at``; 0.0: none): the
-    workers' last (``lost_at``, seen while they ran generation ``lost_gen``), unless they saw it in an
-    older generation than the record's.
-
-    A survivor's record at the generation planned after the loss would otherwise carry the loss on,
-    and the controller, which probes every agent of the generation whenever the newest report is newer
-    than the last it probed for, would probe them all again at each tick while the survivors' records
-    came in (at 4,096 nodes, 4,095 connections a round).
-    """
-    return lost_at if lost_gen >= generation else 0.0
-
-
 class Answer(str, enum.Enum):
     """What one probe of an agent's port found."""
 
