@@ -392,9 +392,9 @@ async def simulated(
         form_s = max(node.acted[1] for node in nodes if 1 in node.acted) - began
         await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
         # two renewal periods: the nodes joined within seconds, so their keepalives come in waves
-        quiet = cpu_seconds(pids)
-        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, 2 * SIM_TTL / 3)
-        steady_cpu = {k: round((v - quiet[k]) / (2 * SIM_TTL / 3), 3) for k, v in cpu_seconds(pids).items()}
+        quiet_s, quiet = 2 * SIM_TTL / 3, cpu_seconds(pids)
+        rate, keepalives, methods = await asyncio.to_thread(steady_rates, endpoint, quiet_s)
+        steady_cpu = {k: round((v - quiet[k]) / quiet_s, 3) for k, v in cpu_seconds(pids).items()}
         for r in range(2 * repeats):
             deferred = r >= repeats
             runs["deferred" if deferred else "inline"].append(await fault(r, deferred))

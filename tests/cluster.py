@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -287,6 +288,21 @@ class Cluster:
         for agent in self.agents.values():
             agent.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def etcd_counters(endpoint: str, *metrics: str) -> dict[str, dict[str, float]]:
+    """etcd's own gRPC counters (``grpc_server_msg_received_total``...), each by method, from one read
+    of its Prometheus page."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    counts: dict[str, dict[str, float]] = {metric: {} for metric in metrics}
+    for line in text.splitlines():
+        metric = line.split("{", 1)[0]
+        if metric in counts and 'grpc_method="' in line:
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            counts[metric][method] = counts[metric].get(method, 0.0) + float(value)
+    return counts
 
 
 def run_store(endpoint: str, coro_fn: Callable[[Any], Any], security: Any = None, timeout: float = 5) -> Any:

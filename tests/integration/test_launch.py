@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cluster import SCRIPTS, TRAIN, Cluster, checksums, run_store, wait_for
+from tests.cluster import SCRIPTS, TRAIN, Cluster, checksums, etcd_counters, run_store, wait_for
 
 STEPS = ("--steps", "24")
 
@@ -152,16 +152,8 @@ def test_events_are_written_to_etcd(cluster: Cluster) -> None:
 
 def _etcd_requests(endpoint: str) -> dict[str, float]:
     """Requests etcd has handled, by gRPC method, from its own Prometheus counters."""
-    import urllib.request
-
-    counts: dict[str, float] = {}
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(("grpc_server_handled_total{", "grpc_server_msg_received_total{")):
-            labels, value = line.rsplit(" ", 1)
-            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
-            counts[method] = counts.get(method, 0.0) + float(value)
-    return counts
+    handled, received = etcd_counters(endpoint, "grpc_server_handled_total", "grpc_server_msg_received_total").values()
+    return {m: handled.get(m, 0.0) + received.get(m, 0.0) for m in handled.keys() | received.keys()}
 
 
 def test_steady_state_etcd_traffic_is_only_lease_keepalives(cluster: Cluster) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.embedded import EmbeddedEtcd, free_port
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Event, Generation, GenerationStatus, decode
-from tests.cluster import run_store
+from tests.cluster import etcd_counters, run_store
 from tests.etcd_cluster import EtcdCluster
 
 
@@ -162,14 +161,8 @@ def stopped(task: Path) -> bool:
 
 def keepalive_counts(endpoint: str) -> tuple[float, float]:
     """``(streams started, messages received)`` of etcd's LeaseKeepAlive, from its own counters."""
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    counts = {"grpc_server_started_total": 0.0, "grpc_server_msg_received_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in counts and 'grpc_method="LeaseKeepAlive"' in line:
-            counts[name] += float(line.rsplit(" ", 1)[1])
-    return counts["grpc_server_started_total"], counts["grpc_server_msg_received_total"]
+    started, received = etcd_counters(endpoint, "grpc_server_started_total", "grpc_server_msg_received_total").values()
+    return started.get("LeaseKeepAlive", 0.0), received.get("LeaseKeepAlive", 0.0)
 
 
 async def renewed(store: Store, lease: int, within_s: float = 10.0) -> int:
@@ -340,9 +333,6 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
             await asyncio.sleep(0.1)
         return False
 
-    def held(on: bool) -> None:
-        hold(server, on)
-
     async def go(store: Store) -> None:
         nonlocal start
         start = (await store.get_at(p + "a"))[1] + 1
@@ -350,12 +340,12 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
         a = asyncio.create_task(follow(store, "a", seen_a))
         await store.put(p + "a", b"1")
         assert await settled(seen_a, ["a"]), seen_a
-        held(True)
+        hold(server, True)
         try:
             with pytest.raises(StoreUnavailableError, match="refused a watch"):
                 await follow(store, "d", [])  # no answer within the timeout
         finally:
-            held(False)
+            hold(server, False)
         seen_b: list[str] = []
         b = asyncio.create_task(follow(store, "b", seen_b))
         await asyncio.sleep(0.5)  # made (id 0 of its stream, as a was of the first)
@@ -364,7 +354,7 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
         await store.put(p + "b", b"1")
         assert await settled(seen_b, ["b"]), f"the watch on b must still deliver: {seen_b}"
 
-        held(True)
+        hold(server, True)
         try:
             c = asyncio.create_task(follow(store, "c", []))
             await asyncio.sleep(0.3)  # its creation request is out, unanswered
@@ -374,13 +364,13 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
             e = asyncio.create_task(follow(store, "e", seen_e))
             await asyncio.sleep(0.3)
         finally:
-            held(False)
+            hold(server, False)
         await asyncio.sleep(2.0)
         await store.put(p + "c", b"1")
         await store.put(p + "e", b"1")
         assert await settled(seen_e, ["e"]), f"the watch on e must follow e alone: {seen_e}"
 
-        held(True)
+        hold(server, True)
         try:
             x = asyncio.create_task(follow(store, "x", []))
             await asyncio.sleep(0.5)
@@ -388,7 +378,7 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
             y = asyncio.create_task(follow(store, "y", seen_y))  # queued behind x's creation
             await asyncio.sleep(0.7)  # x's ended by aetcd's timeout; y's is still waited for
         finally:
-            held(False)
+            hold(server, False)
         with pytest.raises(StoreUnavailableError, match="refused a watch"):
             await x
         await asyncio.sleep(1.0)
@@ -403,7 +393,7 @@ def test_watches_never_cross_after_a_creation_etcd_did_not_answer_in_time(monkey
     try:
         run_store(server.endpoint, go, timeout=1.4)
     finally:
-        held(False)
+        hold(server, False)
         server.stop()
 
 
