@@ -65,8 +65,12 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   ``steady_cpu_per_s``: CPU seconds per second over the same window of etcd, the controller and the
   simulated nodes' process (their lease renewals, mostly).
 - ``survivors_report`` (``--survivor-reports``): at each fault whose writes are not held, every
-  simulated survivor's workers report the loss as the lease ends, as a real job's survivors do (a
-  record saying it, with their ``recovering`` event: one more request each); off, they do not.
+  simulated survivor's workers see the loss, as a real job's survivors do, and each node's record
+  says it (with their ``recovering`` event: one more request) when an agent's would: after a random
+  wait, unless the controller's probe round reached it first (see rlaunch.agent.loss). The lost
+  node's lease then ends when the controller's round, on the first report, finds its probe port
+  closed, as a real agent's would be. Off, they do not, and its lease is revoked at the fault (what
+  its expiry does).
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
@@ -295,10 +299,11 @@ async def simulated(
     reports: bool = False,
 ) -> dict[str, Any]:
     """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
-    is lost, its ranks are replaced live, and a fresh node joins as the next standby (``reports``:
-    every survivor's workers report the loss as the lease ends, as a real job's do, in the runs that
-    do not hold the writes). First, the
-    parts of the floor (see scripts/fanout.py), before anything else of this size runs."""
+    is lost, its ranks are replaced live, and a fresh node joins as the next standby (``reports``: in
+    the runs that do not hold the writes, every survivor's workers see the loss and their node says it
+    as an agent's would, and the controller's probe round finds the lost node, rather than its lease
+    being revoked at the fault). First, the parts of the floor (see scripts/fanout.py), before anything
+    else of this size runs."""
     spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
     alone = await one_node(endpoint, n, repeats)
     shared = await one_process(endpoint, n - 1, repeats, per_connection)
@@ -334,13 +339,15 @@ async def simulated(
         if deferred:
             writes.clear()
         fault_at, fault_wall = time.monotonic(), time.time()
-        # Their collectives fail with the node, and the controller's probe ends its lease. (Not in the runs
-        # that hold the nodes' writes until all acted: a report made before the plan cannot wait for that.)
+        # Their collectives fail with the node, and the controller's probe round on their first report
+        # finds its port closed and ends its lease. (Not in the runs that hold the nodes' writes until all
+        # acted: a report made before the plan cannot wait for that.) Otherwise its lease ends at once.
         if reports and not deferred:
             for x in live:
                 if x is not victim and x.node_id in gen.assignment:
-                    x.lose_peer(gen.number)
-        await main.revoke_lease(lease)  # what the lease's expiry does
+                    x.lose_peer(gen.number, len(gen.assignment))
+        else:
+            await main.revoke_lease(lease)  # what the lease's expiry does
         live.remove(victim)
         run: dict[str, Any] = {}
         try:
@@ -664,7 +671,8 @@ def main() -> None:
     parser.add_argument("--floor-procs", type=int, default=4, help="processes the floor's bare watchers are spread "
                         "over (see scripts/fanout.py)")  # fmt: skip
     parser.add_argument("--survivor-reports", action="store_true", help="at each fault every simulated "
-                        "survivor reports the loss (a record, its recovering event), as a real job's do")  # fmt: skip
+                        "survivor sees the loss and says it as an agent does (after a random wait, unless the "
+                        "controller's probe round came first), and the round finds the lost node")  # fmt: skip
     parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
                         "fault windows to FILE.<N>")  # fmt: skip

@@ -18,11 +18,14 @@ few shared etcd channels:
   ``Offer`` hands the plan to its workers, which recover (or join) at once: a ``recovered`` event and the
   ``Settled`` decision (record ``running``). A standby's sandbox is warm at once.
 
-A survivor's workers report a lost peer when the benchmark says so (``lose_peer``, with
-``--survivor-reports``): its record then says the loss, with their ``recovering`` event, as the
-agent's does. Not simulated: worker processes and what they report beyond that (their hello is taken as
-immediate, so a record says ``runtime`` from the first one after its workers start; no
-heartbeats or metrics), the liveness probe, the GPU detector.
+Each node answers the controller's liveness probes on a port of its own, as an agent does
+(:func:`~rlaunch.detectors.liveness.serve`). A survivor's workers report a lost peer when the
+benchmark says so (``lose_peer``, with ``--survivor-reports``): its record then says the loss, with
+their ``recovering`` event, when the agent's would (:class:`~rlaunch.agent.loss.LossReport`: after a
+random wait, and not if a probe round reached it first). Not simulated: worker processes and what
+they report beyond that (their hello is taken as immediate, so a record says ``runtime`` from the
+first one after its workers start; no heartbeats or metrics), the agents' probes of each other, the
+GPU detector.
 
 Each node notes when it saw a generation (its watch took it), acted on it (handed it to its
 workers: ``Offer`` or ``StartWorkers``), published it (its first record at that generation was
@@ -35,14 +38,17 @@ import asyncio
 import contextlib
 import gc
 import logging
+import random
 import time
 from typing import Any
 
 from rlaunch.agent import states as st
 from rlaunch.agent.generations import GenerationWatch
 from rlaunch.agent.lease import first_pause
+from rlaunch.agent.loss import LossReport
 from rlaunch.agent.transitions import decide
 from rlaunch.controller.view import read_snapshot
+from rlaunch.detectors.liveness import serve
 from rlaunch.errors import StoreError
 from rlaunch.events import EventLog
 from rlaunch.store.client import Store
@@ -122,7 +128,9 @@ class SimNode:
         self.running = False  # whether its (simulated) workers run
         self.warm = 0
         self.settle: tuple[int, str] | None = None  # (generation, role) its workers recover or join in
-        self.lost_at = 0.0  # when its workers last saw a peer lost (wall clock), as the link's
+        self.loss = LossReport()  # the peer losses its workers saw, as the link's
+        self.probe_port = 0
+        self._probe_server: asyncio.Server | None = None
         self._unsent = False  # etcd has not taken self.record yet: sent again, as the agent does
         self.seen: dict[int, float] = {}  # generation number -> monotonic time
         self.acted: dict[int, float] = {}
@@ -143,18 +151,20 @@ class SimNode:
             node_id=self.node_id, host="sim", addr="127.0.0.1", pid=0, nproc=1, standby_only=False, state=state,
             generation=generation, restarts=0, master_port=29500, updated_at=time.time(),
             exit_codes=codes or {}, runtime=self.running, failure=failure[0], message=failure[1],
-            peer_lost_at=self.lost_at,
+            probe_port=self.probe_port, peer_lost_at=self.loss.said_at,
         )  # fmt: skip
 
-    def lose_peer(self, generation: int) -> None:
-        """Its workers saw a collective fail (a peer is lost): reported in its record, with their
-        ``recovering`` event, as the agent's worker link and loop do."""
-        self.lost_at = time.time()
+    def lose_peer(self, generation: int, nodes: int) -> None:
+        """Its workers saw a collective fail (a peer is lost) in ``generation`` of ``nodes`` nodes: reported
+        in its record when due, with their ``recovering`` event, as the agent's worker link and loop do."""
+        delay = self.loss.seen(generation, nodes, time.time(), time.monotonic(), random.random())
+        if delay is not None:
+            asyncio.get_running_loop().call_later(delay, lambda: self._wake.set() if self.loss.waiting() else None)
         self.events.emit_with_record("recovering", generation, local_rank=0, step=0)
-        self._wake.set()
 
     async def join(self) -> None:
         """Register under a fresh lease (the first nodes to join hold ranks, later ones stand by)."""
+        self._probe_server, self.probe_port = await serve(lambda gen: self.loss.probed(time.monotonic(), gen))
         self.lease = await self.store.grant_lease(SIM_TTL)
         self.record = self.make(NodeState.WAITING, 0)
         await self.store.put(self.keys.node(self.node_id), encode(self.record), lease=self.lease)
@@ -179,6 +189,8 @@ class SimNode:
         return lease
 
     async def close(self) -> None:
+        if self._probe_server is not None:  # the controller's probe now finds it gone
+            self._probe_server.close()
         self.stop.set()
         self._wake.set()
         for task in self._tasks:
@@ -226,7 +238,8 @@ class SimNode:
     async def _report(self) -> None:
         """Say a peer loss its workers saw in its record, after the look, as the agent's loop does."""
         record = self.record
-        if record is not None and self.lost_at > record.peer_lost_at:
+        self.loss.to_say(time.monotonic())
+        if record is not None and self.loss.said_at > record.peer_lost_at:
             self.record = self.make(record.state, record.generation, dict(record.exit_codes),
                                     (record.failure, record.message))  # fmt: skip
             self._unsent = True

@@ -132,7 +132,7 @@ class Agent:
         )
         self.events.observers.append(progress.observe)  # any other event carries the held samples along
         self.control = ControlServer()
-        self._probe_server, self._probe_port = await serve()
+        self._probe_server, self._probe_port = await serve(self._probed)
         self.link = WorkerLink(
             self.store, self.keys, lambda: self._lease, self.events.emit, self._wake.set, self.events.note,
             emit_with_record=self.events.emit_with_record,
@@ -218,6 +218,11 @@ class Agent:
                 "[%s] the agent's background task %s ended by an error; what it did has stopped (a bug in "
                 "rlaunch: please report it)", self.node_id, name, exc_info=task.exception(),
             )  # fmt: skip
+
+    def _probed(self, generation: int) -> None:
+        """The controller's probe round for ``generation`` reached this node: a peer loss its workers saw
+        before, in that generation or an earlier one, needs no report (see rlaunch.agent.loss)."""
+        self.link.state.loss.probed(time.monotonic(), generation)
 
     def _on_signal(self, sig: int) -> None:
         self._signal = sig
@@ -388,7 +393,8 @@ class Agent:
         if record is not None and record.runtime != uses_runtime and self.workers.running:
             await self.records.republish()
         record = self.records.record
-        if record is not None and state.peer_lost_at > record.peer_lost_at:
+        state.loss.to_say(time.monotonic())  # the worker link's clock
+        if record is not None and state.loss.said_at > record.peer_lost_at:
             await self.records.republish()  # the controller probes
         if self.records.record is not None and self.records.compute_moved():
             self.records.compute_published()

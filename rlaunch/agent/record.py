@@ -112,7 +112,7 @@ class RecordPublisher:
             failure=failure[0],
             message=failure[1],
             probe_port=self._probe_port,
-            peer_lost_at=self._link.state.peer_lost_at,
+            peer_lost_at=self._link.state.loss.said_at,
             compute_s=round(self.compute_s(), 6),
             live_moves=moves,
             moves_reason=moves_reason,

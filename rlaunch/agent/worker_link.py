@@ -36,11 +36,13 @@ import base64
 import dataclasses
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
+from rlaunch.agent.loss import LossReport
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.reports import MovesReport, ReportError, SdcReport, require
 from rlaunch.detectors.hang import HangDetector
@@ -57,9 +59,6 @@ log = logging.getLogger(__name__)
 PLAN_WAIT_S = 30.0
 #: How long a worker's store read waits before it reads again after etcd broke off (see _value_when_set).
 KV_RETRY_S = 0.5
-#: A failed collective a local worker reports within this long of the node's last report, in the same
-#: generation, is the same loss: the node's record says it once (each local rank sees it within ms).
-SAME_LOSS_S = 1.0
 
 
 @dataclasses.dataclass
@@ -72,11 +71,8 @@ class LinkState:
     left: set[int] = dataclasses.field(default_factory=set)
     joined: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     recovered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
-    #: when the node last reported a local worker's failed collective (wall clock, for the node record;
-    #: and monotonic), and the generation the workers ran then (see WorkerLink._recovering)
-    peer_lost_at: float = 0.0
-    peer_lost_mono: float = 0.0
-    peer_lost_gen: int = 0
+    #: the peer losses the local workers reported, and when the node record says them (see rlaunch.agent.loss)
+    loss: LossReport = dataclasses.field(default_factory=LossReport)
     #: each local worker's median compute time per step (from its heartbeats)
     compute_s: dict[int, float] = dataclasses.field(default_factory=dict)
     #: why a survivor refused a live replacement ("" if none did): no replica held a replaced rank's state
@@ -111,6 +107,7 @@ class WorkerLink:
         note: Callable[..., None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         emit_with_record: Callable[..., None] | None = None,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
         self._sleep = sleep
@@ -121,6 +118,7 @@ class WorkerLink:
         #: events the node record follows (a worker joined or recovered: running once all did), which may wait for it
         self._emit_with_record = emit_with_record or emit
         self._wake = wake
+        self._draw = draw  # uniform in [0, 1): the wait before the record says a loss
         self.state = LinkState()
         self.role = StartRole.ACTIVE
         self.generation: Generation | None = None
@@ -238,14 +236,21 @@ class WorkerLink:
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
         """A local worker saw a collective fail. The node reports the loss (its record's ``peer_lost_at``,
-        on which the controller probes) once for all its workers: each sees it within milliseconds,
-        and a report of each would be a record written per local rank. The event goes with the record."""
-        now, gen, state = time.monotonic(), self.generation.number if self.generation else 0, self.state
-        if gen != state.peer_lost_gen or now - state.peer_lost_mono >= SAME_LOSS_S:
-            state.peer_lost_at, state.peer_lost_mono, state.peer_lost_gen = time.time(), now, gen
-            self._wake()
-        self._emit_with_record("recovering", gen, local_rank=req["local_rank"], step=req["step"])
+        on which the controller probes) once for all its workers, after a wait that spreads the job's
+        reports of one loss (see rlaunch.agent.loss); the agent's loop is woken when it is due, unless
+        a probe round made it needless. The event goes with the node's next record (or alone, after
+        ``rlaunch.events.RECORD_WAIT_S``)."""
+        gen = self.generation
+        number, nodes = (gen.number, len(gen.assignment)) if gen else (0, 1)
+        delay = self.state.loss.seen(number, nodes, time.time(), time.monotonic(), self._draw())
+        if delay is not None:
+            asyncio.get_running_loop().call_later(delay, self._wake_if_waiting)
+        self._emit_with_record("recovering", number, local_rank=req["local_rank"], step=req["step"])
         return {}
+
+    def _wake_if_waiting(self) -> None:
+        if self.state.loss.waiting():
+            self._wake()
 
     async def _recovered(self, req: dict[str, Any]) -> dict[str, Any]:
         self.state.recovered.setdefault(int(req["generation"]), set()).add(int(req["local_rank"]))

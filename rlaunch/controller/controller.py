@@ -21,14 +21,14 @@ from rlaunch.controller.feed import NodeFeed
 from rlaunch.controller.planner import ClusterView, PlannerConfig, plan
 from rlaunch.controller.prune import prunable_below
 from rlaunch.controller.view import JobSnapshot, RecordCache, read_snapshot
-from rlaunch.detectors.liveness import agent_gone
+from rlaunch.detectors.liveness import probe_round
 from rlaunch.detectors.straggler import StragglerWatch, compute_times
 from rlaunch.errors import PlanError, StoreError
 from rlaunch.events import EventLog
 from rlaunch.store import generations
 from rlaunch.store.client import Store
 from rlaunch.store.keys import JobKeys
-from rlaunch.store.records import JobSpec
+from rlaunch.store.records import JobSpec, NodeRecord
 from rlaunch.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ STOP_CHECK_S = 1.0
 #: together. Each tick plans from every node record, and after a plan every node writes its own
 #: (4,096 or more writes at 4,096 nodes): one tick for each kept the controller and etcd busy for the whole move.
 TICK_GAP_S = 0.1
+#: Probe rounds are this far apart at least: at a fault the survivors' reports of one loss come over a
+#: while (see rlaunch.agent.loss), and each newer one would otherwise start a round of its own (one
+#: connection per node of the job, every tick).
+ROUND_GAP_S = 1.0
 
 
 class Controller:
@@ -57,6 +61,7 @@ class Controller:
         clock: Callable[[], float] = time.time,
         straggler_window: float = 0.0,
         feed: NodeFeed | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         #: the node records kept from the leading agent's watch (see rlaunch.controller.feed)
@@ -71,7 +76,14 @@ class Controller:
         self._plan_error = ""  # the last plan refused as a planner's bug (said once until a write succeeds)
         self._reported: set[str] = set()
         self._deadline_pending = False
-        self._probed_at = 0.0  # the newest peer_lost_at already answered with probes
+        self._monotonic = monotonic
+        #: each node's peer_lost_at when the last probe round started, and that start (controller's
+        #: clock; and monotonic): see _start_probe_round
+        self._answered: dict[str, float] = {}
+        self._round_clock = 0.0
+        self._round_at = float("-inf")
+        self._round_waiting = False  # a loss was said during a round or too soon after it: the next one waits
+        self._round: asyncio.Task[None] | None = None  # the probe round in flight, or the last one
         self._cut_seen_at = 0.0  # when a probe report of a cut was first seen (0: none stands)
         self._cut_waiting = False  # a cut was reported and the verdict waits for more reports
         self._cut_said = ""  # the last cut verdict logged
@@ -104,6 +116,14 @@ class Controller:
         A tick no change woke, or one after a failed tick, reads the node records whole (see
         rlaunch.controller.feed).
         """
+        try:
+            await self._run(stop, wake)
+        finally:  # a probe round in flight ends with the controller (stopped, or its task cancelled)
+            self._end_round()
+            if self._round is not None:
+                await asyncio.wait([self._round])
+
+    async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         work, woken, failed = True, True, False
         while not stop.is_set():
             retried, failed = failed, False
@@ -140,27 +160,75 @@ class Controller:
                 self._term = kv.create_revision
         return self.leading
 
-    async def _revoke_dead(self, snap: JobSnapshot) -> bool:
-        """A worker saw a peer fail: probe the generation's agents; revoke the leases of dead ones."""
-        newest = max((v.record.peer_lost_at for v in snap.nodes.values()), default=0.0)
+    def _start_probe_round(self, snap: JobSnapshot) -> None:
+        """A worker saw a peer fail: probe the generation's agents, in the background; a dead one's lease
+        is revoked as soon as its probe says so, and the deletion of its record wakes the next tick.
+
+        A round answers every loss said before it started: the survivors' reports of one loss come
+        over a while (rlaunch.agent.loss), and a round for each newer one would connect to every agent
+        each tick. So one round runs at a time, ``ROUND_GAP_S`` apart at least; a report that comes
+        sooner waits for the next one (a deadline tick). A report needs a round if its node's
+        ``peer_lost_at`` changed since the last round started and is later than that start: records'
+        times are their hosts' clocks, so a host whose clock runs ahead costs one more round, not
+        rounds for as long as it is ahead; one whose clock runs behind the controller's by more than
+        the time from a new loss to the round before it leaves that loss to the lease.
+        """
         gen = snap.generation
-        if newest <= self._probed_at or gen is None or gen.status.terminal:
-            return False
-        self._probed_at = newest
+        new = [
+            n for n, v in snap.nodes.items()
+            if v.record.peer_lost_at > max(self._round_clock, self._answered.get(n, 0.0))
+        ]  # fmt: skip
+        if not new or gen is None or gen.status.terminal:
+            self._round_waiting = False
+            return
+        mono = self._monotonic()
+        busy = self._round is not None and not self._round.done()
+        self._round_waiting = busy or mono - self._round_at < ROUND_GAP_S
+        if self._round_waiting:
+            return
+        self._round_at, self._round_clock = mono, self._clock()
+        self._answered = {n: v.record.peer_lost_at for n, v in snap.nodes.items()}
         suspects = [
-            n for n in gen.assignment
+            (n, snap.nodes[n].record, snap.node_leases[n]) for n in gen.assignment
             if n in snap.nodes and n != self.node_id and snap.nodes[n].record.probe_port and n in snap.node_leases
         ]  # fmt: skip
-        records = [snap.nodes[n].record for n in suspects]
-        gone = await asyncio.gather(*(agent_gone(r.addr, r.probe_port) for r in records))
-        dead = [n for n, g in zip(suspects, gone, strict=True) if g]
-        for node in dead:
-            record = snap.nodes[node].record
-            why = f"its agent no longer answers on {host_port(record.addr, record.probe_port)}"
-            log.warning("[%s] controller: node %s is lost: %s; revoking its lease", self.node_id, node, why)
-            self._events.emit("node_dead", gen.number, node=node, reason=why)
-            await self._store.revoke_lease(snap.node_leases[node])
-        return bool(dead)
+        self._round = asyncio.create_task(self._probe_round(gen.number, suspects))
+        self._round.add_done_callback(self._round_ended)
+
+    def _end_round(self) -> None:
+        """Cancel the probe round in flight, if any (the controller stops, or no longer leads)."""
+        if self._round is not None:
+            self._round.cancel()
+            self._round_waiting = False
+
+    def _round_ended(self, task: asyncio.Task[None]) -> None:
+        """Say at once when a probe round ended by an error: it handles those it expects (a probe that
+        fails is no answer; a revocation that fails leaves the node to its lease), so this is a bug."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("[%s] controller: a probe round ended by an error (a bug in rlaunch: please report it)",
+                      self.node_id, exc_info=task.exception())  # fmt: skip
+
+    async def _probe_round(self, number: int, suspects: list[tuple[str, NodeRecord, int]]) -> None:
+        revocations: list[asyncio.Task[None]] = []
+
+        def gone(i: int) -> None:
+            revocations.append(asyncio.create_task(self._revoke_lost(number, *suspects[i])))
+
+        try:
+            await probe_round(number, [(record.addr, record.probe_port) for _, record, _ in suspects], gone)
+            await asyncio.gather(*revocations)
+        finally:  # cancelled: the controller stopped, or no longer leads
+            for task in revocations:
+                task.cancel()
+
+    async def _revoke_lost(self, number: int, node: str, record: NodeRecord, lease: int) -> None:
+        why = f"its agent no longer answers on {host_port(record.addr, record.probe_port)}"
+        log.warning("[%s] controller: node %s is lost: %s; revoking its lease", self.node_id, node, why)
+        self._events.emit("node_dead", number, node=node, reason=why)
+        try:
+            await self._store.revoke_lease(lease)
+        except StoreError as exc:  # its lease decides, as without the probe
+            log.warning("[%s] controller: revoking the lease of lost node %s failed: %s", self.node_id, node, exc)
 
     async def _take_out_cut_off(self, snap: JobSnapshot) -> cutoff.Verdict:
         """The agents' probe reports show a network cut: revoke the leases of the nodes it takes out.
@@ -225,6 +293,7 @@ class Controller:
                 self._events.emit("malformed_record", 0, message=problem)
         if snap.leader_revision != self._term:
             self._term = 0
+            self._end_round()
             log.warning(
                 "[%s] lost controller leadership to %s (the leader key was created again since this controller "
                 "was elected)", self.node_id, snap.leader,
@@ -232,10 +301,7 @@ class Controller:
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
-        # After a revocation, the records it deleted are read whole: the watch may not have brought
-        # their deletion yet.
-        if await self._revoke_dead(snap):
-            snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
+        self._start_probe_round(snap)
         cut = await self._take_out_cut_off(snap)
         if cut.out:
             snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
@@ -248,7 +314,7 @@ class Controller:
         after = new or snap.generation
         # a replacement node or a standby is awaited until a deadline, or a slow node's window runs
         waiting = after is not None and not after.status.terminal and after.deadline > 0
-        self._deadline_pending = waiting or self._stragglers.pending or self._cut_waiting
+        self._deadline_pending = waiting or self._stragglers.pending or self._cut_waiting or self._round_waiting
         if reason != self._last_reason:
             log.info("[%s] controller: %s", self.node_id, reason)
             self._last_reason = reason

@@ -148,7 +148,8 @@ class NodeRecord:
     failure: str = ""
     #: TCP port where the agent answers liveness probes (0: none; see rlaunch.detectors.liveness)
     probe_port: int = 0
-    #: when one of its workers last saw a collective fail (a peer may be gone): the controller probes
+    #: when one of its workers saw a collective fail (a peer may be gone), said unless a probe round came
+    #: first (see rlaunch.agent.loss): the controller probes
     peer_lost_at: float = 0.0
     #: its workers' median compute time per step, in seconds (0: not known; see detectors.straggler)
     compute_s: float = 0.0
