@@ -51,12 +51,8 @@ def test_only_the_controllers_rounds_mark_an_agent_and_a_round_says_which_are_go
     async def go() -> dict[str, Any]:
         rounds: list[int] = []
         server, port = await serve(rounds.append)
-        closed_server, closed_port = await serve()
-        closed_server.close()
-        await closed_server.wait_closed()
-        silent = socket.socket()  # a listener that never accepts: its queue holds one, the others get no answer
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(0)
+        closed_port = await _closed_port()
+        silent = _silent_listener()
         try:
             assert await probe("127.0.0.1", port) is Answer.ANSWERS
             await asyncio.sleep(0.1)
@@ -119,12 +115,8 @@ def test_silent_hosts_do_not_hold_a_rounds_probes_from_the_rest(monkeypatch: pyt
     async def go() -> tuple[list[int], list[int], float]:
         marked: list[int] = []
         server, port = await serve(marked.append)
-        closed_server, closed_port = await serve()
-        closed_server.close()
-        await closed_server.wait_closed()
-        silent = socket.socket()
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(0)
+        closed_port = await _closed_port()
+        silent = _silent_listener()
         silent_target = ("127.0.0.1", silent.getsockname()[1])
         gone: list[int] = []
         try:
@@ -147,12 +139,8 @@ def test_silent_hosts_do_not_hold_a_rounds_probes_from_the_rest(monkeypatch: pyt
 def test_a_host_name_answers_at_its_first_address_that_does_and_is_gone_only_if_all_refuse() -> None:
     async def go() -> list[Answer]:
         server, port = await serve()
-        closed_server, closed = await serve()
-        closed_server.close()
-        await closed_server.wait_closed()
-        silent = socket.socket()
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(0)
+        closed = await _closed_port()
+        silent = _silent_listener()
         quiet = silent.getsockname()[1]
         loop = asyncio.get_running_loop()
         addresses: list[int] = []
@@ -180,6 +168,22 @@ def test_only_a_mark_names_a_generation() -> None:
     assert round_mark_generation(round_mark(0)) == 0
     for sent in (b"", b"r", b"rx\n", b"x12\n", b"r-1\n", b"r" + b"9" * 40):
         assert round_mark_generation(sent) is None, sent
+
+
+async def _closed_port() -> int:
+    """A port where an agent's probe server listened and no longer does: it refuses."""
+    server, port = await serve()
+    server.close()
+    await server.wait_closed()
+    return port
+
+
+def _silent_listener() -> socket.socket:
+    """A listener that never accepts: its queue holds one connection, the others get no answer."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(0)
+    return sock
 
 
 async def _until(pred: Callable[[], bool]) -> None:
