@@ -82,8 +82,7 @@ class Controller:
         self._answered: dict[str, float] = {}
         self._round_clock = 0.0
         self._round_at = float("-inf")
-        self._round_waiting = False  # a loss was said during a round or too soon after it: the next one waits
-        self._round: asyncio.Task[None] | None = None  # the probe round in flight, or the last one
+        self._round_waiting = False  # a loss was said too soon after the last round: the next one waits
         self._cut_seen_at = 0.0  # when a probe report of a cut was first seen (0: none stands)
         self._cut_waiting = False  # a cut was reported and the verdict waits for more reports
         self._cut_said = ""  # the last cut verdict logged
@@ -116,14 +115,6 @@ class Controller:
         A tick no change woke, or one after a failed tick, reads the node records whole (see
         rlaunch.controller.feed).
         """
-        try:
-            await self._run(stop, wake)
-        finally:  # a probe round in flight ends with the controller (stopped, or its task cancelled)
-            self._end_round()
-            if self._round is not None:
-                await asyncio.wait([self._round])
-
-    async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         work, woken, failed = True, True, False
         while not stop.is_set():
             retried, failed = failed, False
@@ -160,18 +151,18 @@ class Controller:
                 self._term = kv.create_revision
         return self.leading
 
-    def _start_probe_round(self, snap: JobSnapshot) -> None:
-        """A worker saw a peer fail: probe the generation's agents, in the background; a dead one's lease
-        is revoked as soon as its probe says so, and the deletion of its record wakes the next tick.
+    async def _revoke_dead(self, snap: JobSnapshot) -> bool:
+        """A worker saw a peer fail: probe the generation's agents and revoke the leases of those gone,
+        all before the tick plans (nodes lost together are replaced in one plan); whether any was.
 
         A round answers every loss said before it started: the survivors' reports of one loss come
         over a while (rlaunch.agent.loss), and a round for each newer one would connect to every agent
-        each tick. So one round runs at a time, ``ROUND_GAP_S`` apart at least; a report that comes
-        sooner waits for the next one (a deadline tick). A report needs a round if its node's
-        ``peer_lost_at`` changed since the last round started and is later than that start: records'
-        times are their hosts' clocks, so a host whose clock runs ahead costs one more round, not
-        rounds for as long as it is ahead; one whose clock runs behind the controller's by more than
-        the time from a new loss to the round before it leaves that loss to the lease.
+        each tick. So rounds are ``ROUND_GAP_S`` apart at least; a report that comes sooner waits for
+        the next one (a deadline tick). A report needs a round if its node's ``peer_lost_at`` changed
+        since the last round started and is later than that start: records' times are their hosts'
+        clocks, so a host whose clock runs ahead costs one more round, not rounds for as long as it is
+        ahead; one whose clock runs behind the controller's by more than the time from a new loss to
+        the round before it leaves that loss to the lease.
         """
         gen = snap.generation
         new = [
@@ -180,46 +171,22 @@ class Controller:
         ]  # fmt: skip
         if not new or gen is None or gen.status.terminal:
             self._round_waiting = False
-            return
+            return False
         mono = self._monotonic()
-        busy = self._round is not None and not self._round.done()
-        self._round_waiting = busy or mono - self._round_at < ROUND_GAP_S
+        self._round_waiting = mono - self._round_at < ROUND_GAP_S
         if self._round_waiting:
-            return
+            return False
         self._round_at, self._round_clock = mono, self._clock()
         self._answered = {n: v.record.peer_lost_at for n, v in snap.nodes.items()}
         suspects = [
             (n, snap.nodes[n].record, snap.node_leases[n]) for n in gen.assignment
             if n in snap.nodes and n != self.node_id and snap.nodes[n].record.probe_port and n in snap.node_leases
         ]  # fmt: skip
-        self._round = asyncio.create_task(self._probe_round(gen.number, suspects))
-        self._round.add_done_callback(self._round_ended)
-
-    def _end_round(self) -> None:
-        """Cancel the probe round in flight, if any (the controller stops, or no longer leads)."""
-        if self._round is not None:
-            self._round.cancel()
-            self._round_waiting = False
-
-    def _round_ended(self, task: asyncio.Task[None]) -> None:
-        """Say at once when a probe round ended by an error: it handles those it expects (a probe that
-        fails is no answer; a revocation that fails leaves the node to its lease), so this is a bug."""
-        if not task.cancelled() and task.exception() is not None:
-            log.error("[%s] controller: a probe round ended by an error (a bug in rlaunch: please report it)",
-                      self.node_id, exc_info=task.exception())  # fmt: skip
-
-    async def _probe_round(self, number: int, suspects: list[tuple[str, NodeRecord, int]]) -> None:
-        revocations: list[asyncio.Task[None]] = []
-
-        def gone(i: int) -> None:
-            revocations.append(asyncio.create_task(self._revoke_lost(number, *suspects[i])))
-
-        try:
-            await probe_round(number, [(record.addr, record.probe_port) for _, record, _ in suspects], gone)
-            await asyncio.gather(*revocations)
-        finally:  # cancelled: the controller stopped, or no longer leads
-            for task in revocations:
-                task.cancel()
+        gone: list[int] = []
+        await probe_round(gen.number, [(record.addr, record.probe_port) for _, record, _ in suspects], gone.append)
+        for i in sorted(gone):
+            await self._revoke_lost(gen.number, *suspects[i])
+        return bool(gone)
 
     async def _revoke_lost(self, number: int, node: str, record: NodeRecord, lease: int) -> None:
         why = f"its agent no longer answers on {host_port(record.addr, record.probe_port)}"
@@ -293,7 +260,6 @@ class Controller:
                 self._events.emit("malformed_record", 0, message=problem)
         if snap.leader_revision != self._term:
             self._term = 0
-            self._end_round()
             log.warning(
                 "[%s] lost controller leadership to %s (the leader key was created again since this controller "
                 "was elected)", self.node_id, snap.leader,
@@ -301,7 +267,10 @@ class Controller:
             return
         if snap.generation_malformed:
             return  # reported above; planning over it could undo a running generation
-        self._start_probe_round(snap)
+        # After a revocation, the records it deleted are read whole: the watch may not have brought
+        # their deletion yet.
+        if await self._revoke_dead(snap):
+            snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
         cut = await self._take_out_cut_off(snap)
         if cut.out:
             snap = await read_snapshot(self._store, self._keys, self._nodes, feed=self._feed, whole=True)
