@@ -78,7 +78,7 @@ class Controller:
         self._deadline_pending = False
         self._monotonic = monotonic
         #: each node's peer_lost_at when the last probe round started, and that start (controller's
-        #: clock; and monotonic): see _start_probe_round
+        #: clock; and monotonic): see _revoke_dead
         self._answered: dict[str, float] = {}
         self._round_clock = 0.0
         self._round_at = float("-inf")
@@ -165,11 +165,10 @@ class Controller:
         the round before it leaves that loss to the lease.
         """
         gen = snap.generation
-        new = [
-            n for n, v in snap.nodes.items()
-            if v.record.peer_lost_at > max(self._round_clock, self._answered.get(n, 0.0))
-        ]  # fmt: skip
-        if not new or gen is None or gen.status.terminal:
+        said = any(
+            v.record.peer_lost_at > max(self._round_clock, self._answered.get(n, 0.0)) for n, v in snap.nodes.items()
+        )
+        if not said or gen is None or gen.status.terminal:
             self._round_waiting = False
             return False
         mono = self._monotonic()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Longest wait for one probe's answer; a probe that times out counts as "alive or unknown". Also how
-#: long an agent keeps a connection that sends nothing, and a round's wait per wave of probes.
+#: long an agent keeps a connection that sends nothing, and the longest wait of each probe of a round.
 PROBE_TIMEOUT_S = 1.0
 #: How a probe of the controller's round begins: then the generation it probed for, in decimal, and a
 #: newline (the agents' own probes send nothing).
