@@ -16,9 +16,10 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   does, with no processes), and the real :class:`~rlaunch.controller.controller.Controller` and
   planner deciding in a process of their own woken by the leader's watch, which also keeps the
   node records they plan from (rlaunch.controller.feed), as in a leader agent (``--profile FILE``
-  writes its cProfile statistics; ``--profile-nodes FILE`` the simulated nodes' over the fault
-  windows). The fault is the revocation of one active node's lease, which is what
-  its expiry does, and the plan a live replacement by the standby. From the lease's end:
+  writes its cProfile statistics over the fault windows of the runs that do not hold the writes,
+  ``--profile-nodes FILE`` the simulated nodes' over every fault window). The fault is the revocation
+  of one active node's lease, which is what its expiry does, and the plan a live replacement by the
+  standby. From the lease's end:
   ``fault_to_plan_s`` to the plan (the generation's ``created_at``: when the planner decided);
   ``fault_to_first_node_saw_plan_s`` and ``fault_to_all_saw_plan_s`` until the first and the last
   node's watch took it (rank map rebuilt); ``fault_to_all_acted_s`` until every node handed it to
@@ -190,7 +191,8 @@ def leader_ranges(keys: JobKeys) -> tuple[tuple[str, bool], ...]:
 async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
     """The controller as a leader agent runs it, in a process of its own: a lease kept alive, the
     leader's watch waking the real :class:`Controller`, until SIGTERM. Prints ``leading`` once elected.
-    With ``profile`` set, cProfile statistics of the whole run are written there."""
+    With ``profile`` set, cProfile statistics are written there, of the windows between a SIGUSR1 and the
+    next SIGUSR2 (the benchmark's fault windows)."""
     keys = JobKeys(job_id)
     store = Store(parse_endpoints(endpoint), timeout=30)
     kv = await store.get(keys.spec)
@@ -232,7 +234,8 @@ async def controller_process(endpoint: str, job_id: str, profile: str) -> None:
 
     prof = cProfile.Profile() if profile else None
     if prof is not None:
-        prof.enable()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, prof.enable)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, prof.disable)
     tasks = [asyncio.create_task(t) for t in (watch(), keepalive(), ctl.run(stop, wake), announce())]
     await stop.wait()
     if prof is not None:
@@ -335,6 +338,8 @@ async def simulated(
         cpu = cpu_seconds(pids)
         if prof is not None:
             prof.enable()
+        if profile and not deferred:
+            ctl.send_signal(signal.SIGUSR1)  # its profile covers this window
         lease = await victim.fail()
         if deferred:
             writes.clear()
@@ -361,6 +366,8 @@ async def simulated(
         writes.set()
         if prof is not None:
             prof.disable()
+        if profile and not deferred:
+            ctl.send_signal(signal.SIGUSR2)
         used = cpu_seconds(pids)
         resume_collector()
         run["cpu_s"] = {k: round(used[k] - cpu[k], 2) for k in pids}
@@ -673,7 +680,12 @@ def main() -> None:
     parser.add_argument("--survivor-reports", action="store_true", help="at each fault every simulated "
                         "survivor sees the loss and says it as an agent does (after a random wait, unless the "
                         "controller's probe round came first), and the round finds the lost node")  # fmt: skip
-    parser.add_argument("--profile", default="", help="write the simulated runs' controller cProfile stats here")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="write the controller's cProfile stats over the "
+        "simulated runs' fault windows (those that do not hold the writes) here",
+    )
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
                         "fault windows to FILE.<N>")  # fmt: skip
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process

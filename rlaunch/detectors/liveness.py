@@ -22,11 +22,18 @@ connection times out, or the network says it has no route) is reported as cut of
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import enum
+import errno
+import functools
 import ipaddress
+import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: Longest wait for one probe's answer; a probe that times out counts as "alive or unknown". Also how
 #: long an agent keeps a connection that sends nothing, and the longest wait of each probe of a round.
@@ -140,10 +147,7 @@ class Answer(str, enum.Enum):
 async def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Answer:
     """Connect to ``addr:port`` (to each address of a host name in turn, until one answers) and say what
     came back (nothing is sent or read)."""
-    try:
-        return await asyncio.wait_for(_connect(addr, port, b""), timeout)
-    except asyncio.TimeoutError:
-        return Answer.SILENT
+    return await _bounded(addr, port, b"", timeout)
 
 
 async def probe_round(
@@ -154,37 +158,164 @@ async def probe_round(
     :func:`round_mark`, ``ROUND_CONCURRENCY`` at a time and each for ``timeout`` at most (one that has
     not answered by then is let go: alive, or unknown, and its lease decides); ``on_gone(i)`` as soon
     as target ``i`` refuses (its agent is gone)."""
-    room = asyncio.Semaphore(ROUND_CONCURRENCY)
-    mark = round_mark(generation)
-
-    async def one(i: int, addr: str, port: int) -> None:
-        async with room:
-            try:
-                answer = await asyncio.wait_for(_connect(addr, port, mark), timeout)
-            except asyncio.TimeoutError:
-                return
-        if answer is Answer.GONE:
-            on_gone(i)
-
-    tasks = [asyncio.ensure_future(one(i, addr, port)) for i, (addr, port) in enumerate(targets)]
+    loop = asyncio.get_running_loop()
+    probes = _Round(loop, round_mark(generation), targets, on_gone, timeout)
     try:
-        await asyncio.gather(*tasks)
+        await probes.done
     finally:  # (cancelled: the probes in flight end with the round)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*probes.close(), return_exceptions=True)
+
+
+class _Round:
+    """A round's probes: an address is probed by callbacks on the event loop (:class:`_Probe`), a host
+    name by a task (it is resolved first); as one ends the next begins, and ``done`` is set when the
+    last one has ended. A round connects to every agent of the job: at 4,096 agents a task, a timeout
+    and a semaphore's turn for each cost the controller about 0.5 s of CPU per round, callbacks a
+    fraction of it (see docs/benchmarks.md)."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, mark: bytes, targets: Sequence[tuple[str, int]],
+        on_gone: Callable[[int], None], timeout: float,
+    ) -> None:  # fmt: skip
+        self._loop, self._mark, self._on_gone, self._timeout = loop, mark, on_gone, timeout
+        self._queue = collections.deque(enumerate(targets))
+        self._open: dict[int, _Probe | asyncio.Task[Answer]] = {}  # by target
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._next()
+
+    def _next(self) -> None:
+        while len(self._open) < ROUND_CONCURRENCY and self._queue:
+            i, (addr, port) = self._queue.popleft()
+            family = _family(addr)
+            if family is None:
+                task = self._loop.create_task(_bounded(addr, port, self._mark, self._timeout))
+                task.add_done_callback(functools.partial(self._resolved, i, addr))
+                self._open[i] = task
+            else:
+                then = functools.partial(self._ended, i)
+                self._open[i] = _Probe(self._loop, family, (addr, port), self._mark, self._timeout, then)
+        if not self._open and not self.done.done():
+            self.done.set_result(None)
+
+    def _resolved(self, i: int, host: str, task: asyncio.Task[Answer]) -> None:
+        if task.cancelled():
+            return  # (the round was closed)
+        failed = task.exception()
+        if failed is not None:  # (a bug: counted as silent, so that the round ends and the lease decides)
+            log.warning("The probe of %s failed: %r", host, failed)
+        self._ended(i, Answer.SILENT if failed is not None else task.result())
+
+    def _ended(self, i: int, answer: Answer) -> None:
+        if self._open.pop(i, None) is None:
+            return  # (the round was closed)
+        if answer is Answer.GONE:
+            self._on_gone(i)
+        self._next()
+
+    def close(self) -> list[asyncio.Task[Answer]]:
+        """End the probes still open (the round was cancelled, or has ended); the tasks cancelled, to
+        await."""
+        self._queue.clear()
+        opened, self._open = self._open, {}
+        tasks = []
+        for probe in opened.values():
+            if isinstance(probe, _Probe):
+                probe.close()
+            else:
+                probe.cancel()
+                tasks.append(probe)
+        return tasks
+
+
+class _Probe:
+    """One connection to an address, made by callbacks on the event loop: ``then(answer)`` once it is
+    made (``mark`` is then sent), refused, failed, or ``timeout`` has passed (None: no limit), unless
+    :meth:`close` came first. Its socket is closed before ``then`` is called."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, family: int, target: tuple[Any, ...], mark: bytes,
+        timeout: float | None, then: Callable[[Answer], None],
+    ) -> None:  # fmt: skip
+        self._loop, self._mark, self._then = loop, mark, then
+        self._open = True  # until it ends or is closed
+        self._sock: socket.socket | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no descriptor left, or no such address family on this host
+            loop.call_soon(self._end, Answer.SILENT)
+            return
+        self._sock = sock
+        sock.setblocking(False)
+        try:
+            err = sock.connect_ex(target)
+        except OSError:  # an address this family cannot take
+            err = errno.EINVAL
+        if err == errno.EINPROGRESS:
+            loop.add_writer(sock.fileno(), self._connected)
+            if timeout is not None:
+                self._timer = loop.call_later(timeout, self._end, Answer.SILENT)
+        else:  # made, refused or failed at once (on loopback the kernel answers within the call)
+            loop.call_soon(self._end, _answer_of(err))
+
+    def _connected(self) -> None:
+        assert self._sock is not None
+        self._end(_answer_of(self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)))
+
+    def _end(self, answer: Answer) -> None:
+        if not self._open:
+            return
+        if answer is Answer.ANSWERS and self._mark and self._sock is not None:
+            with contextlib.suppress(OSError):  # (a few bytes into an empty send buffer: it never waits)
+                self._sock.send(self._mark)
+        self.close()
+        self._then(answer)
+
+    def close(self) -> None:
+        """Close its socket and stop its timer (``then`` is not called after this)."""
+        self._open = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._loop.remove_writer(sock.fileno())
+            sock.close()
+
+
+def _answer_of(err: int) -> Answer:
+    """What a connection's outcome (0 or an errno) says of the agent."""
+    if err == 0:
+        return Answer.ANSWERS
+    return Answer.GONE if err == errno.ECONNREFUSED else Answer.SILENT
+
+
+def _family(addr: str) -> int | None:
+    """The address family of an IP address; None for a host name (or a scoped IPv6 address, which
+    getaddrinfo reads)."""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+
+
+async def _bounded(addr: str, port: int, mark: bytes, timeout: float) -> Answer:
+    try:
+        return await asyncio.wait_for(_connect(addr, port, mark), timeout)
+    except asyncio.TimeoutError:
+        return Answer.SILENT
 
 
 async def _connect(addr: str, port: int, mark: bytes) -> Answer:
     """Connect to ``addr:port``, send ``mark`` and say what came back, however long it takes (the caller
     bounds it). A host name's addresses are tried in turn until one answers: it is gone only if every
-    one refuses. A bare socket, not a stream: a controller's round makes one connection per node."""
+    one refuses."""
     loop = asyncio.get_running_loop()
-    try:
-        ip = ipaddress.ip_address(addr)
-        targets: list[tuple[int, tuple[Any, ...]]] = [(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
-                                                       (addr, port))]  # fmt: skip
-    except ValueError:  # a host name (or a scoped IPv6 address, which getaddrinfo reads)
+    family = _family(addr)
+    if family is not None:
+        targets: list[tuple[int, tuple[Any, ...]]] = [(family, (addr, port))]
+    else:
         try:
             infos = await loop.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
         except OSError:
@@ -192,27 +323,13 @@ async def _connect(addr: str, port: int, mark: bytes) -> Answer:
         targets = [(family, target) for family, _, _, _, target in infos]
     refused = 0
     for family, target in targets:
-        answer = await _connect_one(loop, family, target, mark)
+        answered: asyncio.Future[Answer] = loop.create_future()
+        one = _Probe(loop, family, target, mark, None, answered.set_result)
+        try:
+            answer = await answered
+        finally:  # (cancelled by the caller's bound: its socket is closed)
+            one.close()
         if answer is Answer.ANSWERS:
             return answer
         refused += answer is Answer.GONE
     return Answer.GONE if targets and refused == len(targets) else Answer.SILENT
-
-
-async def _connect_one(loop: asyncio.AbstractEventLoop, family: int, target: tuple[Any, ...], mark: bytes) -> Answer:
-    try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:  # no descriptor left, or no such address family on this host
-        return Answer.SILENT
-    try:
-        sock.setblocking(False)
-        await loop.sock_connect(sock, target)
-        if mark:
-            sock.send(mark)  # a few bytes into an empty send buffer: it never waits
-    except ConnectionRefusedError:
-        return Answer.GONE
-    except OSError:
-        return Answer.SILENT
-    finally:
-        sock.close()
-    return Answer.ANSWERS

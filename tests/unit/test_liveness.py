@@ -5,6 +5,8 @@ and when a probe round makes it needless."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -161,6 +163,43 @@ def test_a_host_name_answers_at_its_first_address_that_does_and_is_gone_only_if_
             await server.wait_closed()
 
     assert asyncio.run(go()) == [Answer.ANSWERS, Answer.ANSWERS, Answer.GONE]
+
+
+def test_a_rounds_host_names_and_addresses_answer_alike_and_a_cancelled_round_closes_its_probes() -> None:
+    """A round probes an address by callbacks and a host name by a task: both are marked and found gone
+    alike. A round cancelled while its probes wait leaves no socket open."""
+
+    async def go() -> dict[str, Any]:
+        marked: list[int] = []
+        server, port = await serve(marked.append)
+        closed = await _closed_port()
+        silent = _silent_listener()
+        quiet = silent.getsockname()[1]
+        gone: list[int] = []
+        try:
+            targets = [("localhost", port), ("127.0.0.1", closed), ("localhost", closed), ("127.0.0.1", port)]
+            await probe_round(3, targets, gone.append, timeout=2.0)
+            await asyncio.wait_for(_until(lambda: len(marked) >= 2), 5)
+            out: dict[str, Any] = {"gone": sorted(gone), "marked": list(marked)}
+            before = len(os.listdir("/proc/self/fd"))
+            waiting = [("127.0.0.1", quiet)] * 6 + [("localhost", quiet)] * 2
+            round_ = asyncio.ensure_future(probe_round(4, waiting, gone.append, timeout=30.0))
+            await asyncio.sleep(0.5)
+            out["open_while_waiting"] = len(os.listdir("/proc/self/fd")) - before
+            round_.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await round_
+            out["open_after"] = len(os.listdir("/proc/self/fd")) - before
+            return out
+        finally:
+            silent.close()
+            server.close()
+            await server.wait_closed()
+
+    out = asyncio.run(go())
+    assert out["gone"] == [1, 2] and out["marked"] == [3, 3], out
+    assert out["open_while_waiting"] >= 5, f"the silent listener's probes wait: {out}"
+    assert out["open_after"] <= 0, f"the cancelled round left sockets open: {out}"
 
 
 def test_only_a_mark_names_a_generation() -> None:
