@@ -20,7 +20,9 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   ``--profile-nodes FILE`` the simulated nodes' over every fault window). The fault is the revocation
   of one active node's lease, which is what its expiry does, and the plan a live replacement by the
   standby. From the lease's end:
-  ``fault_to_plan_s`` to the plan (the generation's ``created_at``: when the planner decided);
+  ``fault_to_plan_s`` to the plan (the generation's ``created_at``: when the planner decided), and
+  with ``--survivor-reports`` ``fault_to_lost_found_s`` to the controller's ``node_dead`` event (its
+  probe round found the node's port closed and revoked its lease);
   ``fault_to_first_node_saw_plan_s`` and ``fault_to_all_saw_plan_s`` until the first and the last
   node's watch took it (rank map rebuilt); ``fault_to_all_acted_s`` until every node handed it to
   its workers (the agent's ``Offer``: what moves the training); ``fault_to_all_published_s`` until
@@ -262,6 +264,16 @@ async def plan_time(store: Store, keys: JobKeys, number: int, deadline_s: float)
     return None
 
 
+async def found_time(store: Store, keys: JobKeys, since_ns: int, number: int) -> float | None:
+    """Wall time at which the controller found a node of generation ``number`` lost (its ``node_dead``
+    event, written when it revoked the lease), among the events since ``since_ns``."""
+    for kv in await store.get_after(keys.event(since_ns, ""), keys.events_prefix):
+        event = decode(Event, kv.value, kv.key)
+        if event.kind == "node_dead" and event.generation == number:
+            return event.time
+    return None
+
+
 def start_controller(endpoint: str, job_id: str, profile: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, __file__, "--controller-of", job_id, "--endpoint", endpoint, "--profile", profile]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
@@ -343,7 +355,7 @@ async def simulated(
         lease = await victim.fail()
         if deferred:
             writes.clear()
-        fault_at, fault_wall = time.monotonic(), time.time()
+        fault_at, fault_wall, fault_ns = time.monotonic(), time.time(), time.time_ns()
         # Their collectives fail with the node, and the controller's probe round on their first report
         # finds its port closed and ends its lease. (Not in the runs that hold the nodes' writes until all
         # acted: a report made before the plan cannot wait for that.) Otherwise its lease ends at once.
@@ -380,6 +392,9 @@ async def simulated(
         run["plan"] = planned.kind if planned is not None and planned.number == number else None
         run["plan_s"] = planned.created_at - fault_wall if run["plan"] else None
         await asyncio.sleep(1.0)  # the events written in the background after the records
+        if reports and not deferred:
+            found = await found_time(main, keys, fault_ns, gen.number)
+            run["found_s"] = found - fault_wall if found is not None else None
         after = await asyncio.to_thread(etcd_messages, endpoint)
         run["etcd_requests"] = {m: after[m] - messages.get(m, 0.0) for m in after if after[m] > messages.get(m, 0.0)}
         print(json.dumps({"n": n, "repeat": r, "deferred": deferred, **run}), file=sys.stderr, flush=True)
@@ -422,6 +437,7 @@ async def simulated(
     def figures(done: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "fault_to_plan_s": summary([run["plan_s"] for run in done]),
+            **({"fault_to_lost_found_s": summary([run["found_s"] for run in done])} if "found_s" in done[0] else {}),
             "fault_to_first_node_saw_plan_s": summary([run["first_saw_s"] for run in done]),
             "fault_to_all_saw_plan_s": summary([run["all_saw_s"] for run in done]),
             "fault_to_all_acted_s": summary([run.get("acted_s") for run in done]),
