@@ -208,8 +208,13 @@ class _Round:
     def _ended(self, i: int, answer: Answer) -> None:
         if self._open.pop(i, None) is None:
             return  # (the round was closed)
-        if answer is Answer.GONE:
-            self._on_gone(i)
+        try:
+            if answer is Answer.GONE:
+                self._on_gone(i)
+        except Exception as exc:  # (the caller's: the round ends with it, as a task's would)
+            if not self.done.done():
+                self.done.set_exception(exc)
+            return
         self._next()
 
     def close(self) -> list[asyncio.Task[Answer]]:
@@ -249,13 +254,13 @@ class _Probe:
         sock.setblocking(False)
         try:
             err = sock.connect_ex(target)
-        except OSError:  # an address this family cannot take
+        except (OSError, OverflowError):  # an address this family cannot take, or no such port
             err = errno.EINVAL
-        if err == errno.EINPROGRESS:
+        if err in (errno.EINPROGRESS, errno.EINTR):  # (interrupted: it still goes on)
             loop.add_writer(sock.fileno(), self._connected)
             if timeout is not None:
                 self._timer = loop.call_later(timeout, self._end, Answer.SILENT)
-        else:  # made, refused or failed at once (on loopback the kernel answers within the call)
+        else:  # made or failed at once (no route, say)
             loop.call_soon(self._end, _answer_of(err))
 
     def _connected(self) -> None:
@@ -283,6 +288,13 @@ class _Probe:
             sock.close()
 
 
+def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
+    """Give ``future`` its answer, unless it was cancelled meanwhile (its socket's answer and the
+    cancellation came in one pass of the event loop)."""
+    if not future.done():
+        future.set_result(answer)
+
+
 def _answer_of(err: int) -> Answer:
     """What a connection's outcome (0 or an errno) says of the agent."""
     if err == 0:
@@ -291,8 +303,11 @@ def _answer_of(err: int) -> Answer:
 
 
 def _family(addr: str) -> int | None:
-    """The address family of an IP address; None for a host name (or a scoped IPv6 address, which
-    getaddrinfo reads)."""
+    """The address family of an IP address; None for a host name, or a scoped IPv6 address
+    (``fe80::1%eth0``): getaddrinfo reads its scope, which a connection to the bare address would
+    lose."""
+    if "%" in addr:
+        return None
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
@@ -324,7 +339,7 @@ async def _connect(addr: str, port: int, mark: bytes) -> Answer:
     refused = 0
     for family, target in targets:
         answered: asyncio.Future[Answer] = loop.create_future()
-        one = _Probe(loop, family, target, mark, None, answered.set_result)
+        one = _Probe(loop, family, target, mark, None, functools.partial(_settle, answered))
         try:
             answer = await answered
         finally:  # (cancelled by the caller's bound: its socket is closed)

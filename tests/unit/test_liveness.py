@@ -202,6 +202,74 @@ def test_a_rounds_host_names_and_addresses_answer_alike_and_a_cancelled_round_cl
     assert out["open_after"] <= 0, f"the cancelled round left sockets open: {out}"
 
 
+def test_a_scoped_ipv6_address_is_resolved_with_its_scope() -> None:
+    """``fe80::1%eth0`` goes through getaddrinfo, which keeps its scope (a connection to the bare address
+    would go nowhere): here the resolver is faked to send it to a live port."""
+
+    async def go() -> tuple[Answer, list[str]]:
+        server, port = await serve()
+        asked: list[str] = []
+
+        async def resolve(host: str, port_: int, **_: Any) -> list[tuple[Any, ...]]:
+            asked.append(host)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+        asyncio.get_running_loop().getaddrinfo = resolve  # type: ignore[method-assign]
+        try:
+            return await probe("fe80::1%eth0", port, timeout=1.0), asked
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(go()) == (Answer.ANSWERS, ["fe80::1%eth0"])
+
+
+def test_a_round_whose_caller_raises_ends_with_the_error_and_a_probe_cancelled_as_it_answers_logs_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``on_gone`` raising ends the round with its error (it would otherwise wait forever); a probe whose
+    task is cancelled in the same pass of the event loop as its socket answers says nothing more."""
+
+    async def go() -> tuple[str, list[str]]:
+        loop = asyncio.get_running_loop()
+        errors: list[str] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+        closed = await _closed_port()
+
+        def refuse(i: int) -> None:
+            raise RuntimeError(f"caller's bug at {i}")
+
+        try:
+            await asyncio.wait_for(probe_round(1, [("127.0.0.1", closed)] * 3, refuse), 5)
+            raised = ""
+        except RuntimeError as exc:
+            raised = str(exc)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        made = liveness._Probe
+        task: list[asyncio.Future[Answer]] = []
+
+        class CancelledAtOnce(made):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                loop.call_soon(task[0].cancel)  # handled before the socket's answer, in the same pass
+
+        monkeypatch.setattr(liveness, "_Probe", CancelledAtOnce)
+        try:
+            task.append(asyncio.ensure_future(liveness._connect("127.0.0.1", listener.getsockname()[1], b"")))
+            with contextlib.suppress(asyncio.CancelledError):
+                await task[0]
+            await asyncio.sleep(0.05)
+        finally:
+            listener.close()
+        return raised, errors
+
+    raised, errors = asyncio.run(go())
+    assert raised == "caller's bug at 0", raised
+    assert errors == [], errors
+
+
 def test_only_a_mark_names_a_generation() -> None:
     assert round_mark_generation(round_mark(12)) == 12
     assert round_mark_generation(round_mark(0)) == 0
