@@ -37,6 +37,12 @@ SPREAD_PER_NODE_S = 0.001
 SAME_LOSS_S = 1.0
 
 
+def nodes_that_see(nodes: int, failed_group_ranks: int) -> int:
+    """How many nodes can see a loss: the generation's ``nodes``, or no more than the failed collectives'
+    groups hold ranks (``failed_group_ranks``, as a worker says it; 0: not known)."""
+    return min(nodes, failed_group_ranks) if failed_group_ranks > 0 else nodes
+
+
 @dataclasses.dataclass
 class LossReport:
     """A node's report of its workers' lost peers: what its record says, and what it will say.

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
-from rlaunch.agent.loss import LossReport
+from rlaunch.agent.loss import LossReport, nodes_that_see
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.reports import MovesReport, ReportError, SdcReport, require
 from rlaunch.detectors.hang import HangDetector
@@ -244,8 +244,7 @@ class WorkerLink:
         gen = self.generation
         number, nodes = (gen.number, len(gen.assignment)) if gen else (0, 1)
         ranks = int(req.get("failed_group_ranks", 0))
-        seen_by = min(nodes, ranks) if ranks > 0 else nodes
-        delay = self.state.loss.seen(number, seen_by, time.time(), time.monotonic(), self._draw())
+        delay = self.state.loss.seen(number, nodes_that_see(nodes, ranks), time.time(), time.monotonic(), self._draw())
         if delay is not None:
             asyncio.get_running_loop().call_later(delay, self._wake_if_waiting)
         self._emit_with_record("recovering", number, local_rank=req["local_rank"], step=req["step"],
