@@ -73,10 +73,7 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   wait, unless the controller's probe round reached it first (see rlaunch.agent.loss). The lost
   node's lease then ends when the controller's round, on the first report, finds its probe port
   closed, as a real agent's would be. Off, they do not, and its lease is revoked at the fault (what
-  its expiry does). ``seen_by`` (``--seen-by K``): only the K survivors after the lost node in rank
-  order see it (its shard group's peers, say), their workers saying that their failed groups hold
-  ``failed_group_ranks_said`` = K + 1 ranks, so their reports wait up to K + 1 ms rather than N ms
-  (``--unsized-groups``: 0, not said, as before the workers said it).
+  its expiry does).
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
@@ -315,16 +312,12 @@ async def simulated(
     per_connection: int = 32,
     floor_procs: int = 4,
     reports: bool = False,
-    seen_by: int = 0,
-    unsized: bool = False,
 ) -> dict[str, Any]:
     """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
     is lost, its ranks are replaced live, and a fresh node joins as the next standby (``reports``: in
     the runs that do not hold the writes, every survivor's workers see the loss and their node says it
     as an agent's would, and the controller's probe round finds the lost node, rather than its lease
-    being revoked at the fault; ``seen_by``: only that many survivors see it, those next to it in rank
-    order, as a shard group's peers would, and their workers say that their failed groups hold
-    ``seen_by`` + 1 ranks, unless ``unsized``). First, the parts of the floor (see scripts/fanout.py), before anything
+    being revoked at the fault). First, the parts of the floor (see scripts/fanout.py), before anything
     else of this size runs."""
     spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
     alone = await one_node(endpoint, n, repeats)
@@ -345,17 +338,6 @@ async def simulated(
     prof = cProfile.Profile() if node_profile else None
     runs: dict[str, list[dict[str, Any]]] = {"inline": [], "deferred": []}
     live = list(nodes)
-
-    group_ranks = seen_by + 1 if seen_by and not unsized else 0
-
-    def seeing(gen: Generation, lost: str) -> list[SimNode]:
-        """The survivors whose workers see the loss of node ``lost``."""
-        by_rank = sorted((node for node in gen.assignment if node != lost), key=gen.assignment.__getitem__)
-        if seen_by:
-            at = sum(gen.assignment[node] < gen.assignment[lost] for node in by_rank)
-            by_rank = [by_rank[(at + i) % len(by_rank)] for i in range(min(seen_by, len(by_rank)))]
-        by_id = {x.node_id: x for x in live}
-        return [by_id[node] for node in by_rank if node in by_id]
 
     async def fault(r: int, deferred: bool) -> dict[str, Any]:
         """Lose an active node; its ranks are replaced live; a fresh node joins as the next standby."""
@@ -378,8 +360,9 @@ async def simulated(
         # finds its port closed and ends its lease. (Not in the runs that hold the nodes' writes until all
         # acted: a report made before the plan cannot wait for that.) Otherwise its lease ends at once.
         if reports and not deferred:
-            for x in seeing(gen, victim.node_id):
-                x.lose_peer(gen.number, len(gen.assignment), group_ranks)
+            for x in live:
+                if x is not victim and x.node_id in gen.assignment:
+                    x.lose_peer(gen.number, len(gen.assignment))
         else:
             await main.revoke_lease(lease)  # what the lease's expiry does
         live.remove(victim)
@@ -501,8 +484,7 @@ async def simulated(
             **{mode: {k: summary(v) for k, v in shared[mode].items()} for mode in ("receipt", "writes")},
         },
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
-        "survivors_report": reports, "seen_by": seen_by or None, "failed_group_ranks_said": group_ranks,
-        "steady_methods": methods, "steady_cpu_per_s": steady_cpu,
+        "survivors_report": reports, "steady_methods": methods, "steady_cpu_per_s": steady_cpu,
         "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
     }  # fmt: skip
     await main.delete_prefix(keys.prefix)
@@ -714,11 +696,6 @@ def main() -> None:
     parser.add_argument("--survivor-reports", action="store_true", help="at each fault every simulated "
                         "survivor sees the loss and says it as an agent does (after a random wait, unless the "
                         "controller's probe round came first), and the round finds the lost node")  # fmt: skip
-    parser.add_argument("--seen-by", type=int, default=0, help="with --survivor-reports: only this many "
-                        "survivors see each loss (those after the lost node in rank order, as its shard group's "
-                        "peers), their workers saying their failed groups hold one rank more (0: all)")  # fmt: skip
-    parser.add_argument("--unsized-groups", action="store_true", help="with --seen-by: the workers do not say "
-                        "their failed groups' size, so a report waits as if every node saw the loss")  # fmt: skip
     parser.add_argument(
         "--profile",
         default="",
@@ -747,8 +724,7 @@ def main() -> None:
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
                                                args.profile_nodes, args.nodes_per_connection,
-                                               args.floor_procs, args.survivor_reports, args.seen_by,
-                                               args.unsized_groups)))  # fmt: skip
+                                               args.floor_procs, args.survivor_reports)))  # fmt: skip
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             try:

@@ -45,7 +45,7 @@ from typing import Any
 from rlaunch.agent import states as st
 from rlaunch.agent.generations import GenerationWatch
 from rlaunch.agent.lease import first_pause
-from rlaunch.agent.loss import LossReport, nodes_that_see
+from rlaunch.agent.loss import LossReport
 from rlaunch.agent.transitions import decide
 from rlaunch.controller.view import read_snapshot
 from rlaunch.detectors.liveness import serve
@@ -154,16 +154,13 @@ class SimNode:
             probe_port=self.probe_port, peer_lost_at=self.loss.said_at,
         )  # fmt: skip
 
-    def lose_peer(self, generation: int, nodes: int, failed_group_ranks: int = 0) -> None:
-        """Its workers saw a collective fail (a peer is lost) in ``generation`` of ``nodes`` nodes, in groups
-        of ``failed_group_ranks`` ranks (0: not said): reported in its record when due, with their
-        ``recovering`` event, as the agent's worker link and loop do."""
-        seen_by = nodes_that_see(nodes, failed_group_ranks)
-        delay = self.loss.seen(generation, seen_by, time.time(), time.monotonic(), random.random())
+    def lose_peer(self, generation: int, nodes: int) -> None:
+        """Its workers saw a collective fail (a peer is lost) in ``generation`` of ``nodes`` nodes: reported
+        in its record when due, with their ``recovering`` event, as the agent's worker link and loop do."""
+        delay = self.loss.seen(generation, nodes, time.time(), time.monotonic(), random.random())
         if delay is not None:
             asyncio.get_running_loop().call_later(delay, lambda: self._wake.set() if self.loss.waiting() else None)
-        self.events.emit_with_record("recovering", generation, local_rank=0, step=0,
-                                     failed_group_ranks=failed_group_ranks)  # fmt: skip
+        self.events.emit_with_record("recovering", generation, local_rank=0, step=0)
 
     async def join(self) -> None:
         """Register under a fresh lease (the first nodes to join hold ranks, later ones stand by)."""

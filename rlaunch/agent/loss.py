@@ -8,18 +8,15 @@ a data-parallel job every survivor sees the loss at once: at 4,096 nodes, 4,095 
 a moment, which delayed the controller's plan by about a second (``scripts/bench_control_plane.py
 --survivor-reports``), and each fresh one made the controller probe every agent again.
 
-So a node says a loss after a random part of ``SPREAD_PER_NODE_S`` x the number of nodes that can see
-it, and not at all if the controller's probe round (for that generation or a later one) reached the node
+So a node says a loss after a random part of ``SPREAD_PER_NODE_S`` x the generation's node count, and
+not at all if the controller's probe round (for that generation or a later one) reached the node
 meanwhile: the round answers the losses before it (an agent gone when its probe came was found, and
 a silent host is left to its lease, which a report would not change). A round's probes go out over a
 moment, not at once: a node lost after its own probe but before this node's is not found by it,
 and this node's report of it is dropped; any report by a node probed before the loss, or the lost
-node's lease, finds it. The nodes that can see a loss are the generation's, or fewer: no more than
-the failed collectives' groups have ranks (the worker says how many; an FSDP shard group's peers
-see a loss first, or a pipeline stage's neighbours). Where k of n such nodes see it, the first report
-comes after n ms / (k + 1) on average: about 1 ms where every node of the job sees it, whatever the
-job's size; where one node alone does, half the spread (2 ms at 4 nodes, 2 s at 4,096 where the group
-is the whole job, 4 ms in a group of 8 ranks; still well within the lease's TTL, which detects the
+node's lease, finds it. Where k nodes see a loss, the first report comes after spread / (k + 1) on
+average: about 1 ms where every node sees it, whatever the job's size; where one node alone does,
+half the spread (2 ms at 4 nodes, 2 s at 4,096, still well within the lease's TTL, which detects the
 loss otherwise).
 
 The workers of one node report a loss within milliseconds of each other: reports within
@@ -30,17 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 
-#: The longest a node waits before its record says a loss, per node that can see it.
+#: The longest a node waits before its record says a loss, per node of the generation.
 SPREAD_PER_NODE_S = 0.001
 #: A failed collective a local worker reports within this long of the node's last report, in the same
 #: generation, is the same loss: the node's record says it once (each local rank sees it within ms).
 SAME_LOSS_S = 1.0
-
-
-def nodes_that_see(nodes: int, failed_group_ranks: int) -> int:
-    """How many nodes can see a loss: the generation's ``nodes``, or no more than the failed collectives'
-    groups hold ranks (``failed_group_ranks``, as a worker says it; 0: not known)."""
-    return min(nodes, failed_group_ranks) if failed_group_ranks > 0 else nodes
 
 
 @dataclasses.dataclass
@@ -64,8 +55,8 @@ class LossReport:
     probed_generation: int = -1
 
     def seen(self, generation: int, nodes: int, wall: float, mono: float, draw: float) -> float | None:
-        """A local worker saw a collective fail in ``generation``, which ``nodes`` nodes can see; ``draw`` is
-        uniform in [0, 1). Returns how long until the record may say it, or None where it is the loss already
+        """A local worker saw a collective fail in ``generation``, of ``nodes`` nodes; ``draw`` is uniform
+        in [0, 1). Returns how long until the record may say it, or None where it is the loss already
         noted (another local worker's report of it)."""
         if generation == self.generation and mono - self.seen_mono < SAME_LOSS_S:
             return None

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlaunch.agent.control import ControlServer
-from rlaunch.agent.loss import LossReport, nodes_that_see
+from rlaunch.agent.loss import LossReport
 from rlaunch.agent.metrics import AgentMetrics
 from rlaunch.agent.reports import MovesReport, ReportError, SdcReport, require
 from rlaunch.detectors.hang import HangDetector
@@ -236,19 +236,16 @@ class WorkerLink:
 
     async def _recovering(self, req: dict[str, Any]) -> dict[str, Any]:
         """A local worker saw a collective fail. The node reports the loss (its record's ``peer_lost_at``,
-        on which the controller probes) once for all its workers, after a wait that spreads the reports
-        of one loss over the nodes that can see it (see rlaunch.agent.loss): the generation's, or as many
-        as the failed collectives have ranks where that is fewer (``failed_group_ranks``; 0: not known);
-        the agent's loop is woken when it is due, unless a probe round made it needless. The event goes
-        with the node's next record (or alone, after ``rlaunch.events.RECORD_WAIT_S``)."""
+        on which the controller probes) once for all its workers, after a wait that spreads the job's
+        reports of one loss (see rlaunch.agent.loss); the agent's loop is woken when it is due, unless
+        a probe round made it needless. The event goes with the node's next record (or alone, after
+        ``rlaunch.events.RECORD_WAIT_S``)."""
         gen = self.generation
         number, nodes = (gen.number, len(gen.assignment)) if gen else (0, 1)
-        ranks = int(req.get("failed_group_ranks", 0))
-        delay = self.state.loss.seen(number, nodes_that_see(nodes, ranks), time.time(), time.monotonic(), self._draw())
+        delay = self.state.loss.seen(number, nodes, time.time(), time.monotonic(), self._draw())
         if delay is not None:
             asyncio.get_running_loop().call_later(delay, self._wake_if_waiting)
-        self._emit_with_record("recovering", number, local_rank=req["local_rank"], step=req["step"],
-                               failed_group_ranks=ranks)  # fmt: skip
+        self._emit_with_record("recovering", number, local_rank=req["local_rank"], step=req["step"])
         return {}
 
     def _wake_if_waiting(self) -> None:

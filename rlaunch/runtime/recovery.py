@@ -238,10 +238,7 @@ class Recovery:
         assert s.link is not None and s.store is not None
         began = time.perf_counter()
         self.active = True
-        # the ranks of the collectives that failed: at most that many nodes see this loss, which spreads
-        # their reports over fewer (see rlaunch.agent.loss)
-        seen_by = set().union(*(g.members for g in s.groups.mine() if g.failed))
-        s.link.call("recovering", step=s.step, failed_group_ranks=len(seen_by))
+        s.link.call("recovering", step=s.step)
         plan = self._take_plan()
         self._host.stop()  # what it holds no longer changes: it is reported next
         deadline = time.monotonic() + s.timeout.total_seconds()
