@@ -17,7 +17,9 @@ and this node's report of it is dropped; any report by a node probed before the 
 node's lease, finds it. Where k nodes see a loss, the first report comes after spread / (k + 1) on
 average: about 1 ms where every node sees it, whatever the job's size; where one node alone does,
 half the spread (2 ms at 4 nodes, 2 s at 4,096, still well within the lease's TTL, which detects the
-loss otherwise).
+loss otherwise). Under rlaunch's runtime that case is rare: each step ends with a vote on the world
+group, so every survivor sees a loss within a step, whichever group failed first (spreading a report
+over its failed groups' ranks instead was tried, and gained nothing).
 
 The workers of one node report a loss within milliseconds of each other: reports within
 ``SAME_LOSS_S`` of the node's last, in the same generation, are the same loss.
