@@ -72,9 +72,7 @@ def test_only_the_controllers_rounds_mark_an_agent_and_a_round_says_which_are_go
             out["names"] = (await probe("localhost", port), await probe("localhost", closed_port))
             return out
         finally:
-            silent.close()
-            server.close()
-            await server.wait_closed()
+            await _close(server, silent)
 
     out = asyncio.run(go())
     assert out["after_plain"] == [], "an agent's own probe is no round"
@@ -129,9 +127,7 @@ def test_silent_hosts_do_not_hold_a_rounds_probes_from_the_rest(monkeypatch: pyt
             await asyncio.wait_for(_until(lambda: bool(marked)), 5)
             return marked, gone, took
         finally:
-            silent.close()
-            server.close()
-            await server.wait_closed()
+            await _close(server, silent)
 
     marked, gone, took = asyncio.run(go())
     assert marked == [9] and gone == [7], (marked, gone)
@@ -158,9 +154,7 @@ def test_a_host_name_answers_at_its_first_address_that_does_and_is_gone_only_if_
                 answers.append(await probe("node.example", 0, timeout=1.0))
             return answers
         finally:
-            silent.close()
-            server.close()
-            await server.wait_closed()
+            await _close(server, silent)
 
     assert asyncio.run(go()) == [Answer.ANSWERS, Answer.ANSWERS, Answer.GONE]
 
@@ -192,9 +186,7 @@ def test_a_rounds_host_names_and_addresses_answer_alike_and_a_cancelled_round_cl
             out["open_after"] = len(os.listdir("/proc/self/fd")) - before
             return out
         finally:
-            silent.close()
-            server.close()
-            await server.wait_closed()
+            await _close(server, silent)
 
     out = asyncio.run(go())
     assert out["gone"] == [1, 2] and out["marked"] == [3, 3], out
@@ -275,6 +267,14 @@ def test_only_a_mark_names_a_generation() -> None:
     assert round_mark_generation(round_mark(0)) == 0
     for sent in (b"", b"r", b"rx\n", b"x12\n", b"r-1\n", b"r" + b"9" * 40):
         assert round_mark_generation(sent) is None, sent
+
+
+async def _close(server: asyncio.Server, *socks: socket.socket) -> None:
+    """End a test's probe server and its bare sockets."""
+    for sock in socks:
+        sock.close()
+    server.close()
+    await server.wait_closed()
 
 
 async def _closed_port() -> int:
