@@ -437,7 +437,11 @@ async def simulated(
     def figures(done: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "fault_to_plan_s": summary([run["plan_s"] for run in done]),
-            **({"fault_to_lost_found_s": summary([run["found_s"] for run in done])} if "found_s" in done[0] else {}),
+            **(
+                {"fault_to_lost_found_s": summary([run.get("found_s") for run in done])}
+                if any("found_s" in run for run in done)
+                else {}
+            ),
             "fault_to_first_node_saw_plan_s": summary([run["first_saw_s"] for run in done]),
             "fault_to_all_saw_plan_s": summary([run["all_saw_s"] for run in done]),
             "fault_to_all_acted_s": summary([run.get("acted_s") for run in done]),
