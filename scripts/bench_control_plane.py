@@ -264,10 +264,10 @@ async def plan_time(store: Store, keys: JobKeys, number: int, deadline_s: float)
     return None
 
 
-async def found_time(store: Store, keys: JobKeys, since_ns: int, number: int) -> float | None:
+async def found_time(store: Store, keys: JobKeys, since: float, number: int) -> float | None:
     """Wall time at which the controller found a node of generation ``number`` lost (its ``node_dead``
-    event, written when it revoked the lease), among the events since ``since_ns``."""
-    for kv in await store.get_after(keys.event(since_ns, ""), keys.events_prefix):
+    event, written when it revoked the lease), among the events since wall time ``since``."""
+    for kv in await store.get_after(keys.event(int(since * 1e9), ""), keys.events_prefix):
         event = decode(Event, kv.value, kv.key)
         if event.kind == "node_dead" and event.generation == number:
             return event.time
@@ -355,7 +355,7 @@ async def simulated(
         lease = await victim.fail()
         if deferred:
             writes.clear()
-        fault_at, fault_wall, fault_ns = time.monotonic(), time.time(), time.time_ns()
+        fault_at, fault_wall = time.monotonic(), time.time()
         # Their collectives fail with the node, and the controller's probe round on their first report
         # finds its port closed and ends its lease. (Not in the runs that hold the nodes' writes until all
         # acted: a report made before the plan cannot wait for that.) Otherwise its lease ends at once.
@@ -393,7 +393,7 @@ async def simulated(
         run["plan_s"] = planned.created_at - fault_wall if run["plan"] else None
         await asyncio.sleep(1.0)  # the events written in the background after the records
         if reports and not deferred:
-            found = await found_time(main, keys, fault_ns, gen.number)
+            found = await found_time(main, keys, fault_wall, gen.number)
             run["found_s"] = found - fault_wall if found is not None else None
         after = await asyncio.to_thread(etcd_messages, endpoint)
         run["etcd_requests"] = {m: after[m] - messages.get(m, 0.0) for m in after if after[m] > messages.get(m, 0.0)}

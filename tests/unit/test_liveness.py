@@ -99,8 +99,7 @@ def test_a_burst_of_a_rounds_probes_is_accepted_and_marks_every_agent() -> None:
             await asyncio.wait_for(_until(lambda: len(marked) >= 500), 5)
             return len(marked), len(gone), took
         finally:
-            server.close()
-            await server.wait_closed()
+            await _close(server)
 
     marked, gone, took = asyncio.run(go())
     assert (marked, gone) == (500, 0), f"{marked} of 500 probes marked, {gone} gone"
@@ -210,8 +209,7 @@ def test_a_scoped_ipv6_address_is_resolved_with_its_scope() -> None:
         try:
             return await probe("fe80::1%eth0", port, timeout=1.0), asked
         finally:
-            server.close()
-            await server.wait_closed()
+            await _close(server)
 
     assert asyncio.run(go()) == (Answer.ANSWERS, ["fe80::1%eth0"])
 
@@ -280,8 +278,7 @@ async def _close(server: asyncio.Server, *socks: socket.socket) -> None:
 async def _closed_port() -> int:
     """A port where an agent's probe server listened and no longer does: it refuses."""
     server, port = await serve()
-    server.close()
-    await server.wait_closed()
+    await _close(server)
     return port
 
 
