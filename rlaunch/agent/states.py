@@ -156,6 +156,15 @@ class Fenced:
 
 
 @dataclasses.dataclass(frozen=True)
+class Broken:
+    """One of the agent's own background tasks (``task``: what it does, such as "the lease renewal")
+    ended by an error it does not expect (``error``): what it did has stopped."""
+
+    task: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
 class EtcdLost:
     """No etcd member has answered for ``unreachable_s`` seconds, at least ``--rdzv-timeout``."""
 
@@ -165,7 +174,7 @@ class EtcdLost:
     published: NodeState | None
 
 
-Observation = Look | WorkersExited | Settled | Signalled | Fenced | EtcdLost
+Observation = Look | WorkersExited | Settled | Signalled | Fenced | Broken | EtcdLost
 
 
 # -- actions --------------------------------------------------------------------------------------
