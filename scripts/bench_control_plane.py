@@ -11,13 +11,14 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   expires (``--lease-ttl``), which dominates it, so ``lease_expiry_to_plan_s`` (from the deletion
   of the node's record by the expiry, seen on a watch) is reported too. "Acted": every node of
   the new generation publishes ``running`` at it (the worker does not use the runtime: a restart).
-- ``kind: "simulated"``: N simulated nodes in this one process (see scripts/simnodes.py: each runs
-  the agent's own generation watch and state machine, and carries the actions out as an agent
-  does, with no processes), and the real :class:`~rlaunch.controller.controller.Controller` and
+- ``kind: "simulated"``: N simulated nodes, dealt over ``--node-procs`` host processes (default 1;
+  see scripts/simhosts.py; ``node_procs``), each with its own etcd channels (see scripts/simnodes.py:
+  each node runs the agent's own generation watch and state machine, and carries the actions out
+  as an agent does, with no processes of its own), and the real :class:`~rlaunch.controller.controller.Controller` and
   planner deciding in a process of their own woken by the leader's watch, which also keeps the
   node records they plan from (rlaunch.controller.feed), as in a leader agent (``--profile FILE``
   writes its cProfile statistics over the fault windows of the runs that do not hold the writes,
-  ``--profile-nodes FILE`` the simulated nodes' over every fault window). The fault is the revocation
+  ``--profile-nodes FILE`` each host's over every fault window, to ``FILE.<N>.<host>``). The fault is the revocation
   of one active node's lease, which is what its expiry does, and the plan a live replacement by the
   standby. From the lease's end:
   ``fault_to_plan_s`` to the plan (the generation's ``created_at``: when the planner decided), and
@@ -31,14 +32,15 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   seconds etcd, the controller and the simulated nodes used from the fault to all running.
   ``fault_etcd_requests``: the gRPC messages etcd received, by method, from the fault until a
   second after all running (every node's and the controller's, lease keepalives included), and
-  ``fault_etcd_requests_per_node`` their sum over N-1. All the
-  nodes share this one process (and the machine's cores with etcd and the controller), which
-  bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs this process.
+  ``fault_etcd_requests_per_node`` their sum over N-1. The
+  nodes share their host processes (and the machine's cores with etcd and the controller), which
+  bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs them (the
+  ``nodes`` CPU seconds are the hosts' sum).
   Python's garbage collector is paused over each fault's window, as an agent's does not run
   during a move (see ``scripts.simnodes.pause_collector``: in one heap of N nodes it did).
   ``writes_deferred`` repeats the faults with the nodes' writes held from the fault until every
   node acted (their reads and watches pass), so that no node's writes delay another's receipt of
-  the plan in this one process, as they do not when each agent has a machine of its own.
+  the plan in a shared process, as they do not when each agent has a machine of its own.
   ``target_all_acted_s`` is the issue's target (1 s up to 1,024 nodes, 2 s up to 4,096).
 - ``floor`` (simulated sizes): what fault → every node acted is when each agent has a machine of
   its own, measured in parts before the simulated job forms (see scripts/fanout.py):
@@ -60,7 +62,8 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   plan; ``all_acted_s_writes_deferred`` the same with no writes, the floor of ``writes_deferred``;
   ``target_met`` and ``target_met_writes_deferred`` compare them with the target (medians over the
   rounds that completed; one that did not within its time is null in ``runs``). Where a floor is
-  above the target, no agent code meets that target in this simulation on this machine.
+  above the target, no agent code meets that target in this simulation on this machine. Measured
+  with ``--node-procs 1`` only (null otherwise).
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
@@ -79,7 +82,7 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
 
 Usage: ``python scripts/bench_control_plane.py [--real 16,64] [--simulated 1024] [--repeats 5] [--no-torchrun]
-[--floor-procs 4]``.
+[--floor-procs 4] [--node-procs 2] [--survivor-reports]``.
 The machine's load changes the numbers: ``uptime`` is included.
 """
 
@@ -119,7 +122,8 @@ from rlaunch.store.records import Event, Generation, JobSpec, NodeRecord, NodeSt
 from rlaunch.waiting import wait_event  # noqa: E402
 from scripts.ending import die_with_parent, end_on_sigterm  # noqa: E402
 from scripts.fanout import fanout, one_node, one_process, watchers_main  # noqa: E402
-from scripts.simnodes import SIM_TTL, GatedWrites, SimNode, pause_collector, resume_collector  # noqa: E402
+from scripts.simhosts import Host, host_main  # noqa: E402
+from scripts.simnodes import SIM_TTL  # noqa: E402
 
 LEASE_TTL = 3
 QUIET_S = 6.0
@@ -168,14 +172,17 @@ def summary(runs: list[float | None], digits: int = 3) -> dict[str, Any]:
             "max": round(max(done), digits), "runs": runs}  # fmt: skip
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int | list[int]]) -> dict[str, float]:
+    """CPU seconds used so far, by name: of one process, or the sum of a list of processes."""
     out = {}
-    for name, pid in pids.items():
-        try:
-            times = psutil.Process(pid).cpu_times()
-            out[name] = times.user + times.system
-        except psutil.NoSuchProcess:
-            out[name] = 0.0
+    for name, some in pids.items():
+        out[name] = 0.0
+        for pid in some if isinstance(some, list) else [some]:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                out[name] += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
     return out
 
 
@@ -296,12 +303,6 @@ async def until(pred: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-def ready_standby(node: SimNode) -> bool:
-    """What the planner takes as a ready standby (rlaunch.controller.planner.is_ready), as etcd has it."""
-    r = node.record
-    return r is not None and r.state is NodeState.STANDBY and r.runtime and node.published.get(r.generation, 0) > 0
-
-
 async def simulated(
     endpoint: str,
     n: int,
@@ -312,82 +313,90 @@ async def simulated(
     per_connection: int = 32,
     floor_procs: int = 4,
     reports: bool = False,
+    node_procs: int = 1,
 ) -> dict[str, Any]:
-    """N simulated nodes (N-1 active, 1 standby) form a job; then ``repeats`` times, an active node
-    is lost, its ranks are replaced live, and a fresh node joins as the next standby (``reports``: in
-    the runs that do not hold the writes, every survivor's workers see the loss and their node says it
-    as an agent's would, and the controller's probe round finds the lost node, rather than its lease
-    being revoked at the fault). First, the parts of the floor (see scripts/fanout.py), before anything
-    else of this size runs."""
+    """N simulated nodes (N-1 active, 1 standby), dealt over ``node_procs`` host processes (see
+    scripts/simhosts.py), form a job; then ``repeats`` times, an active node is lost, its ranks are
+    replaced live, and a fresh node joins as the next standby (``reports``: in the runs that do not
+    hold the writes, every survivor's workers see the loss and their node says it as an agent's
+    would, and the controller's probe round finds the lost node, rather than its lease being revoked
+    at the fault). First, the parts of the floor (see scripts/fanout.py), before anything else of this
+    size runs."""
     spread = await fanout(endpoint, n - 1, floor_procs, repeats, per_connection)
     alone = await one_node(endpoint, n, repeats)
-    shared = await one_process(endpoint, n - 1, repeats, per_connection)
+    shared = await one_process(endpoint, n - 1, repeats, per_connection) if node_procs == 1 else None
     keys = JobKeys(f"bench-sim-{uuid.uuid4().hex[:6]}")
-    eps = parse_endpoints(endpoint)
-    channels = [Store(eps, timeout=30) for _ in range(max(1, n // per_connection))]
-    writes = asyncio.Event()  # open, except from a fault until every node acted in the deferred runs
-    writes.set()
-    gated = [GatedWrites(channel, writes) for channel in channels]
-    main = Store(eps, timeout=30)
+    main = Store(parse_endpoints(endpoint), timeout=30)
     spec = JobSpec(job_id=keys.job_id, nnodes=n - 1, nproc_per_node=1, max_restarts=3, entrypoint="sim",
                    args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
     await main.put(keys.spec, encode(spec))
     ctl = await asyncio.to_thread(start_controller, endpoint, keys.job_id, profile)
-    pids = {"etcd": etcd_pid, "controller": ctl.pid, "nodes": os.getpid()}
-    nodes = [SimNode(f"s{i:05d}", gated[i % len(gated)], keys) for i in range(n)]  # type: ignore[arg-type]
-    prof = cProfile.Profile() if node_profile else None
+    shares = [len(range(h, n, node_procs)) for h in range(node_procs)]
+    hosts = [
+        await Host.start(endpoint, keys.job_id, h, share, per_connection, f"{node_profile}.{n}" if node_profile else "")
+        for h, share in enumerate(shares)
+    ]  # fmt: skip
+    pids: dict[str, int | list[int]] = {"etcd": etcd_pid, "controller": ctl.pid, "nodes": [h.pid for h in hosts]}
+    ids = [f"s{i:05d}" for i in range(n)]
+    owner = {node_id: hosts[i % node_procs] for i, node_id in enumerate(ids)}
     runs: dict[str, list[dict[str, Any]]] = {"inline": [], "deferred": []}
-    live = list(nodes)
+    live = list(ids)
+
+    async def each(op: str, **args: Any) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(host.call(op, **args) for host in hosts)))
 
     async def fault(r: int, deferred: bool) -> dict[str, Any]:
         """Lose an active node; its ranks are replaced live; a fresh node joins as the next standby."""
         gen = await read_generation(main, keys)
         assert gen is not None
         number = gen.number + 1
-        victim = next(x for x in live[n // 2 + r :] if x.node_id in gen.assignment)
+        victim = next(x for x in live[n // 2 + r :] if x in gen.assignment)
         messages = await asyncio.to_thread(etcd_messages, endpoint)
-        pause_collector()  # as an agent's does not run during a move (see pause_collector)
+        await each("collector", paused=True)  # as an agent's does not run during a move (see pause_collector)
         cpu = cpu_seconds(pids)
-        if prof is not None:
-            prof.enable()
+        await each("profile", on=True)
         if profile and not deferred:
             ctl.send_signal(signal.SIGUSR1)  # its profile covers this window
-        lease = await victim.fail()
+        lease = (await owner[victim].call("fail", id=victim))["lease"]
         if deferred:
-            writes.clear()
+            await each("writes", open=False)
         fault_at, fault_wall = time.monotonic(), time.time()
         # Their collectives fail with the node, and the controller's probe round on their first report
         # finds its port closed and ends its lease. (Not in the runs that hold the nodes' writes until all
         # acted: a report made before the plan cannot wait for that.) Otherwise its lease ends at once.
+        live.remove(victim)
         if reports and not deferred:
-            for x in live:
-                if x is not victim and x.node_id in gen.assignment:
-                    x.lose_peer(gen.number, len(gen.assignment))
+            seeing = [x for x in live if x in gen.assignment]
+            await asyncio.gather(*(
+                host.call("lose_peer", gen=gen.number, nodes=len(gen.assignment),
+                          ids=[x for x in seeing if owner[x] is host])
+                for host in hosts
+            ))  # fmt: skip
         else:
             await main.revoke_lease(lease)  # what the lease's expiry does
-        live.remove(victim)
         run: dict[str, Any] = {}
         try:
-            await until(lambda g=number: all(g in x.acted for x in live), 120, f"every node acting on {number}")
-            run["acted_s"] = max(x.acted[number] for x in live) - fault_at
-            writes.set()
-            await until(lambda g=number: all(g in x.ran for x in live), 120, f"every node running {number}")
-            run["running_s"] = max(x.ran[number] for x in live) - fault_at
+            acted = await each("until", what="acted", gen=number, timeout=120)
+            run["acted_s"] = max(a["latest"] for a in acted) - fault_at
+            await each("writes", open=True)
+            ran = await each("until", what="ran", gen=number, timeout=120)
+            run["running_s"] = max(a["latest"] for a in ran) - fault_at
         except RuntimeError as exc:
             run["error"] = str(exc)
-        writes.set()
-        if prof is not None:
-            prof.disable()
+        await each("writes", open=True)
+        await each("profile", on=False)
         if profile and not deferred:
             ctl.send_signal(signal.SIGUSR2)
         used = cpu_seconds(pids)
-        resume_collector()
+        await each("collector", paused=False)
         run["cpu_s"] = {k: round(used[k] - cpu[k], 2) for k in pids}
-        seen = [x.seen[number] - fault_at for x in live if number in x.seen]
-        published = [x.published[number] - fault_at for x in live if number in x.published]
+        times = await each("times", gen=number)
+        seen = [t - fault_at for host in times for t in host["seen"]]
+        published = [t - fault_at for host in times for t in host["published"]]
+        count = sum(host["live"] for host in times)
         run["first_saw_s"] = min(seen) if seen else None
-        run["all_saw_s"] = max(seen) if len(seen) == len(live) else None
-        run["published_s"] = max(published) if len(published) == len(live) else None
+        run["all_saw_s"] = max(seen) if len(seen) == count else None
+        run["published_s"] = max(published) if len(published) == count else None
         planned = await read_generation(main, keys)
         run["plan"] = planned.kind if planned is not None and planned.number == number else None
         run["plan_s"] = planned.created_at - fault_wall if run["plan"] else None
@@ -399,26 +408,28 @@ async def simulated(
         run["etcd_requests"] = {m: after[m] - messages.get(m, 0.0) for m in after if after[m] > messages.get(m, 0.0)}
         print(json.dumps({"n": n, "repeat": r, "deferred": deferred, **run}), file=sys.stderr, flush=True)
         # a new machine in place of the lost one: a fresh node joins as the next standby
-        fresh = SimNode(f"r{r:03d}", gated[r % len(gated)], keys)  # type: ignore[arg-type]
-        await fresh.join()
-        fresh.start()
+        fresh = f"r{r:03d}"
+        owner[fresh] = hosts[r % node_procs]
+        await owner[fresh].call("fresh", id=fresh)
         live.append(fresh)
-        nodes.append(fresh)
-        await until(lambda x=fresh: ready_standby(x), 120, "a fresh standby")
         await asyncio.sleep(1.0)
         return run
 
     try:
         began = time.monotonic()
         for batch in range(0, n, 64):  # join in join order; the last one is the standby
-            joining = nodes[batch : batch + 64]
-            await asyncio.gather(*(node.join() for node in joining))
-            for node in joining:
-                node.start()
+            joining = ids[batch : batch + 64]
+            await asyncio.gather(*(host.call("join", ids=[x for x in joining if owner[x] is host]) for host in hosts))
         # (the nodes of a batch join concurrently: which one is left as the standby is etcd's order)
-        formed = lambda: sum(1 in x.acted for x in nodes) == n - 1 and any(map(ready_standby, nodes))  # noqa: E731
-        await until(formed, 900, f"the formation of {n} simulated nodes")
-        form_s = max(node.acted[1] for node in nodes if 1 in node.acted) - began
+        end = time.monotonic() + 900
+        while True:
+            formed = await each("formed")
+            if sum(f["acted"] for f in formed) == n - 1 and any(f["standby"] for f in formed):
+                break
+            if time.monotonic() > end:
+                raise RuntimeError(f"the formation of {n} simulated nodes did not happen within 900 s.")
+            await asyncio.sleep(0.1)
+        form_s = max(f["latest"] for f in formed if f["latest"] is not None) - began
         await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
         # two renewal periods: the nodes joined within seconds, so their keepalives come in waves
         quiet_s, quiet = 2 * SIM_TTL / 3, cpu_seconds(pids)
@@ -430,9 +441,7 @@ async def simulated(
     finally:
         ctl.send_signal(signal.SIGTERM)
         await asyncio.to_thread(ctl.wait, 30)
-        if prof is not None:
-            prof.dump_stats(f"{node_profile}.{n}")
-        await asyncio.gather(*(node.close() for node in nodes), return_exceptions=True)
+        await asyncio.gather(*(host.close() for host in hosts))
 
     def figures(done: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -463,7 +472,8 @@ async def simulated(
     }
     floor = None if None in parts.values() else round(sum(parts.values()), 3)
     met = [f["fault_to_all_acted_s"]["median"] for f in (inline, deferred_runs)]
-    shared_floor = [summary(shared[mode]["write_to_last_s"])["median"] for mode in ("writes", "receipt")]
+    shared_floor = [summary(shared[mode]["write_to_last_s"])["median"] if shared else None
+                    for mode in ("writes", "receipt")]  # fmt: skip
     result = {
         "n": n, "kind": "simulated", "repeats": repeats, "form_s": round(form_s, 3), **inline,
         "writes_deferred": deferred_runs, "target_all_acted_s": target,
@@ -481,20 +491,20 @@ async def simulated(
             "one_node": {**alone, "write_to_acted_s": summary(alone["write_to_acted_s"], 5),
                          "saw_to_acted_s": summary(alone["saw_to_acted_s"], 5)},
         },
+        "node_procs": node_procs,
         "simulation_floor": {
             "all_acted_s": shared_floor[0], "target_met": shared_floor[0] is not None and shared_floor[0] <= target,
             "all_acted_s_writes_deferred": shared_floor[1],
             "target_met_writes_deferred": shared_floor[1] is not None and shared_floor[1] <= target,
             **{mode: {k: summary(v) for k, v in shared[mode].items()} for mode in ("receipt", "writes")},
-        },
+        } if shared else None,
         "steady_etcd_requests_per_s": round(rate, 2), "steady_keepalives_per_s": round(keepalives, 2),
         "survivors_report": reports, "steady_methods": methods, "steady_cpu_per_s": steady_cpu,
         "lease_ttl_s": SIM_TTL, "torchrun_form_s": None,
     }  # fmt: skip
     await main.delete_prefix(keys.prefix)
-    for store in (main, *channels):
-        store.timeout = 1.0  # closing a channel that had watches on it may not finish: do not wait long
-    await asyncio.gather(*(store.close() for store in (main, *channels)), return_exceptions=True)
+    main.timeout = 1.0
+    await main.close()
     return result
 
 
@@ -707,7 +717,10 @@ def main() -> None:
         "simulated runs' fault windows (those that do not hold the writes) here",
     )
     parser.add_argument("--profile-nodes", default="", help="write the simulated nodes' cProfile stats over the "
-                        "fault windows to FILE.<N>")  # fmt: skip
+                        "fault windows to FILE.<N>.<host>")  # fmt: skip
+    parser.add_argument("--node-procs", type=int, default=1, help="host processes the simulated nodes are dealt "
+                        "over (see scripts/simhosts.py)")  # fmt: skip
+    parser.add_argument("--node-host", default="", help=argparse.SUPPRESS)  # a host process of simulated nodes
     parser.add_argument("--controller-of", default="", help=argparse.SUPPRESS)  # the controller process
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("--watchers-of", default="", help=argparse.SUPPRESS)  # a process of the floor's watchers
@@ -720,6 +733,11 @@ def main() -> None:
     if args.controller_of:
         asyncio.run(controller_process(args.endpoint, args.controller_of, args.profile))
         return
+    if args.node_host:
+        host_main(args.endpoint, args.node_host, args.count, args.nodes_per_connection, args.profile_nodes)
+        return
+    if args.node_procs < 1:
+        parser.error(f"--node-procs {args.node_procs}: give at least 1 (the processes the simulated nodes use).")
     sizes: list[dict[str, Any]] = []
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="rlaunch-bench-"))  # kept: the agents' and torchrun's logs
@@ -728,7 +746,7 @@ def main() -> None:
         for n in [int(x) for x in args.simulated.split(",") if x]:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
                                                args.profile_nodes, args.nodes_per_connection,
-                                               args.floor_procs, args.survivor_reports)))  # fmt: skip
+                                               args.floor_procs, args.survivor_reports, args.node_procs)))  # fmt: skip
             print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)
         for n in [int(x) for x in args.real.split(",") if x]:
             try:

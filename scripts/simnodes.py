@@ -306,3 +306,9 @@ class SimNode:
             pass
         else:  # drains, reaps and exits do not happen in this benchmark's events
             raise st.IllegalTransition(f"A simulated node cannot carry out {action!r}.")
+
+
+def ready_standby(node: SimNode) -> bool:
+    """What the planner takes as a ready standby (rlaunch.controller.planner.is_ready), as etcd has it."""
+    r = node.record
+    return r is not None and r.state is NodeState.STANDBY and r.runtime and node.published.get(r.generation, 0) > 0
