@@ -13,8 +13,6 @@ One agent runs per machine (``rlaunch train.py``). It
 5. stops its workers when it receives SIGTERM/SIGINT, and kills them at once when it is fenced:
    when etcd answers that its lease is gone, or a generation gives its ranks to others. An etcd
    that does not answer is no such evidence; the workers go on (see :mod:`rlaunch.agent.lease`).
-   It stops them and exits, too, when one of its own background tasks ends by an error (a bug, or a
-   fault of the machine that task did not expect): the job goes on without the node.
 
 This module is the coordinator: it turns what it observes into observations, asks the pure
 state machine in :mod:`rlaunch.agent.transitions` what to do, and carries the actions out.
@@ -103,7 +101,6 @@ class Agent:
         self.moves = NodeMoves(cfg.nproc_per_node)  # which live moves the node's ranks allow, as published
         self._signal: int | None = None
         self._fenced: str | None = None
-        self._broken: st.Broken | None = None  # the first background task that ended by an error
         self._keeper: LeaseKeeper | None = None  # while the lease is kept: how long etcd has been silent
         self._log_root: Path | None = cfg.log_dir
         if self._log_root is None and any(v is not Std.NONE for v in (*cfg.redirects.values(), *cfg.tee.values())):
@@ -179,14 +176,13 @@ class Agent:
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
-            # Named for what they do: an agent whose task ended by an error says so in these words.
             tasks = [
-                loop.create_task(self._watch_gpus(), name="its GPU health checks"),
-                loop.create_task(self._keepalive(), name="its lease renewal"),
-                loop.create_task(self._probe_peers(), name="its probes of stalled peers"),
-                loop.create_task(self.watch.run(self._stop), name="its watch of the job's generations"),
-                loop.create_task(controller.run(self._stop, self._ctl_wake), name="its controller"),
-                loop.create_task(progress.run(lambda: self.node.worker_gen, self._stop), name="its progress samples"),
+                loop.create_task(self._watch_gpus()),
+                loop.create_task(self._keepalive()),
+                loop.create_task(self._probe_peers()),
+                loop.create_task(self.watch.run(self._stop)),
+                loop.create_task(controller.run(self._stop, self._ctl_wake)),
+                loop.create_task(progress.run(lambda: self.node.worker_gen, self._stop)),
             ]
             for task in tasks:
                 task.add_done_callback(self._background_ended)
@@ -213,20 +209,15 @@ class Agent:
             await self.store.close()
 
     def _background_ended(self, task: asyncio.Task[Any]) -> None:
-        """When a background task ends by an error, log its traceback at once and make the agent leave
-        (:class:`~rlaunch.agent.states.Broken`): each task handles the errors it expects, and what it did
-        (renewing the lease, watching the generations, planning...) has stopped."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is None:
-            return
-        coro = getattr(task.get_coro(), "__qualname__", "?")
-        log.error("[%s] the agent's background task %s (%s) ended by an error", self.node_id, coro, task.get_name(),
-                  exc_info=exc)  # fmt: skip
-        if self._broken is None:
-            self._broken = st.Broken(task.get_name(), f"{type(exc).__name__}: {exc}")
-            self._wake.set()
+        """Say at once, with its traceback, when a background task ends by an error: each handles the
+        errors it expects, so this is a bug, and what the task did (renewing the lease, watching the
+        generations...) has stopped."""
+        if not task.cancelled() and task.exception() is not None:
+            name = getattr(task.get_coro(), "__qualname__", task.get_name())
+            log.error(
+                "[%s] the agent's background task %s ended by an error; what it did has stopped (a bug in "
+                "rlaunch: please report it)", self.node_id, name, exc_info=task.exception(),
+            )  # fmt: skip
 
     def _probed(self, generation: int) -> None:
         """The controller's probe round for ``generation`` reached this node: a peer loss its workers saw
@@ -255,8 +246,6 @@ class Agent:
                 return await self._decide(st.Signalled(signal.Signals(self._signal).name))
             if self._fenced is not None:
                 return await self._decide(st.Fenced(self._fenced))
-            if self._broken is not None:
-                return await self._decide(self._broken)
             lost = self._etcd_lost()
             if lost is not None:
                 code = await self._carry_out(decide(self.node, lost))

@@ -156,15 +156,6 @@ class Fenced:
 
 
 @dataclasses.dataclass(frozen=True)
-class Broken:
-    """One of the agent's own background tasks (``task``: what it does, such as "the lease renewal")
-    ended by an error it does not expect (``error``): what it did has stopped."""
-
-    task: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
 class EtcdLost:
     """No etcd member has answered for ``unreachable_s`` seconds, at least ``--rdzv-timeout``."""
 
@@ -174,7 +165,7 @@ class EtcdLost:
     published: NodeState | None
 
 
-Observation = Look | WorkersExited | Settled | Signalled | Fenced | Broken | EtcdLost
+Observation = Look | WorkersExited | Settled | Signalled | Fenced | EtcdLost
 
 
 # -- actions --------------------------------------------------------------------------------------

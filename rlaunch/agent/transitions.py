@@ -10,8 +10,7 @@ a decision needs a read from etcd to go on (whether the job uses the runtime), i
 
 Observations: ``Look`` (bring the node in line with the current generation; made on every loop
 round), ``WorkersExited``, ``Settled`` (a move's workers all joined or recovered), ``Signalled``,
-``Fenced``, ``Broken`` (one of the agent's background tasks ended by an error), ``EtcdLost`` (no etcd
-member answered for ``--rdzv-timeout``). An observation a state
+``Fenced``, ``EtcdLost`` (no etcd member answered for ``--rdzv-timeout``). An observation a state
 cannot take raises
 :class:`~rlaunch.agent.states.IllegalTransition`.
 
@@ -20,7 +19,6 @@ state           observation            next state (actions)
 ==============  =====================  ==================================================================
 any             Signalled              exited (stop with grace, record ``stopping``, exit 1)
 any             Fenced                 exited (kill at once, exit 1)
-any             Broken                 exited (stop with grace, record ``stopping``, exit 1)
 training        EtcdLost               no change: training workers are never stopped for an outage alone
 other           EtcdLost               exited (stop a sandbox; exit 0 if its workers succeeded or handed
                                        their ranks over, else 1)
@@ -77,7 +75,6 @@ from rlaunch.agent.states import (
     Acknowledge,
     Action,
     AgentState,
-    Broken,
     Decision,
     Emit,
     EtcdLost,
@@ -157,8 +154,6 @@ def decide(node: Node, obs: Observation) -> Decision:
         return _on_signal(node, obs)
     if isinstance(obs, Fenced):
         return _on_fenced(node, obs)
-    if isinstance(obs, Broken):
-        return _on_broken(node, obs)
     if isinstance(obs, EtcdLost):
         return _on_etcd_lost(node, obs)
     if isinstance(obs, Look):
@@ -187,28 +182,6 @@ def _on_fenced(node: Node, obs: Fenced) -> Decision:
     p = _Plan(node)
     p.do(Log(logging.ERROR, obs.reason), Emit("fenced", node.worker_gen, {"reason": obs.reason}))
     p.stop(STALE_GRACE_S)
-    p.set(state=AgentState.EXITED)
-    p.do(Exit(EXIT_FAILED))
-    return p.decision()
-
-
-def _on_broken(node: Node, obs: Broken) -> Decision:
-    """What the task did (renew the lease, follow the generations, plan, watch the GPUs...) has stopped,
-    and an agent without it would fail the job later and silently. So the node leaves now, as a
-    signalled one does: its record says ``stopping``, which the controller takes as a lost node (a
-    standby takes its ranks), and its lease goes as it exits."""
-    p = _Plan(node)
-    p.do(
-        Log(
-            logging.ERROR,
-            f"This agent stops its workers and exits 1 because {obs.task} ended by an unexpected error ({obs.error}), "
-            "so what it did has stopped; the job goes on without this node, as after a lost node. The traceback "
-            "is in this log above: unless it names a fault of this machine, it is a bug in rlaunch, please report it.",
-        ),
-        Emit("agent_broken", node.worker_gen, {"task": obs.task, "error": obs.error}),
-        Publish(NodeState.STOPPING, node.worker_gen, best_effort=True),
-    )
-    p.stop()
     p.set(state=AgentState.EXITED)
     p.do(Exit(EXIT_FAILED))
     return p.decision()

@@ -10,8 +10,8 @@ What the events say, arranged for a picture and for a table:
   workers measured when they reported one (``switched``'s ``downtime_ms``, ``recovered``'s
   ``seconds``), otherwise the time from the fault until the nodes ran again;
 - **findings**: the detectors' and agents' alarms (a failed worker, a lost node, a hang, a GPU fault,
-  silent data corruption suspected by the replica check, a straggler, a fenced agent, an agent whose
-  own background task failed), drawn as marks on the node they concern;
+  silent data corruption suspected by the replica check, a straggler, a fenced agent), drawn as marks
+  on the node they concern;
 - **points**: step time and goodput over time, per node, from the samples in the agents' batched
   ``progress`` events (one sample per 30 s of training, see rlaunch.agent.progress), and the step
   that took each migration (``switched``: its ``step_ms``).
@@ -50,7 +50,6 @@ FINDINGS = {
     "sdc_suspected": "silent data corruption suspected",
     "straggler": "straggler",
     "fenced": "agent fenced",
-    "agent_broken": "agent's own task failed",
     "sandbox_failed": "standby workers failed",
     "migration_failed": "migration failed",
     "migration_abandoned": "migration abandoned",
@@ -59,7 +58,7 @@ FINDINGS = {
     "plan_failed": "plan failed",
 }
 #: Findings that start an outage (the next generation's incident is measured from them).
-FAULTS = ("workers_failed", "node_dead", "worker_hung", "gpu_fault", "sdc_suspected", "fenced", "agent_broken")
+FAULTS = ("workers_failed", "node_dead", "worker_hung", "gpu_fault", "sdc_suspected", "fenced")
 #: Incident kind per plan of a new generation.
 INCIDENTS = {"migrate": "drain", "replace": "recovery", "restart": "restart"}
 

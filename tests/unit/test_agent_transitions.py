@@ -15,7 +15,6 @@ from rlaunch.agent.states import (
     STALE_GRACE_S,
     Acknowledge,
     AgentState,
-    Broken,
     Decision,
     Emit,
     EtcdLost,
@@ -137,8 +136,7 @@ def _observations() -> list[Observation]:
         WorkersExited(codes, 6, left) for codes, left in itertools.product(all_codes, (frozenset(), frozenset({0, 1})))
     ]
     lost: list[Observation] = [EtcdLost(61.0, 60.0, state) for state in (None, *NodeState)]
-    return [*looks, *exits, *lost, Settled(), Signalled("SIGTERM"), Fenced("etcd says its lease is gone"),
-            Broken("its lease renewal", "KeyError: 7")]  # fmt: skip
+    return [*looks, *exits, *lost, Settled(), Signalled("SIGTERM"), Fenced("etcd says its lease is gone")]
 
 
 OBSERVATIONS = _observations()
@@ -179,9 +177,7 @@ def test_every_state_takes_every_observation_it_can_and_keeps_its_workers_consis
     assert decided > 10_000
 
 
-@pytest.mark.parametrize(
-    "obs", [look(gen()), WorkersExited((0,), 5), Settled(), Signalled("SIGINT"), Fenced("x"), Broken("x", "y")]
-)
+@pytest.mark.parametrize("obs", [look(gen()), WorkersExited((0,), 5), Settled(), Signalled("SIGINT"), Fenced("x")])
 def test_an_exited_agent_takes_nothing(obs: Observation) -> None:
     with pytest.raises(IllegalTransition, match="has exited"):
         decide(node(S.EXITED), obs)
@@ -245,23 +241,6 @@ def test_a_fenced_node_kills_its_workers_at_once_and_exits_1(state: AgentState) 
     assert events(d) == ["fenced"] and of(d, Emit)[0].fields == {"reason": "its lease is gone"}
     assert of(d, StopWorkers) == [StopWorkers(STALE_GRACE_S, 5)]
     assert not of(d, Publish)
-
-
-@pytest.mark.parametrize("state", LIVE_STATES)
-def test_an_agent_whose_background_task_ended_by_an_error_leaves_the_job_as_a_signalled_one(state: AgentState) -> None:
-    """Its record says stopping (the controller takes it as lost), its workers stop with grace, it exits 1
-    with a sentence naming what stopped and why."""
-    d = decide(node(state, worker_gen=5), Broken("its watch of the job's generations", "TypeError: boom"))
-    assert d.node.state is S.EXITED and d.exit_code == EXIT_FAILED
-    assert events(d) == ["agent_broken"]
-    assert of(d, Emit)[0].fields == {"task": "its watch of the job's generations", "error": "TypeError: boom"}
-    assert of(d, Publish) == [Publish(NodeState.STOPPING, 5, best_effort=True)]
-    assert of(d, StopWorkers) == [StopWorkers(SHUTDOWN_GRACE_S, 5)]
-    (line,) = of(d, Log)
-    assert line.level == logging.ERROR
-    assert "exits 1 because its watch of the job's generations ended by an unexpected error (TypeError: boom)" in (
-        line.message
-    )
 
 
 @pytest.mark.parametrize("state", LIVE_STATES)
