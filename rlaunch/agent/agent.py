@@ -12,7 +12,9 @@ One agent runs per machine (``rlaunch train.py``). It
    the controller to act on;
 5. stops its workers when it receives SIGTERM/SIGINT, and kills them at once when it is fenced:
    when etcd answers that its lease is gone, or a generation gives its ranks to others. An etcd
-   that does not answer is no such evidence; the workers go on (see :mod:`rlaunch.agent.lease`).
+   that does not answer is no such evidence; the workers go on (see :mod:`rlaunch.agent.lease`);
+6. starts again any of its background tasks (the lease renewal, the watch, the controller...) that
+   ends by an error, and says so (:mod:`rlaunch.agent.background`).
 
 This module is the coordinator: it turns what it observes into observations, asks the pure
 state machine in :mod:`rlaunch.agent.transitions` what to do, and carries the actions out.
@@ -27,12 +29,13 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from rlaunch.addresses import route_addr
 from rlaunch.agent import states as st
+from rlaunch.agent.background import keep_running
 from rlaunch.agent.config import LaunchConfig, Std
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.faults import Faults
@@ -176,16 +179,18 @@ class Agent:
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
-            tasks = [
-                loop.create_task(self._watch_gpus()),
-                loop.create_task(self._keepalive()),
-                loop.create_task(self._probe_peers()),
-                loop.create_task(self.watch.run(self._stop)),
-                loop.create_task(controller.run(self._stop, self._ctl_wake)),
-                loop.create_task(progress.run(lambda: self.node.worker_gen, self._stop)),
+            background: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+                ("the GPU health checks", self._watch_gpus),
+                ("the lease renewal", self._keepalive),
+                ("the probes of stalled peers", self._probe_peers),
+                ("the watch of the job's generations", lambda: self.watch.run(self._stop)),
+                ("the controller", lambda: controller.run(self._stop, self._ctl_wake)),
+                ("the progress samples", lambda: progress.run(lambda: self.node.worker_gen, self._stop)),
             ]
-            for task in tasks:
-                task.add_done_callback(self._background_ended)
+            tasks = [
+                loop.create_task(keep_running(name, start, self._stop, self._task_failed, self.node_id))
+                for name, start in background
+            ]
             return await self._loop()
         finally:
             self._stop.set()
@@ -208,16 +213,9 @@ class Agent:
             self._probe_server.close()
             await self.store.close()
 
-    def _background_ended(self, task: asyncio.Task[Any]) -> None:
-        """Say at once, with its traceback, when a background task ends by an error: each handles the
-        errors it expects, so this is a bug, and what the task did (renewing the lease, watching the
-        generations...) has stopped."""
-        if not task.cancelled() and task.exception() is not None:
-            name = getattr(task.get_coro(), "__qualname__", task.get_name())
-            log.error(
-                "[%s] the agent's background task %s ended by an error; what it did has stopped (a bug in "
-                "rlaunch: please report it)", self.node_id, name, exc_info=task.exception(),
-            )  # fmt: skip
+    def _task_failed(self, name: str, error: str, failures: int) -> None:
+        """A background task ended by an error and starts again (see rlaunch.agent.background)."""
+        self.events.emit("agent_task_failed", self.node.worker_gen, task=name, error=error, failures=failures)
 
     def _probed(self, generation: int) -> None:
         """The controller's probe round for ``generation`` reached this node: a peer loss its workers saw

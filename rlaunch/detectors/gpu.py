@@ -71,10 +71,13 @@ class NvmlHealth:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
             return f"GPU health checks are off: NVML is not available here ({exc})."
-        count = nvml.nvmlDeviceGetCount()
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except nvml.NVMLError as exc:  # (no permission, a GPU lost before the agent started...)
+            return f"GPU health checks are off: NVML could not list this machine's GPUs ({exc})."
         if count == 0:
             return "GPU health checks are off: NVML sees no GPU on this machine."
-        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         try:
             self._events = nvml.nvmlEventSetCreate()
             for handle in self._handles:
@@ -114,7 +117,9 @@ class NvmlHealth:
         while self._events is not None:
             try:
                 data = nvml.nvmlEventSetWait(self._events, 0)
-            except nvml.NVMLError_Timeout:
+            except nvml.NVMLError:
+                # No event waits (a timeout), or the wait itself failed (NVML answers GPU_IS_LOST there
+                # when a GPU fell off the bus): the device checks before it have reported what they found.
                 break
             xid = int(data.eventData)
             if xid in CRITICAL_XIDS:

@@ -10,8 +10,8 @@ What the events say, arranged for a picture and for a table:
   workers measured when they reported one (``switched``'s ``downtime_ms``, ``recovered``'s
   ``seconds``), otherwise the time from the fault until the nodes ran again;
 - **findings**: the detectors' and agents' alarms (a failed worker, a lost node, a hang, a GPU fault,
-  silent data corruption suspected by the replica check, a straggler, a fenced agent), drawn as marks
-  on the node they concern;
+  silent data corruption suspected by the replica check, a straggler, a fenced agent, a task of an
+  agent that failed and started again), drawn as marks on the node they concern;
 - **points**: step time and goodput over time, per node, from the samples in the agents' batched
   ``progress`` events (one sample per 30 s of training, see rlaunch.agent.progress), and the step
   that took each migration (``switched``: its ``step_ms``).
@@ -50,6 +50,7 @@ FINDINGS = {
     "sdc_suspected": "silent data corruption suspected",
     "straggler": "straggler",
     "fenced": "agent fenced",
+    "agent_task_failed": "agent task failed",
     "sandbox_failed": "standby workers failed",
     "migration_failed": "migration failed",
     "migration_abandoned": "migration abandoned",

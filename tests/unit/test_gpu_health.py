@@ -43,12 +43,16 @@ class FakeNvml(types.SimpleNamespace):
         self.lost: set[int] = set()
         self.xids: list[tuple[int, int]] = []  # (gpu, xid)
         self.gpus = gpus
+        self.unlisted = False  # the GPUs cannot be listed
+        self.events_lost = False  # waiting for an event fails as when a GPU fell off the bus
 
     def nvmlInit(self) -> None:  # noqa: N802
         if not self.present:
             raise self.NVMLError_LibraryNotFound("NVML Shared Library Not Found")
 
     def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        if self.unlisted:
+            raise self.NVMLError("Insufficient Permissions")
         return self.gpus
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> str:  # noqa: N802
@@ -73,6 +77,8 @@ class FakeNvml(types.SimpleNamespace):
         return self.pending[self._index(handle)]
 
     def nvmlEventSetWait(self, events: str, timeout_ms: int) -> Any:  # noqa: N802
+        if self.events_lost:
+            raise self.NVMLError_GpuIsLost("GPU is lost")
         if not self.xids:
             raise self.NVMLError_Timeout("timeout")
         gpu, xid = self.xids.pop(0)
@@ -89,6 +95,24 @@ def test_no_gpu_turns_the_checks_off_with_a_reason() -> None:
     reason = NvmlHealth(FakeNvml(present=False)).start()
     assert reason is not None and "GPU health checks are off" in reason and "Library Not Found" in reason
     assert "no GPU" in (NvmlHealth(FakeNvml(gpus=0)).start() or "")
+
+
+def test_gpus_nvml_cannot_list_turn_the_checks_off_with_a_reason() -> None:
+    """Before, the error ended the agent's GPU task (and so, now, would start it again and again)."""
+    nvml = FakeNvml()
+    nvml.unlisted = True
+    reason = NvmlHealth(nvml).start()
+    assert reason == "GPU health checks are off: NVML could not list this machine's GPUs (Insufficient Permissions)."
+
+
+def test_a_gpu_lost_while_waiting_for_events_keeps_the_faults_the_device_checks_found() -> None:
+    """NVML's event wait answers GPU_IS_LOST when a GPU fell off the bus; that error used to throw away the
+    fault the device checks had just found (and end the GPU task)."""
+    nvml = FakeNvml(gpus=2)
+    health = started(nvml)
+    nvml.lost.add(1)
+    nvml.events_lost = True
+    assert [(f.kind, f.gpu) for f in health.check()] == [(GpuFaultKind.FELL_OFF_BUS, 1)]
 
 
 def test_healthy_gpus_report_nothing() -> None:

@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import types
-
-import pytest
-
-from rlaunch.agent.agent import Agent
 from rlaunch.agent.lease import LeaseState, Renewal, first_pause, judge
 
 HELD, UNREACHABLE, LOST = LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.LOST
@@ -44,26 +37,3 @@ def test_the_first_renewal_comes_at_a_random_part_of_a_third_of_the_ttl_never_at
     drawn = [first_pause(30) for _ in range(400)]
     assert all(0 < p <= 10.0 for p in drawn)
     assert min(drawn) < 1.0 and max(drawn) > 9.0, "leases taken together renew anywhere in the period"
-
-
-def test_a_background_task_of_the_agent_that_ends_by_an_error_is_said_at_once(caplog: pytest.LogCaptureFixture) -> None:
-    """A keeper whose store raised what it does not expect (before 74b3fd8 a finished keepalive stream
-    raised InvalidStateError) ended its task silently: renewals stopped and nobody said so."""
-
-    async def _keepalive() -> None:
-        raise asyncio.InvalidStateError("RPC already finished.")
-
-    async def go() -> None:
-        agent = types.SimpleNamespace(node_id="a")
-        for coro in (_keepalive(), asyncio.sleep(0)):
-            task = asyncio.get_running_loop().create_task(coro)
-            task.add_done_callback(lambda t: Agent._background_ended(agent, t))  # type: ignore[arg-type]
-            await asyncio.wait([task])
-            await asyncio.sleep(0)  # the done callback runs
-
-    with caplog.at_level(logging.ERROR, logger="rlaunch.agent.agent"):
-        asyncio.run(go())
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1, "a task that ended well is not reported"
-    assert "[a] the agent's background task" in errors[0].getMessage() and "_keepalive" in errors[0].getMessage()
-    assert "RPC already finished" in caplog.text, "with its traceback"

@@ -1,0 +1,78 @@
+"""The agent's background tasks are kept running: one that ends by an error is said and started again
+(rlaunch.agent.background), with real asyncio tasks and a real event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from rlaunch.agent import background
+from rlaunch.agent.background import FIRST_PAUSE_S, MAX_PAUSE_S, keep_running, next_pause
+
+
+def test_the_pause_doubles_after_short_runs_up_to_its_most_and_starts_again_after_a_long_run() -> None:
+    assert next_pause(0.0, 0.0) == FIRST_PAUSE_S
+    assert next_pause(FIRST_PAUSE_S, 0.1) == 2 * FIRST_PAUSE_S
+    assert next_pause(MAX_PAUSE_S, 0.1) == MAX_PAUSE_S
+    assert next_pause(0.75 * MAX_PAUSE_S, 0.1) == MAX_PAUSE_S
+    assert next_pause(MAX_PAUSE_S, MAX_PAUSE_S) == FIRST_PAUSE_S, "a task that ran a long while failed afresh"
+
+
+def test_a_task_that_fails_is_said_with_its_traceback_and_started_again_until_it_ends_by_itself(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a background task of the agent that raised what it did not expect (a finished keepalive
+    stream's InvalidStateError, once) ended for good: its lease renewals stopped, with one log line."""
+    monkeypatch.setattr(background, "FIRST_PAUSE_S", 0.01)
+    runs: list[int] = []
+    said: list[tuple[str, str, int]] = []
+
+    async def renew() -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            raise asyncio.InvalidStateError("RPC already finished.")
+        if len(runs) == 2:
+            raise KeyError()  # an error with no message is named by its type
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        await asyncio.wait_for(keep_running("the lease renewal", renew, stop, lambda *a: said.append(a), "a"), 5)
+
+    with caplog.at_level(logging.ERROR, logger="rlaunch.agent.background"):
+        asyncio.run(go())
+    assert runs == [0, 1, 2], "started again after each error, and not after it ended by itself"
+    assert said == [("the lease renewal", "InvalidStateError: RPC already finished.", 1),
+                    ("the lease renewal", "KeyError", 2)]  # fmt: skip
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and errors[0].exc_info is not None, "each failure at ERROR, with its traceback"
+    assert "[a] the lease renewal ended by an error (InvalidStateError: RPC already finished.)" in (
+        errors[0].getMessage()
+    )
+
+
+def test_a_stop_during_the_pause_ends_it_and_a_cancel_ends_it_as_any_task() -> None:
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(keep_running("x", fails, stop, lambda *a: None, "a"))
+        await asyncio.sleep(0.05)  # failed once; waits its first pause (1 s)
+        assert not task.done()
+        stop.set()
+        await asyncio.wait_for(task, 1)
+
+        never = asyncio.Event()
+
+        async def waits() -> None:
+            await never.wait()
+
+        task = asyncio.ensure_future(keep_running("y", waits, asyncio.Event(), lambda *a: None, "a"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
