@@ -37,10 +37,11 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   bounds these figures: ``nodes_cpu_ms_per_node`` is what one node's part costs them (the
   ``nodes`` CPU seconds are the hosts' sum).
   Python's garbage collector is paused over each fault's window, as an agent's does not run
-  during a move (see ``scripts.simnodes.pause_collector``: in one heap of N nodes it did).
+  during a move (see ``scripts.simnodes.pause_collector``: in one heap of many nodes it did).
   ``writes_deferred`` repeats the faults with the nodes' writes held from the fault until every
   node acted (their reads and watches pass), so that no node's writes delay another's receipt of
-  the plan in a shared process, as they do not when each agent has a machine of its own.
+  the plan in a shared process, as they do not when each agent has a machine of its own (they are
+  let go once every host said all its nodes acted: a few milliseconds after the last did).
   ``target_all_acted_s`` is the issue's target (1 s up to 1,024 nodes, 2 s up to 4,096).
 - ``floor`` (simulated sizes): what fault → every node acted is when each agent has a machine of
   its own, measured in parts before the simulated job forms (see scripts/fanout.py):
@@ -53,30 +54,31 @@ joins as the next standby), and each figure of a fault is ``{"median", "min", "m
   the one node's ``write_to_acted_s`` median (which counts one watcher's delivery a second time);
   ``target_met`` compares it with the target. The watchers share this machine's cores with etcd,
   so the fan-out, and the floor, are bounds from above.
-- ``simulation_floor`` (simulated sizes): what the simulated nodes' one process costs with no
-  rlaunch code on the nodes' side (scripts/fanout.py's ``one_process``): N-1 bare watchers in the
-  benchmark's process, on the simulated nodes' connections, take a write of the key they watch and
+- ``simulation_floor`` (simulated sizes, with ``--node-procs 1`` only; null otherwise): what N-1
+  simulated nodes in one process cost with no rlaunch code on the nodes' side (scripts/fanout.py's
+  ``one_process``): N-1 bare watchers in the benchmark's process, on as many connections as the
+  nodes' host uses, take a write of the key they watch and
   either only note it (``receipt``) or then make the one etcd request a simulated node makes at a
   live replacement (``writes``: its record with its two events). ``all_acted_s`` is the median write
   to last receipt with the writes, the simulation's floor of ``fault_to_all_acted_s`` less the
   plan; ``all_acted_s_writes_deferred`` the same with no writes, the floor of ``writes_deferred``;
   ``target_met`` and ``target_met_writes_deferred`` compare them with the target (medians over the
   rounds that completed; one that did not within its time is null in ``runs``). Where a floor is
-  above the target, no agent code meets that target in this simulation on this machine. Measured
-  with ``--node-procs 1`` only (null otherwise).
+  above the target, no agent code meets that target in this simulation on this machine.
 - ``steady_etcd_requests_per_s``: every gRPC message etcd received per second over a quiet
   window (its own ``grpc_server_msg_received_total``); ``steady_keepalives_per_s``: the
   ``LeaseKeepAlive`` part of it. The target is that they are equal. A node renews its lease every
   third of its TTL (``lease_ttl_s``), so N nodes send N / (TTL / 3) keepalives per second.
   ``steady_cpu_per_s``: CPU seconds per second over the same window of etcd, the controller and the
-  simulated nodes' process (their lease renewals, mostly).
+  simulated nodes' host processes (their sum; their lease renewals, mostly).
 - ``survivors_report`` (``--survivor-reports``): at each fault whose writes are not held, every
   simulated survivor's workers see the loss, as a real job's survivors do, and each node's record
   says it (with their ``recovering`` event: one more request) when an agent's would: after a random
   wait, unless the controller's probe round reached it first (see rlaunch.agent.loss). The lost
   node's lease then ends when the controller's round, on the first report, finds its probe port
-  closed, as a real agent's would be. Off, they do not, and its lease is revoked at the fault (what
-  its expiry does).
+  closed, as a real agent's would be. The survivors' waits run from the fault, although their hosts
+  hear of it a moment later (``survivors_told_s`` in each run: the fault to the last host's answer).
+  Off, they do not, and its lease is revoked at the fault (what its expiry does).
 - ``torchrun_form_s``: N ``torchrun --rdzv-backend c10d`` agents on 127.0.0.1 with a trivial
   script, from start to every worker running (null where not run or not formed); see
   :func:`torchrun` for the ``keep_alive_max_attempt`` it is given.
@@ -331,19 +333,23 @@ async def simulated(
                    args=[], fingerprint="sim", rlaunch_version="bench")  # fmt: skip
     await main.put(keys.spec, encode(spec))
     ctl = await asyncio.to_thread(start_controller, endpoint, keys.job_id, profile)
-    shares = [len(range(h, n, node_procs)) for h in range(node_procs)]
-    hosts = [
-        await Host.start(endpoint, keys.job_id, h, share, per_connection, f"{node_profile}.{n}" if node_profile else "")
-        for h, share in enumerate(shares)
-    ]  # fmt: skip
-    pids: dict[str, int | list[int]] = {"etcd": etcd_pid, "controller": ctl.pid, "nodes": [h.pid for h in hosts]}
+    hosts: list[Host] = []
+    pids: dict[str, int | list[int]] = {"etcd": etcd_pid, "controller": ctl.pid, "nodes": []}
     ids = [f"s{i:05d}" for i in range(n)]
-    owner = {node_id: hosts[i % node_procs] for i, node_id in enumerate(ids)}
+    owner: dict[str, Host] = {}
     runs: dict[str, list[dict[str, Any]]] = {"inline": [], "deferred": []}
     live = list(ids)
 
     async def each(op: str, **args: Any) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(host.call(op, **args) for host in hosts)))
+        """Every host's answer to one request; each host answers before the first error is raised."""
+        answers = await asyncio.gather(*(host.call(op, **args) for host in hosts), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return answers  # type: ignore[return-value]
+
+    def latest(answers: list[dict[str, Any]]) -> float:
+        return max(a["latest"] for a in answers if a["latest"] is not None)
 
     async def fault(r: int, deferred: bool) -> dict[str, Any]:
         """Lose an active node; its ranks are replaced live; a fresh node joins as the next standby."""
@@ -367,20 +373,20 @@ async def simulated(
         live.remove(victim)
         if reports and not deferred:
             seeing = [x for x in live if x in gen.assignment]
-            await asyncio.gather(*(
+            told = await asyncio.gather(*(
                 host.call("lose_peer", gen=gen.number, nodes=len(gen.assignment),
-                          ids=[x for x in seeing if owner[x] is host])
+                          ids=[x for x in seeing if owner[x] is host], wall=fault_wall, mono=fault_at)
                 for host in hosts
             ))  # fmt: skip
+            # (their reports are due from the fault's moment on, whenever their host heard of it)
+            run_told = max(t["at"] for t in told) - fault_at
         else:
             await main.revoke_lease(lease)  # what the lease's expiry does
-        run: dict[str, Any] = {}
+        run: dict[str, Any] = {"survivors_told_s": run_told} if reports and not deferred else {}
         try:
-            acted = await each("until", what="acted", gen=number, timeout=120)
-            run["acted_s"] = max(a["latest"] for a in acted) - fault_at
+            run["acted_s"] = latest(await each("until", what="acted", gen=number, timeout=120)) - fault_at
             await each("writes", open=True)
-            ran = await each("until", what="ran", gen=number, timeout=120)
-            run["running_s"] = max(a["latest"] for a in ran) - fault_at
+            run["running_s"] = latest(await each("until", what="ran", gen=number, timeout=120)) - fault_at
         except RuntimeError as exc:
             run["error"] = str(exc)
         await each("writes", open=True)
@@ -416,6 +422,12 @@ async def simulated(
         return run
 
     try:
+        for h in range(node_procs):
+            profile_file = f"{node_profile}.{n}" if node_profile else ""
+            hosts.append(await Host.start(endpoint, keys.job_id, h, len(range(h, n, node_procs)), per_connection,
+                                          profile_file))  # fmt: skip
+            pids["nodes"].append(hosts[-1].pid)  # type: ignore[union-attr]
+        owner.update({node_id: hosts[i % node_procs] for i, node_id in enumerate(ids)})
         began = time.monotonic()
         for batch in range(0, n, 64):  # join in join order; the last one is the standby
             joining = ids[batch : batch + 64]
@@ -429,7 +441,7 @@ async def simulated(
             if time.monotonic() > end:
                 raise RuntimeError(f"the formation of {n} simulated nodes did not happen within 900 s.")
             await asyncio.sleep(0.1)
-        form_s = max(f["latest"] for f in formed if f["latest"] is not None) - began
+        form_s = latest(formed) - began
         await asyncio.sleep(3.0)  # let the controller's reaction to the last records settle
         # two renewal periods: the nodes joined within seconds, so their keepalives come in waves
         quiet_s, quiet = 2 * SIM_TTL / 3, cpu_seconds(pids)
@@ -441,7 +453,7 @@ async def simulated(
     finally:
         ctl.send_signal(signal.SIGTERM)
         await asyncio.to_thread(ctl.wait, 30)
-        await asyncio.gather(*(host.close() for host in hosts))
+        await asyncio.gather(*(host.close() for host in hosts), return_exceptions=True)
 
     def figures(done: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -704,7 +716,7 @@ def main() -> None:
     parser.add_argument("--torchrun-timeout", type=float, default=600, help="seconds torchrun's agents get to form")
     parser.add_argument("--repeats", type=int, default=5, help="faults per size (each a new event: median and spread)")
     parser.add_argument("--nodes-per-connection", type=int, default=32, help="simulated nodes sharing one etcd "
-                        "connection (an agent has its own; 1 costs this process more per node)")  # fmt: skip
+                        "connection (an agent has its own; 1 costs the host processes more per node)")  # fmt: skip
     parser.add_argument("--floor-procs", type=int, default=4, help="processes the floor's bare watchers are spread "
                         "over (see scripts/fanout.py)")  # fmt: skip
     parser.add_argument("--survivor-reports", action="store_true", help="at each fault every simulated "
@@ -736,14 +748,16 @@ def main() -> None:
     if args.node_host:
         host_main(args.endpoint, args.node_host, args.count, args.nodes_per_connection, args.profile_nodes)
         return
-    if args.node_procs < 1:
-        parser.error(f"--node-procs {args.node_procs}: give at least 1 (the processes the simulated nodes use).")
+    sims = [int(x) for x in args.simulated.split(",") if x]
+    if args.node_procs < 1 or any(args.node_procs > n for n in sims):
+        parser.error(f"--node-procs {args.node_procs}: give at least 1 and at most the smallest --simulated size "
+                     "(each host process holds some of the simulated nodes).")  # fmt: skip
     sizes: list[dict[str, Any]] = []
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="rlaunch-bench-"))  # kept: the agents' and torchrun's logs
     with EmbeddedEtcd() as etcd:
         assert etcd.proc is not None
-        for n in [int(x) for x in args.simulated.split(",") if x]:
+        for n in sims:
             sizes.append(asyncio.run(simulated(etcd.endpoint, n, args.repeats, etcd.proc.pid, args.profile,
                                                args.profile_nodes, args.nodes_per_connection,
                                                args.floor_procs, args.survivor_reports, args.node_procs)))  # fmt: skip

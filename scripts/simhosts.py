@@ -1,13 +1,14 @@
 """Simulated nodes spread over processes, for scripts/bench_control_plane.py (``--node-procs P``).
 
-Each real agent is a process of its own, on a machine of its own. N simulated nodes in the
-benchmark's one process share one core: at 4,096 nodes that process alone used 3.2 CPU seconds in a
-fault's window, and every node waited for the others' turns. Here the nodes are dealt over P host
+Each real agent is a process of its own, on a machine of its own. N simulated nodes in one process
+share one core: at 4,096 nodes that process alone used 3.2 CPU seconds in a fault's window, and
+every node waited for the others' turns. Here the nodes are dealt over P host
 processes (node ``i`` to host ``i % P``), each with its own etcd channels and event loop, so that
 the nodes' work can use every core the machine has left after etcd and the controller.
 
-A host is the benchmark's own child: it reads the benchmark's requests on its stdin and answers each
-on its stdout, in order, one JSON object a line (no other bytes reach it: JSON, never pickle). Times
+A host is the benchmark's own child: once its channels are open it says ``{"ready": true}``, then
+reads the benchmark's requests on its stdin and answers each on its stdout, in order, one JSON object
+a line (no other bytes reach it: JSON, never pickle). Times
 are ``time.monotonic()``, one clock (CLOCK_MONOTONIC) for every process of the machine, so the
 benchmark compares them with its own.
 
@@ -17,21 +18,24 @@ Requests (``{"op": ..., ...}``; an answer has ``"error"`` where the request fail
 - ``formed``: how many nodes acted on generation 1, the latest time one did, and whether one is a
   ready standby (what the planner takes as one);
 - ``until`` ``what`` (``acted`` or ``ran``), ``gen``, ``timeout``: answers once every live node of the
-  host did that at ``gen``, with the latest time one did;
+  host did that at ``gen``, with the latest time one did (null where the host has no live node), or
+  with an ``error`` when they did not within ``timeout`` seconds;
 - ``fail`` ``id``: the node is lost (its tasks end, nothing more is written); answers its lease;
-- ``lose_peer`` ``gen``, ``nodes``, ``ids``: those nodes' workers see a collective fail in ``gen``, of
-  ``nodes`` nodes (see SimNode.lose_peer);
+- ``lose_peer`` ``gen``, ``nodes``, ``ids``, ``wall``, ``mono``: those nodes' workers saw a collective
+  fail in ``gen``, of ``nodes`` nodes, at that time (see SimNode.lose_peer); answers when it took them
+  (``at``);
 - ``writes`` ``open``: hold or let go the nodes' writes (their reads and watches pass);
 - ``collector`` ``paused``: pause Python's garbage collector over a fault's window, or resume it;
 - ``profile`` ``on``: the host's cProfile over a fault's window;
 - ``times`` ``gen``: when each live node saw and published ``gen`` (those that did), and how many live;
 - ``fresh`` ``id``: a new node joins and is started; answers once it is a ready standby;
-- ``close``: end every node, write the profile, and exit.
+- ``close``: end every node, write the profile, answer ``{}`` and exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import json
 import subprocess
@@ -54,6 +58,7 @@ class Host:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
+        self._turn = asyncio.Lock()  # one request at a time: answers come in order
 
     @classmethod
     async def start(cls, endpoint: str, job_id: str, index: int, nodes: int, per_connection: int,
@@ -64,14 +69,20 @@ class Host:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=die_with_parent,
             limit=2**24,
         )  # fmt: skip
-        return cls(proc)
+        host = cls(proc)
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()  # its imports and channels are ready: not a part of any figure
+        if not line:
+            raise RuntimeError(f"Node host {proc.pid} ended as it started (exit code {await proc.wait()}).")
+        return host
 
     async def call(self, op: str, **args: Any) -> dict[str, Any]:
         """Send one request and read its answer; raises RuntimeError with the host's error."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
-        await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
+        async with self._turn:
+            self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"Node host {self.pid} ended (exit code {await self.proc.wait()}) during {op!r}.")
         answer: dict[str, Any] = json.loads(line)
@@ -83,7 +94,9 @@ class Host:
         try:
             await asyncio.wait_for(self.call("close"), 30)
         except (RuntimeError, asyncio.TimeoutError, ConnectionError):
-            self.proc.kill()
+            if self.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
         await self.proc.wait()
 
 
@@ -131,8 +144,8 @@ class _Nodes:
         if op == "lose_peer":
             for node_id in req["ids"]:
                 if node_id in self.live:
-                    self.live[node_id].lose_peer(req["gen"], req["nodes"])
-            return {}
+                    self.live[node_id].lose_peer(req["gen"], req["nodes"], req["wall"], req["mono"])
+            return {"at": time.monotonic()}
         if op == "writes":
             (self.gate.set if req["open"] else self.gate.clear)()
             return {}
@@ -180,6 +193,8 @@ async def _serve(endpoint: str, job_id: str, count: int, per_connection: int, pr
     reader = asyncio.StreamReader(limit=2**24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     nodes = _Nodes(endpoint, JobKeys(job_id), count, per_connection, profile)
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
     try:
         while line := await reader.readline():
             req = json.loads(line)

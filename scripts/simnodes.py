@@ -154,12 +154,15 @@ class SimNode:
             probe_port=self.probe_port, peer_lost_at=self.loss.said_at,
         )  # fmt: skip
 
-    def lose_peer(self, generation: int, nodes: int) -> None:
-        """Its workers saw a collective fail (a peer is lost) in ``generation`` of ``nodes`` nodes: reported
-        in its record when due, with their ``recovering`` event, as the agent's worker link and loop do."""
-        delay = self.loss.seen(generation, nodes, time.time(), time.monotonic(), random.random())
+    def lose_peer(self, generation: int, nodes: int, wall: float, mono: float) -> None:
+        """Its workers saw a collective fail (a peer is lost) in ``generation`` of ``nodes`` nodes at ``wall``
+        (``time.time()``) and ``mono`` (``time.monotonic()``), the fault's moment (the benchmark tells its
+        hosts a moment later): reported in its record when due, with their ``recovering`` event, as the
+        agent's worker link and loop do."""
+        delay = self.loss.seen(generation, nodes, wall, mono, random.random())
         if delay is not None:
-            asyncio.get_running_loop().call_later(delay, lambda: self._wake.set() if self.loss.waiting() else None)
+            wait = max(0.0, mono + delay - time.monotonic())
+            asyncio.get_running_loop().call_later(wait, lambda: self._wake.set() if self.loss.waiting() else None)
         self.events.emit_with_record("recovering", generation, local_rank=0, step=0)
 
     async def join(self) -> None:
