@@ -35,7 +35,7 @@ from typing import Any
 
 from rlaunch.addresses import route_addr
 from rlaunch.agent import states as st
-from rlaunch.agent.background import keep_running
+from rlaunch.agent.background import MAX_PAUSE_S, keep_running
 from rlaunch.agent.config import LaunchConfig, Std
 from rlaunch.agent.control import ControlServer
 from rlaunch.agent.faults import Faults
@@ -179,17 +179,18 @@ class Agent:
             )  # fmt: skip
             self.metrics.watch_controller(lambda: controller.leading, lambda: controller.stragglers_watched)
             self._gpu = make_gpu_health()
-            background: list[tuple[str, Callable[[], Awaitable[object]]]] = [
-                ("the GPU health checks", self._watch_gpus),
-                ("the lease renewal", self._keepalive),
-                ("the probes of stalled peers", self._probe_peers),
-                ("the watch of the job's generations", lambda: self.watch.run(self._stop)),
-                ("the controller", lambda: controller.run(self._stop, self._ctl_wake)),
-                ("the progress samples", lambda: progress.run(lambda: self.node.worker_gen, self._stop)),
+            # (name, body, longest pause before it starts again: see rlaunch.agent.background)
+            background: list[tuple[str, Callable[[], Awaitable[object]], float]] = [
+                ("the GPU health checks", self._watch_gpus, MAX_PAUSE_S),
+                ("the lease renewal", self._keepalive, self.cfg.lease_ttl / 3),
+                ("the probes of stalled peers", self._probe_peers, MAX_PAUSE_S),
+                ("the watch of the job's generations", lambda: self.watch.run(self._stop), MAX_PAUSE_S),
+                ("the controller", lambda: controller.run(self._stop, self._ctl_wake), MAX_PAUSE_S),
+                ("the progress samples", lambda: progress.run(lambda: self.node.worker_gen, self._stop), MAX_PAUSE_S),
             ]
             tasks = [
-                loop.create_task(keep_running(name, start, self._stop, self._task_failed, self.node_id))
-                for name, start in background
+                loop.create_task(keep_running(name, start, self._stop, self._task_failed, self.node_id, most))
+                for name, start, most in background
             ]
             return await self._loop()
         finally:

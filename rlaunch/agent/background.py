@@ -7,8 +7,11 @@ of the machine it was not written for, such as an NVML error it does not know) w
 does for the rest of the job, with one line in the log. So :func:`keep_running` logs its traceback
 at ERROR, reports it (the agent emits an ``agent_task_failed`` event: ``rlaunch events`` shows it,
 and ``rlaunch report`` marks it on the node), and starts it again after a pause:
-:data:`FIRST_PAUSE_S`, doubled at each failure that follows a short run, up to :data:`MAX_PAUSE_S`;
-a run that lasted :data:`MAX_PAUSE_S` or more starts the count again.
+:data:`FIRST_PAUSE_S`, doubled at each failure that follows a short run, up to :data:`MAX_PAUSE_S`
+(the lease renewal's up to a third of the lease's TTL, the time between its renewals, so that the
+lease outlives the pause); a run that lasted :data:`MAX_PAUSE_S` or more starts the count again. The
+first failure, one whose error differs from the last, and the 2nd, 4th, 8th... of one error are said
+in full; the others in one log line.
 
 The agent does not leave the job instead: every agent runs the same controller and watch code on
 the same records, so a bug there would take every new leader, or every node at once, out of a job
@@ -32,12 +35,19 @@ FIRST_PAUSE_S = 1.0
 MAX_PAUSE_S = 30.0
 
 
-def next_pause(previous: float, ran_s: float) -> float:
+def next_pause(previous: float, ran_s: float, most: float = MAX_PAUSE_S) -> float:
     """The pause before a task that failed after running ``ran_s`` seconds starts again, the pause
-    before its last start having been ``previous`` (0: none yet)."""
+    before its last start having been ``previous`` (0: none yet), and ``most`` the longest."""
     if previous <= 0 or ran_s >= MAX_PAUSE_S:
-        return FIRST_PAUSE_S
-    return min(2 * previous, MAX_PAUSE_S)
+        return min(FIRST_PAUSE_S, most)
+    return min(2 * previous, most)
+
+
+def worth_saying(failures: int, error: str, last: str) -> bool:
+    """Whether a failure is said in full (traceback, event): the first, one whose error differs from the
+    last one's, and the 2nd, 4th, 8th... of a run of the same error. The others are one log line each:
+    a task that fails every 30 s on every node of a large job would otherwise write etcd all day."""
+    return error != last or failures & (failures - 1) == 0
 
 
 async def keep_running(
@@ -46,22 +56,35 @@ async def keep_running(
     stop: asyncio.Event,
     failed: Callable[[str, str, int], None],
     node_id: str,
+    most: float = MAX_PAUSE_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Run ``start()`` until it returns or ``stop`` is set; each time it raises, log its traceback, call
-    ``failed(name, error, failures)`` (``name``: what the task does, such as "the lease renewal") and
-    start it again after a pause (see the module's docstring). A cancel ends it as any task's does."""
-    pause, failures = 0.0, 0
+    """Run ``start()`` until it returns or ``stop`` is set; each time it raises, say so (see
+    :func:`worth_saying`: its traceback at ERROR and ``failed(name, error, failures)``, where ``name`` is
+    what the task does, such as "the lease renewal") and start it again after a pause of at most
+    ``most`` seconds (see the module's docstring). A cancel ends it as any task's does."""
+    pause, failures, last = 0.0, 0, ""
     while not stop.is_set():
         began = clock()
         try:
             await start()
             return
         except Exception as exc:
+            if stop.is_set():  # the agent is ending: nothing starts again
+                log.warning("[%s] %s ended by an error as the agent stopped: %r", node_id, name, exc)
+                return
             failures += 1
-            pause = next_pause(pause, clock() - began)
+            pause = next_pause(pause, clock() - began, most)
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            log.error("[%s] %s ended by an error (%s); it starts again in %.0f s", node_id, name, error, pause,
-                      exc_info=exc)  # fmt: skip
-            failed(name, error, failures)
+            if worth_saying(failures, error, last):
+                log.error("[%s] %s ended by an error (%s; %d failure(s) so far); it starts again in %.1f s",
+                          node_id, name, error, failures, pause, exc_info=exc)  # fmt: skip
+                try:
+                    failed(name, error, failures)
+                except Exception:  # (what reports it must not end the task for good)
+                    log.exception("[%s] reporting that %s failed failed too", node_id, name)
+            else:
+                log.error("[%s] %s ended by an error again (%s; %d failures so far); it starts again in %.1f s",
+                          node_id, name, error, failures, pause)  # fmt: skip
+            last = error
         await wait_event(stop, pause)

@@ -144,6 +144,13 @@ class LeaseKeeper:
             return Renewal(left)
         except StoreError as exc:
             return Renewal(error=str(exc))
+        except Exception as exc:
+            # A client state it did not expect (a finished keepalive stream raised InvalidStateError
+            # once): no answer from etcd, which never fences, said with its traceback. Raised on, it
+            # would end the renewals until the task started again, and forget the outage it measures.
+            log.error("[%s] renewing lease %x failed by an unexpected error; counted as no answer from etcd",
+                      self._node_id, self.lease_id, exc_info=exc)  # fmt: skip
+            return Renewal(error=f"{type(exc).__name__}: {exc}")
 
     async def run(self) -> str | None:
         """Keep the lease until it is lost (return why) or the ``sleep`` callable says stop."""

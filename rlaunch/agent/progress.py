@@ -126,6 +126,7 @@ class ProgressReporter:
         self.every_s = every_s
         self.batch = batch
         self._samples: list[dict[str, Any]] = []
+        self._steps: float | None = None  # the step count at the last sample (None: not read yet)
         self._held = Gauge(
             "rlaunch_progress_samples_held", "Progress samples waiting in the agent for the next batched event.",
             ["node"], registry=registry,
@@ -161,10 +162,14 @@ class ProgressReporter:
         self._emit(PROGRESS_KIND, samples[-1]["generation"], samples=samples, flushed=why)
 
     async def run(self, generation: Callable[[], int], stop: asyncio.Event) -> None:
-        """Sample every ``every_s`` seconds until ``stop``; then flush what is held."""
-        previous = read_sample(self._registry, self._node_id)["steps"]
+        """Sample every ``every_s`` seconds until ``stop``; then flush what is held. Started again after an
+        error (rlaunch.agent.background), it goes on from its last sample's step count."""
+        if self._steps is None:
+            self._steps = read_sample(self._registry, self._node_id)["steps"]
+        steps = self._steps
         try:
             while not await wait_event(stop, self.every_s):
-                previous = self.sample(previous, generation())
+                self._steps = steps = self.sample(steps, generation())
         finally:
-            self.flush("exit")
+            if stop.is_set():  # (not when it failed: the samples wait for the next flush)
+                self.flush("exit")

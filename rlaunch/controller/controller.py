@@ -113,9 +113,10 @@ class Controller:
         Between changes nothing is sent to etcd, except every ``DEADLINE_TICK_S`` while a deadline
         is pending; changes that come within ``TICK_GAP_S`` of a tick wait for the next one together.
         A tick no change woke, or one after a failed tick, reads the node records whole (see
-        rlaunch.controller.feed).
+        rlaunch.controller.feed). So does the first tick, which may follow a failed run of this method
+        (rlaunch.agent.background starts it again).
         """
-        work, woken, failed = True, True, False
+        work, woken, failed = True, True, True
         while not stop.is_set():
             retried, failed = failed, False
             if work:

@@ -67,6 +67,8 @@ class NvmlHealth:
 
     def start(self) -> str | None:
         nvml = self._nvml
+        if self._handles:
+            return None  # started already (the GPU task started again): its event set keeps the XIDs queued
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
@@ -117,15 +119,23 @@ class NvmlHealth:
         while self._events is not None:
             try:
                 data = nvml.nvmlEventSetWait(self._events, 0)
-            except nvml.NVMLError:
-                # No event waits (a timeout), or the wait itself failed (NVML answers GPU_IS_LOST there
-                # when a GPU fell off the bus): the device checks before it have reported what they found.
+            except (nvml.NVMLError_Timeout, nvml.NVMLError_GpuIsLost):
+                # No event waits, or a GPU fell off the bus (NVML answers GPU_IS_LOST to the wait): the
+                # device checks before this have reported it. (Any other error is raised: the task
+                # starts again, and the queued events stay in the set.)
                 break
             xid = int(data.eventData)
             if xid in CRITICAL_XIDS:
-                gpu = next((i for i, h in enumerate(self._handles) if h == data.device), -1)
-                out.append(GpuFault(GpuFaultKind.XID, gpu, str(xid)))
+                out.append(GpuFault(GpuFaultKind.XID, self._index(data.device), str(xid)))
         return out
+
+    def _index(self, device: Any) -> int:
+        """The index of an event's GPU; -1 if NVML cannot say. (pynvml's handles are ctypes pointers,
+        which compare equal only to themselves, never to another pointer to the same device.)"""
+        try:
+            return int(self._nvml.nvmlDeviceGetIndex(device))
+        except self._nvml.NVMLError:
+            return -1
 
 
 class FileHealth:

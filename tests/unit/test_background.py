@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from rlaunch.agent import background
-from rlaunch.agent.background import FIRST_PAUSE_S, MAX_PAUSE_S, keep_running, next_pause
+from rlaunch.agent.background import FIRST_PAUSE_S, MAX_PAUSE_S, keep_running, next_pause, worth_saying
 
 
 def test_the_pause_doubles_after_short_runs_up_to_its_most_and_starts_again_after_a_long_run() -> None:
@@ -18,6 +18,13 @@ def test_the_pause_doubles_after_short_runs_up_to_its_most_and_starts_again_afte
     assert next_pause(MAX_PAUSE_S, 0.1) == MAX_PAUSE_S
     assert next_pause(0.75 * MAX_PAUSE_S, 0.1) == MAX_PAUSE_S
     assert next_pause(MAX_PAUSE_S, MAX_PAUSE_S) == FIRST_PAUSE_S, "a task that ran a long while failed afresh"
+    assert next_pause(0.0, 0.0, most=0.5) == 0.5 and next_pause(0.5, 0.1, most=0.5) == 0.5, "the lease renewal's"
+
+
+def test_a_run_of_one_error_is_said_in_full_at_its_1st_2nd_4th_8th_failure_and_a_new_error_at_once() -> None:
+    said = [n for n in range(1, 20) if worth_saying(n, "KeyError", "" if n == 1 else "KeyError")]
+    assert said == [1, 2, 4, 8, 16]
+    assert worth_saying(3, "ValueError", "KeyError")
 
 
 def test_a_task_that_fails_is_said_with_its_traceback_and_started_again_until_it_ends_by_itself(
@@ -47,9 +54,32 @@ def test_a_task_that_fails_is_said_with_its_traceback_and_started_again_until_it
                     ("the lease renewal", "KeyError", 2)]  # fmt: skip
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and errors[0].exc_info is not None, "each failure at ERROR, with its traceback"
-    assert "[a] the lease renewal ended by an error (InvalidStateError: RPC already finished.)" in (
+    assert "[a] the lease renewal ended by an error (InvalidStateError: RPC already finished.; 1 failure(s)" in (
         errors[0].getMessage()
     )
+
+
+def test_a_report_that_fails_does_not_end_the_task_and_an_error_as_the_agent_stops_starts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(background, "FIRST_PAUSE_S", 0.01)
+    runs: list[int] = []
+    stop = asyncio.Event()
+
+    async def body() -> None:
+        runs.append(len(runs))
+        if len(runs) == 3:
+            stop.set()  # the agent stops while this run fails: no pause, no report, no new start
+        raise RuntimeError("boom")
+
+    def report(*_: object) -> None:
+        raise OSError("the event log is closed")
+
+    async def go() -> None:
+        await asyncio.wait_for(keep_running("x", body, stop, report, "a"), 5)
+
+    asyncio.run(go())
+    assert runs == [0, 1, 2]
 
 
 def test_a_stop_during_the_pause_ends_it_and_a_cancel_ends_it_as_any_task() -> None:

@@ -13,6 +13,14 @@ import pytest
 from rlaunch.detectors.gpu import CRITICAL_XIDS, FileHealth, GpuFaultKind, NvmlHealth, make_gpu_health, watch_gpus
 
 
+class Handle:
+    """A device handle as pynvml's (a ctypes pointer): equal only to itself, so an event's device is
+    never equal to the handle listed for the same GPU."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 class FakeNvml(types.SimpleNamespace):
     """The pynvml calls NvmlHealth makes, over a hand-built GPU state."""
 
@@ -44,7 +52,8 @@ class FakeNvml(types.SimpleNamespace):
         self.xids: list[tuple[int, int]] = []  # (gpu, xid)
         self.gpus = gpus
         self.unlisted = False  # the GPUs cannot be listed
-        self.events_lost = False  # waiting for an event fails as when a GPU fell off the bus
+        self.event_error: Exception | None = None  # what waiting for an event raises, if anything
+        self.event_sets = 0
 
     def nvmlInit(self) -> None:  # noqa: N802
         if not self.present:
@@ -55,34 +64,37 @@ class FakeNvml(types.SimpleNamespace):
             raise self.NVMLError("Insufficient Permissions")
         return self.gpus
 
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:  # noqa: N802
-        return f"gpu{i}"
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> Handle:  # noqa: N802
+        return Handle(i)
+
+    def nvmlDeviceGetIndex(self, handle: Handle) -> int:  # noqa: N802
+        return handle.index
 
     def nvmlEventSetCreate(self) -> str:  # noqa: N802
+        self.event_sets += 1
         return "events"
 
-    def nvmlDeviceRegisterEvents(self, handle: str, kinds: int, events: str) -> None:  # noqa: N802
+    def nvmlDeviceRegisterEvents(self, handle: Handle, kinds: int, events: str) -> None:  # noqa: N802
         assert kinds == self.nvmlEventTypeXidCriticalError
 
-    def _index(self, handle: str) -> int:
-        i = int(handle.removeprefix("gpu"))
-        if i in self.lost:
+    def _index(self, handle: Handle) -> int:
+        if handle.index in self.lost:
             raise self.NVMLError_GpuIsLost("GPU is lost")
-        return i
+        return handle.index
 
-    def nvmlDeviceGetTotalEccErrors(self, handle: str, kind: int, counter: int) -> int:  # noqa: N802
+    def nvmlDeviceGetTotalEccErrors(self, handle: Handle, kind: int, counter: int) -> int:  # noqa: N802
         return self.ecc[self._index(handle)]
 
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: str) -> int:  # noqa: N802
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Handle) -> int:  # noqa: N802
         return self.pending[self._index(handle)]
 
     def nvmlEventSetWait(self, events: str, timeout_ms: int) -> Any:  # noqa: N802
-        if self.events_lost:
-            raise self.NVMLError_GpuIsLost("GPU is lost")
+        if self.event_error is not None:
+            raise self.event_error
         if not self.xids:
             raise self.NVMLError_Timeout("timeout")
         gpu, xid = self.xids.pop(0)
-        return types.SimpleNamespace(eventData=xid, device=f"gpu{gpu}")
+        return types.SimpleNamespace(eventData=xid, device=Handle(gpu))  # a new pointer, as pynvml's
 
 
 def started(nvml: FakeNvml) -> NvmlHealth:
@@ -111,8 +123,22 @@ def test_a_gpu_lost_while_waiting_for_events_keeps_the_faults_the_device_checks_
     nvml = FakeNvml(gpus=2)
     health = started(nvml)
     nvml.lost.add(1)
-    nvml.events_lost = True
+    nvml.event_error = nvml.NVMLError_GpuIsLost("GPU is lost")
     assert [(f.kind, f.gpu) for f in health.check()] == [(GpuFaultKind.FELL_OFF_BUS, 1)]
+
+
+def test_another_error_of_the_event_wait_is_raised_and_a_second_start_keeps_the_queued_events() -> None:
+    """The GPU task then starts again (rlaunch.agent.background), and its second start keeps the event
+    set NVML queued the XIDs in: a new one would lose them."""
+    nvml = FakeNvml(gpus=1)
+    health = started(nvml)
+    nvml.xids.append((0, 79))
+    nvml.event_error = nvml.NVMLError("Unknown Error")
+    with pytest.raises(nvml.NVMLError, match="Unknown Error"):
+        health.check()
+    nvml.event_error = None
+    assert health.start() is None and nvml.event_sets == 1
+    assert [(f.kind, f.gpu, f.detail) for f in health.check()] == [(GpuFaultKind.XID, 0, "79")]
 
 
 def test_healthy_gpus_report_nothing() -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from rlaunch.agent.lease import LeaseState, Renewal, first_pause, judge
+import asyncio
+import logging
+
+import pytest
+
+from rlaunch.agent.lease import LeaseKeeper, LeaseState, Renewal, first_pause, judge
 
 HELD, UNREACHABLE, LOST = LeaseState.HELD, LeaseState.UNREACHABLE, LeaseState.LOST
 SILENT = Renewal(error="etcd at 127.0.0.1:2379 is unreachable (request timeout 2.5 s).")
@@ -37,3 +42,20 @@ def test_the_first_renewal_comes_at_a_random_part_of_a_third_of_the_ttl_never_at
     drawn = [first_pause(30) for _ in range(400)]
     assert all(0 < p <= 10.0 for p in drawn)
     assert min(drawn) < 1.0 and max(drawn) > 9.0, "leases taken together renew anywhere in the period"
+
+
+def test_a_renewal_that_fails_by_an_unexpected_error_counts_as_no_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """Before, it ended the keeper's task: renewals stopped and the lease expired under a healthy node
+    (a finished keepalive stream raised InvalidStateError once). Now etcd's silence, which never fences."""
+
+    class Broken:
+        async def refresh_lease(self, lease_id: int) -> int:
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+    keeper = LeaseKeeper(Broken(), 0x1F, 5, "a", sleep=lambda _s: asyncio.sleep(0, True))  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, logger="rlaunch.agent.lease"):
+        renewal = asyncio.run(keeper.renew())
+    assert renewal == Renewal(error="InvalidStateError: RPC already finished.")
+    assert judge(HELD, renewal) is UNREACHABLE
+    (record,) = caplog.records
+    assert "renewing lease 1f failed by an unexpected error" in record.getMessage() and record.exc_info
