@@ -1,7 +1,7 @@
 """The floor of fault → every node acted when each agent has a machine of its own, measured in parts.
 
-Simulated nodes share one process (scripts/simnodes.py), so their figure is that process's CPU,
-not what a deployment sees. On machines of their own, every node receives the plan from etcd at
+Simulated nodes share a few processes (scripts/simnodes.py, scripts/simhosts.py), so their figure
+is those processes' CPU, not what a deployment sees. On machines of their own, every node receives the plan from etcd at
 once and handles it alone, so fault → every node acted is about
 
     fault → plan  +  etcd's fan-out of the plan to N watchers  +  one node's own handling of it.

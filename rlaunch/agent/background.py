@@ -9,9 +9,9 @@ at ERROR, reports it (the agent emits an ``agent_task_failed`` event: ``rlaunch 
 and ``rlaunch report`` marks it on the node), and starts it again after a pause:
 :data:`FIRST_PAUSE_S`, doubled at each failure that follows a short run, up to :data:`MAX_PAUSE_S`
 (the lease renewal's up to a third of the lease's TTL, the time between its renewals, so that the
-lease outlives the pause); a run that lasted :data:`MAX_PAUSE_S` or more starts the count again. The
-first failure, one whose error differs from the last, and the 2nd, 4th, 8th... of one error are said
-in full; the others in one log line.
+lease outlives the pause); a run that lasted :data:`MAX_PAUSE_S` or more starts the count again. Of
+the failures in a row by one error (its type and the place that raised it), the 1st, 2nd, 4th, 8th...
+are said in full; the others in one log line.
 
 The agent does not leave the job instead: every agent runs the same controller and watch code on
 the same records, so a bug there would take every new leader, or every node at once, out of a job
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 
 from rlaunch.waiting import wait_event
@@ -43,11 +44,20 @@ def next_pause(previous: float, ran_s: float, most: float = MAX_PAUSE_S) -> floa
     return min(2 * previous, most)
 
 
-def worth_saying(failures: int, error: str, last: str) -> bool:
-    """Whether a failure is said in full (traceback, event): the first, one whose error differs from the
-    last one's, and the 2nd, 4th, 8th... of a run of the same error. The others are one log line each:
-    a task that fails every 30 s on every node of a large job would otherwise write etcd all day."""
-    return error != last or failures & (failures - 1) == 0
+def worth_saying(same: int) -> bool:
+    """Whether the ``same``-th failure in a row of one error is said in full (traceback, event): the 1st,
+    2nd, 4th, 8th... The others are one log line each: a task that fails every 30 s on every node of a
+    large job would otherwise write etcd all day."""
+    return same & (same - 1) == 0
+
+
+def error_of(exc: BaseException) -> tuple[str, str]:
+    """How an error reads (its type and message), and what makes two failures the same error: its type
+    and the place that raised it (a message may carry values that change at every failure)."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return text, f"{type(exc).__name__} at {where}"
 
 
 async def keep_running(
@@ -63,7 +73,7 @@ async def keep_running(
     :func:`worth_saying`: its traceback at ERROR and ``failed(name, error, failures)``, where ``name`` is
     what the task does, such as "the lease renewal") and start it again after a pause of at most
     ``most`` seconds (see the module's docstring). A cancel ends it as any task's does."""
-    pause, failures, last = 0.0, 0, ""
+    pause, failures, same, last = 0.0, 0, 0, ""
     while not stop.is_set():
         began = clock()
         try:
@@ -74,9 +84,13 @@ async def keep_running(
                 log.warning("[%s] %s ended by an error as the agent stopped: %r", node_id, name, exc)
                 return
             failures += 1
-            pause = next_pause(pause, clock() - began, most)
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if worth_saying(failures, error, last):
+            ran_s = clock() - began
+            pause = next_pause(pause, ran_s, most)
+            error, key = error_of(exc)
+            # (a failure after a long run, or of another error, is the first of its run)
+            same = same + 1 if key == last and ran_s < MAX_PAUSE_S else 1
+            last = key
+            if worth_saying(same):
                 log.error("[%s] %s ended by an error (%s; %d failure(s) so far); it starts again in %.1f s",
                           node_id, name, error, failures, pause, exc_info=exc)  # fmt: skip
                 try:
@@ -86,5 +100,4 @@ async def keep_running(
             else:
                 log.error("[%s] %s ended by an error again (%s; %d failures so far); it starts again in %.1f s",
                           node_id, name, error, failures, pause)  # fmt: skip
-            last = error
         await wait_event(stop, pause)

@@ -127,6 +127,7 @@ class LeaseKeeper:
         self.state = LeaseState.HELD
         self._unreachable_since = 0.0
         self._said_at = 0.0
+        self._unexpected = ""  # the unexpected error of the renewals since the last answer, if any
 
     def unreachable_s(self) -> float:
         """How long etcd has not answered (0 while it does)."""
@@ -136,6 +137,7 @@ class LeaseKeeper:
         """One keepalive round. A keepalive's TTL of 0 is checked with a lease lookup before it counts."""
         try:
             remaining = await self._store.refresh_lease(self.lease_id)
+            self._unexpected = ""
             if remaining > 0:
                 return Renewal(remaining)
             # etcd answers a keepalive of an unknown lease with TTL 0; ask again, by another
@@ -146,11 +148,15 @@ class LeaseKeeper:
             return Renewal(error=str(exc))
         except Exception as exc:
             # A client state it did not expect (a finished keepalive stream raised InvalidStateError
-            # once): no answer from etcd, which never fences, said with its traceback. Raised on, it
-            # would end the renewals until the task started again, and forget the outage it measures.
-            log.error("[%s] renewing lease %x failed by an unexpected error; counted as no answer from etcd",
-                      self._node_id, self.lease_id, exc_info=exc)  # fmt: skip
-            return Renewal(error=f"{type(exc).__name__}: {exc}")
+            # once): no answer from etcd, which never fences, said with its traceback when it first
+            # comes (then the outage's own warnings say it). Raised on, it would end the renewals until
+            # the task started again, and forget the outage it measures.
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self._unexpected:
+                log.error("[%s] renewing lease %x failed by an unexpected error; counted as no answer from etcd",
+                          self._node_id, self.lease_id, exc_info=exc)  # fmt: skip
+            self._unexpected = error
+            return Renewal(error=error)
 
     async def run(self) -> str | None:
         """Keep the lease until it is lost (return why) or the ``sleep`` callable says stop."""

@@ -110,7 +110,12 @@ class NvmlHealth:
                 faults.append(GpuFault(GpuFaultKind.FELL_OFF_BUS, index))
             except nvml.NVMLError_NotSupported:
                 pass
-        faults.extend(self._xids())
+        try:
+            faults.extend(self._xids())
+        except nvml.NVMLError:
+            if not faults:
+                raise  # the GPU task starts again (rlaunch.agent.background); the set keeps the events queued
+            # the faults found are reported; an error that lasts comes back at the next check
         return faults
 
     def _xids(self) -> list[GpuFault]:
@@ -121,9 +126,12 @@ class NvmlHealth:
                 data = nvml.nvmlEventSetWait(self._events, 0)
             except (nvml.NVMLError_Timeout, nvml.NVMLError_GpuIsLost):
                 # No event waits, or a GPU fell off the bus (NVML answers GPU_IS_LOST to the wait): the
-                # device checks before this have reported it. (Any other error is raised: the task
-                # starts again, and the queued events stay in the set.)
+                # device checks before this have reported it.
                 break
+            except nvml.NVMLError:
+                if out:
+                    break  # the XIDs taken off the queue are reported; the error comes back at the next check
+                raise
             xid = int(data.eventData)
             if xid in CRITICAL_XIDS:
                 out.append(GpuFault(GpuFaultKind.XID, self._index(data.device), str(xid)))

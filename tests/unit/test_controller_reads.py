@@ -1,6 +1,7 @@
 """Which controller ticks read the node records whole from etcd rather than from the leader's feed:
-those no change woke (a deadline's: the watch may be open and silent) and the one after a failed
-tick; the others use the feed (rlaunch.controller.feed)."""
+the first of a run (which may follow a failed run: rlaunch.agent.background starts it again), those
+no change woke (a deadline's: the watch may be open and silent) and the one after a failed tick; the
+others use the feed (rlaunch.controller.feed)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,6 @@ def test_ticks_no_change_woke_and_ticks_after_a_failure_read_the_records_whole()
         return ctl.reads
 
     reads = asyncio.run(go())
-    # 1st: the first (the feed has nothing yet, so it reads whole anyway); 2nd: the deadline's, no change
-    # woke it; 3rd: woken by a change; 4th: woken by a change, but after a failed tick
-    assert reads == [False, True, False, True]
+    # 1st: the first of the run (after a failed run, the feed's records may be stale); 2nd: the deadline's,
+    # no change woke it; 3rd: woken by a change; 4th: woken by a change, but after a failed tick
+    assert reads == [True, True, False, True]

@@ -52,7 +52,8 @@ class FakeNvml(types.SimpleNamespace):
         self.xids: list[tuple[int, int]] = []  # (gpu, xid)
         self.gpus = gpus
         self.unlisted = False  # the GPUs cannot be listed
-        self.event_error: Exception | None = None  # what waiting for an event raises, if anything
+        self.event_error: Exception | None = None  # what waiting for an event raises, if anything,
+        self.good_waits = 0  # after this many waits that return an event
         self.event_sets = 0
 
     def nvmlInit(self) -> None:  # noqa: N802
@@ -89,10 +90,11 @@ class FakeNvml(types.SimpleNamespace):
         return self.pending[self._index(handle)]
 
     def nvmlEventSetWait(self, events: str, timeout_ms: int) -> Any:  # noqa: N802
-        if self.event_error is not None:
+        if self.event_error is not None and self.good_waits == 0:
             raise self.event_error
         if not self.xids:
             raise self.NVMLError_Timeout("timeout")
+        self.good_waits -= 1
         gpu, xid = self.xids.pop(0)
         return types.SimpleNamespace(eventData=xid, device=Handle(gpu))  # a new pointer, as pynvml's
 
@@ -125,6 +127,18 @@ def test_a_gpu_lost_while_waiting_for_events_keeps_the_faults_the_device_checks_
     nvml.lost.add(1)
     nvml.event_error = nvml.NVMLError_GpuIsLost("GPU is lost")
     assert [(f.kind, f.gpu) for f in health.check()] == [(GpuFaultKind.FELL_OFF_BUS, 1)]
+
+
+def test_another_error_of_the_event_wait_keeps_what_this_check_found_before_it() -> None:
+    """The XIDs already taken off NVML's queue, and the device checks' faults, are reported; the error
+    is raised only where nothing was found (next test)."""
+    nvml = FakeNvml(gpus=2)
+    health = started(nvml)
+    nvml.xids += [(1, 79), (1, 48)]
+    nvml.event_error, nvml.good_waits = nvml.NVMLError("Unknown Error"), 1
+    assert [(f.kind, f.gpu, f.detail) for f in health.check()] == [(GpuFaultKind.XID, 1, "79")]
+    nvml.ecc[0] = 3
+    assert [(f.kind, f.gpu) for f in health.check()] == [(GpuFaultKind.ECC_UNCORRECTABLE, 0)]
 
 
 def test_another_error_of_the_event_wait_is_raised_and_a_second_start_keeps_the_queued_events() -> None:
