@@ -297,14 +297,6 @@ def start_controller(endpoint: str, job_id: str, profile: str) -> subprocess.Pop
 # -- simulated nodes --------------------------------------------------------------------------
 
 
-async def until(pred: Any, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise RuntimeError(f"{what} did not happen within {timeout:.0f} s.")
-        await asyncio.sleep(0.01)
-
-
 async def simulated(
     endpoint: str,
     n: int,

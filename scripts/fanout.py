@@ -37,7 +37,7 @@ from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from rlaunch.store.records import Generation, GenerationStatus
 from scripts.ending import die_with_parent
-from scripts.simnodes import SimNode, pause_collector, resume_collector
+from scripts.simnodes import SimNode, pause_collector, resume_collector, until
 
 #: Bytes of the value each fan-out round writes: about a generation head's at 4,096 nodes (374).
 VALUE_BYTES = 400
@@ -47,6 +47,8 @@ RECORD_BYTES = 430
 EVENT_BYTES = 180
 #: How long a round may take before the measurement gives up on it.
 ROUND_TIMEOUT_S = 120.0
+#: How often a timed wait looks (what it times is a few ms to a few hundred ms long).
+TIMED_S = 0.001
 
 
 async def _watchers(endpoint: str, key: str, count: int, per_connection: int) -> None:
@@ -198,9 +200,11 @@ async def one_process(endpoint: str, n: int, repeats: int, per_connection: int =
         began, cpu = time.monotonic(), time.process_time()
         await main.put(keys.generation, f"{number}:".encode().ljust(VALUE_BYTES, b"x"))
         try:
-            await _until(lambda: len(received.get(number, ())) == n, timeout, f"round {number}'s receipt")
+            await until(lambda: len(received.get(number, ())) == n, timeout, f"round {number}'s receipt", every=TIMED_S)
             if writing:
-                await _until(lambda: len(written.get(number, ())) == n, timeout, f"round {number}'s writes")
+                await until(
+                    lambda: len(written.get(number, ())) == n, timeout, f"round {number}'s writes", every=TIMED_S
+                )
         except RuntimeError:
             return {"write_to_last_s": None, "cpu_s": None} | ({"write_to_last_written_s": None} if writing else {})
         finally:
@@ -235,14 +239,6 @@ async def one_process(endpoint: str, n: int, repeats: int, per_connection: int =
         await asyncio.gather(*(store.close() for store in (main, *stores)), return_exceptions=True)
 
 
-async def _until(pred: Any, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise RuntimeError(f"{what} did not happen within {timeout:.0f} s.")
-        await asyncio.sleep(0.001)
-
-
 async def one_node(endpoint: str, n: int, repeats: int) -> dict[str, Any]:
     """One simulated node alone, a survivor of ``repeats`` live replacements in a job of ``n`` nodes."""
     keys = JobKeys(f"bench-one-{uuid.uuid4().hex[:6]}")
@@ -261,11 +257,13 @@ async def one_node(endpoint: str, n: int, repeats: int) -> dict[str, Any]:
         await node.join()
         node.start()
         await generations.write(ctl, keys, gen, None, 0)
-        await _until(lambda: node.record is not None and node.record.generation == 1, 60, "the node's ack")
+        await until(
+            lambda: node.record is not None and node.record.generation == 1, 60, "the node's ack", every=TIMED_S
+        )
         revision, _ = await generations.read(ctl, keys)
         acked = dataclasses.replace(gen, all_acked=True)
         await generations.write(ctl, keys, acked, gen, revision)  # the restart barrier, passed
-        await _until(lambda: 1 in node.ran, 60, "the node running generation 1")
+        await until(lambda: 1 in node.ran, 60, "the node running generation 1", every=TIMED_S)
         spare = n - 1
         for r in range(repeats):
             prev = acked if r == 0 else gen
@@ -283,14 +281,14 @@ async def one_node(endpoint: str, n: int, repeats: int) -> dict[str, Any]:
             began = time.monotonic()
             await generations.write(ctl, keys, gen, prev, revision)
             try:
-                await _until(lambda g=gen.number: g in node.acted, 30, f"the node acting on {gen.number}")
+                await until(lambda g=gen.number: g in node.acted, 30, f"the node acting on {gen.number}", every=TIMED_S)
             except RuntimeError:
                 write_to_acted.append(None)
                 saw_to_acted.append(None)
                 continue
             write_to_acted.append(round(node.acted[gen.number] - began, 5))
             saw_to_acted.append(round(node.acted[gen.number] - node.seen[gen.number], 5))
-            await _until(lambda g=gen.number: g in node.ran, 30, f"the node running {gen.number}")
+            await until(lambda g=gen.number: g in node.ran, 30, f"the node running {gen.number}", every=TIMED_S)
         return {"nodes_in_map": n - 1, "write_to_acted_s": write_to_acted, "saw_to_acted_s": saw_to_acted}
     finally:
         await node.close()

@@ -46,10 +46,7 @@ from typing import Any
 from rlaunch.store.client import Store, parse_endpoints
 from rlaunch.store.keys import JobKeys
 from scripts.ending import die_with_parent
-from scripts.simnodes import GatedWrites, SimNode, pause_collector, ready_standby, resume_collector
-
-#: how often a host looks whether its nodes all did what a request waits for
-POLL_S = 0.01
+from scripts.simnodes import GatedWrites, SimNode, pause_collector, ready_standby, resume_collector, until
 
 
 class Host:
@@ -134,9 +131,9 @@ class _Nodes:
                     "standby": any(map(ready_standby, self.live.values()))}  # fmt: skip
         if op == "until":
             what, gen = req["what"], req["gen"]
-            done = await _until(lambda: all(gen in getattr(x, what) for x in self.live.values()), req["timeout"])
-            if not done:
-                return {"error": f"not every node {what} at generation {gen} within {req['timeout']} s"}
+            doing = {"acted": "acting on", "ran": "running"}[what]
+            await until(lambda: all(gen in getattr(x, what) for x in self.live.values()), req["timeout"],
+                        f"every node of this host {doing} {gen}")  # fmt: skip
             return {"latest": max((getattr(x, what)[gen] for x in self.live.values()), default=None)}
         if op == "fail":
             node = self.live.pop(req["id"])
@@ -165,8 +162,7 @@ class _Nodes:
             node = self._node(req["id"])
             await node.join()
             node.start()
-            if not await _until(lambda: ready_standby(node), 120):
-                return {"error": f"the fresh node {req['id']} was not a ready standby within 120 s"}
+            await until(lambda: ready_standby(node), 120, f"the fresh node {req['id']} as a ready standby")
             return {}
         return {"error": f"unknown request {op!r}"}
 
@@ -177,15 +173,6 @@ class _Nodes:
         for store in self.channels:
             store.timeout = 1.0  # closing a channel that had watches on it may not finish: do not wait long
         await asyncio.gather(*(store.close() for store in self.channels), return_exceptions=True)
-
-
-async def _until(pred: Any, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        await asyncio.sleep(POLL_S)
-    return True
 
 
 async def _serve(endpoint: str, job_id: str, count: int, per_connection: int, profile: str) -> None:

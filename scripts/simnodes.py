@@ -40,6 +40,7 @@ import gc
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rlaunch.agent import states as st
@@ -315,3 +316,12 @@ def ready_standby(node: SimNode) -> bool:
     """What the planner takes as a ready standby (rlaunch.controller.planner.is_ready), as etcd has it."""
     r = node.record
     return r is not None and r.state is NodeState.STANDBY and r.runtime and node.published.get(r.generation, 0) > 0
+
+
+async def until(pred: Callable[[], object], timeout: float, what: str, every: float = 0.01) -> None:
+    """Look at ``pred()`` every ``every`` seconds until it is true; RuntimeError after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise RuntimeError(f"{what} did not happen within {timeout:.0f} s.")
+        await asyncio.sleep(every)

@@ -110,17 +110,12 @@ class NvmlHealth:
                 faults.append(GpuFault(GpuFaultKind.FELL_OFF_BUS, index))
             except nvml.NVMLError_NotSupported:
                 pass
-        try:
-            faults.extend(self._xids())
-        except nvml.NVMLError:
-            if not faults:
-                raise  # the GPU task starts again (rlaunch.agent.background); the set keeps the events queued
-            # the faults found are reported; an error that lasts comes back at the next check
+        self._xids(faults)
         return faults
 
-    def _xids(self) -> list[GpuFault]:
+    def _xids(self, faults: list[GpuFault]) -> None:
+        """Add the critical XIDs NVML has queued to ``faults`` (this check's, the device checks' first)."""
         nvml = self._nvml
-        out: list[GpuFault] = []
         while self._events is not None:
             try:
                 data = nvml.nvmlEventSetWait(self._events, 0)
@@ -129,13 +124,12 @@ class NvmlHealth:
                 # device checks before this have reported it.
                 break
             except nvml.NVMLError:
-                if out:
-                    break  # the XIDs taken off the queue are reported; the error comes back at the next check
-                raise
+                if faults:
+                    break  # what this check found is reported; an error that lasts comes back at the next
+                raise  # the GPU task starts again (rlaunch.agent.background); the set keeps the events queued
             xid = int(data.eventData)
             if xid in CRITICAL_XIDS:
-                out.append(GpuFault(GpuFaultKind.XID, self._index(data.device), str(xid)))
-        return out
+                faults.append(GpuFault(GpuFaultKind.XID, self._index(data.device), str(xid)))
 
     def _index(self, device: Any) -> int:
         """The index of an event's GPU; -1 if NVML cannot say. (pynvml's handles are ctypes pointers,
