@@ -14,15 +14,22 @@ from rlaunch.detectors.gpu import CRITICAL_XIDS, FileHealth, GpuFaultKind, NvmlH
 
 
 class Handle:
-    """A device handle as pynvml's (a ctypes pointer): equal only to itself, so an event's device is
-    never equal to the handle listed for the same GPU."""
+    """A device handle as pynvml's: ``c_nvmlDevice_t = POINTER(struct_c_nvmlDevice_t)`` (nvidia-ml-py's
+    pynvml.py), and an event's ``c_nvmlEventData_t.device`` is a new such pointer. ctypes pointers are
+    equal only to themselves, so an event's device never equals the handle listed for the same GPU;
+    ``nvmlDeviceGetIndex(handle)`` says which GPU it is."""
 
     def __init__(self, index: int) -> None:
         self.index = index
 
 
 class FakeNvml(types.SimpleNamespace):
-    """The pynvml calls NvmlHealth makes, over a hand-built GPU state."""
+    """The pynvml calls NvmlHealth makes, over a hand-built GPU state.
+
+    ``nvmlEventSetWait`` answers as NVML's API reference says it returns: ``NVML_ERROR_TIMEOUT`` if no
+    event arrived in the time given, ``NVML_ERROR_GPU_IS_LOST`` if a GPU has fallen off the bus or is
+    otherwise inaccessible, ``NVML_ERROR_UNKNOWN`` on any unexpected error (pynvml raises each as its
+    ``NVMLError`` subclass); a lost GPU's device queries raise ``NVMLError_GpuIsLost`` likewise."""
 
     class NVMLError(Exception):
         pass
